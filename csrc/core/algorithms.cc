@@ -1,0 +1,173 @@
+#include "algorithms.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace pycomm {
+namespace {
+
+int mod(int a, int n) { return ((a % n) + n) % n; }
+
+size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+
+// Elements of slice j of a chunk of `len` elements, cut every `per` elements.
+struct Slice {
+  size_t begin;
+  size_t count;
+};
+Slice slice_of(size_t len, size_t per, size_t j) {
+  const size_t b = std::min(len, j * per);
+  return Slice{b, std::min(len, b + per) - b};
+}
+
+// Drives K items through a two-deep pipeline:
+//
+//   post(0)
+//   for k in 0..K-1:
+//     post(k+1)      (1) next transfer in flight ...
+//     wait(k)        (2)
+//     finish(k)      (3) ... while this one is reduced / consumed
+//
+// Step (1) happens before (3) only when item k+1 does not depend on item k
+// (`overlap`): the ring algorithms pass overlap = (slices per chunk >= 2),
+// since item k+1 then touches data finished by item k+1-slices <= k-1 and a
+// scratch slot last used by item k-1.
+template <class Post, class Finish>
+void pipeline(size_t K, bool overlap, Transport& tr, Post&& post, Finish&& finish) {
+  if (K == 0) return;
+  std::vector<Handle> h(K);
+  h[0] = post(0);
+  for (size_t k = 0; k < K; ++k) {
+    if (overlap && k + 1 < K) h[k + 1] = post(k + 1);
+    tr.wait(h[k]);
+    finish(k);
+    if (!overlap && k + 1 < K) h[k + 1] = post(k + 1);
+  }
+}
+
+size_t max_chunk(Chunks c) { return c.base + (c.rem ? 1 : 0); }
+
+}  // namespace
+
+void ring_reduce_scatter(const Context& ctx, void* data, Chunks chunks, DType dtype, ReduceOp op) {
+  Transport& tr = ctx.transport;
+  const int n = tr.world_size();
+  const int r = tr.rank();
+  const size_t es = dtype_size(dtype);
+  char* base = static_cast<char*>(data);
+  if (n > 1) {
+    const int next = mod(r + 1, n), prev = mod(r - 1, n);
+    const size_t per = std::max<size_t>(1, ctx.slice_bytes / es);  // elements per slice
+    const size_t slices = std::max<size_t>(1, ceil_div(max_chunk(chunks), per));
+    const size_t K = static_cast<size_t>(n - 1) * slices;
+    char* tmp[2] = {static_cast<char*>(ctx.scratch), static_cast<char*>(ctx.scratch) + per * es};
+
+    // Step s sends chunk r-s-1 (own data, or the partial sum received at step
+    // s-1) to next and receives chunk r-s-2 from prev, which it reduces into
+    // its copy. After n-1 steps the last chunk received is chunk r.
+    auto send_chunk = [&](size_t s) { return mod(r - static_cast<int>(s) - 1, n); };
+    auto recv_chunk = [&](size_t s) { return mod(r - static_cast<int>(s) - 2, n); };
+
+    auto post = [&](size_t k) {
+      const size_t s = k / slices, j = k % slices;
+      const int sc = send_chunk(s), rc = recv_chunk(s);
+      const Slice ss = slice_of(chunks.length(sc), per, j);
+      const Slice rs = slice_of(chunks.length(rc), per, j);
+      P2POp ops[2] = {
+          {P2POp::kSend, base + (chunks.offset(sc) + ss.begin) * es, ss.count * es, next},
+          {P2POp::kRecv, tmp[k % 2], rs.count * es, prev},
+      };
+      return tr.post(ops, 2);
+    };
+    auto finish = [&](size_t k) {
+      const size_t s = k / slices, j = k % slices;
+      const int rc = recv_chunk(s);
+      const Slice rs = slice_of(chunks.length(rc), per, j);
+      if (rs.count == 0) return;
+      char* dst = base + (chunks.offset(rc) + rs.begin) * es;
+      ctx.reducer.reduce(dst, dst, tmp[k % 2], rs.count, dtype, op);
+    };
+    pipeline(K, slices >= 2, tr, post, finish);
+  }
+  if (op == ReduceOp::kAvg && n > 1) {
+    ctx.reducer.scale(base + chunks.offset(r) * es, chunks.length(r), dtype, 1.0 / n);
+  }
+}
+
+void ring_all_gather(const Context& ctx, void* data, Chunks chunks, size_t es) {
+  Transport& tr = ctx.transport;
+  const int n = tr.world_size();
+  const int r = tr.rank();
+  if (n == 1) return;
+  const int next = mod(r + 1, n), prev = mod(r - 1, n);
+  char* base = static_cast<char*>(data);
+  const size_t per = std::max<size_t>(1, ctx.slice_bytes / es);
+  const size_t slices = std::max<size_t>(1, ceil_div(max_chunk(chunks), per));
+  const size_t K = static_cast<size_t>(n - 1) * slices;
+
+  // Step s forwards chunk r-s (own at s = 0, then the one received at s-1)
+  // and receives chunk r-s-1 in place.
+  auto post = [&](size_t k) {
+    const size_t s = k / slices, j = k % slices;
+    const int sc = mod(r - static_cast<int>(s), n), rc = mod(r - static_cast<int>(s) - 1, n);
+    const Slice ss = slice_of(chunks.length(sc), per, j);
+    const Slice rs = slice_of(chunks.length(rc), per, j);
+    P2POp ops[2] = {
+        {P2POp::kSend, base + (chunks.offset(sc) + ss.begin) * es, ss.count * es, next},
+        {P2POp::kRecv, base + (chunks.offset(rc) + rs.begin) * es, rs.count * es, prev},
+    };
+    return tr.post(ops, 2);
+  };
+  pipeline(K, slices >= 2, tr, post, [](size_t) {});
+}
+
+void ring_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op) {
+  const Chunks chunks = Chunks::even(count, ctx.transport.world_size());
+  ring_reduce_scatter(ctx, data, chunks, dtype, op);
+  ring_all_gather(ctx, data, chunks, dtype_size(dtype));
+}
+
+void chain_broadcast(const Context& ctx, void* data, size_t bytes, int root) {
+  Transport& tr = ctx.transport;
+  const int n = tr.world_size();
+  const int r = tr.rank();
+  if (n == 1 || bytes == 0) return;
+  const int pos = mod(r - root, n);  // position along the chain
+  const bool has_prev = pos > 0, has_next = pos < n - 1;
+  const int next = mod(r + 1, n), prev = mod(r - 1, n);
+  char* base = static_cast<char*>(data);
+  const size_t per = std::max<size_t>(1, ctx.slice_bytes);
+  const size_t slices = ceil_div(bytes, per);
+
+  // Item j receives slice j (if there is a previous rank) while forwarding
+  // slice j-1, received by item j-1 (if there is a next rank).
+  for (size_t j = 0; j <= slices; ++j) {
+    P2POp ops[2];
+    size_t nops = 0;
+    if (has_prev && j < slices) {
+      const Slice s = slice_of(bytes, per, j);
+      ops[nops++] = {P2POp::kRecv, base + s.begin, s.count, prev};
+    }
+    if (has_next && j >= 1) {
+      const Slice s = slice_of(bytes, per, j - 1);
+      ops[nops++] = {P2POp::kSend, base + s.begin, s.count, next};
+    }
+    if (nops) tr.exchange(ops, nops);
+  }
+}
+
+void dissemination_barrier(const Context& ctx) {
+  Transport& tr = ctx.transport;
+  const int n = tr.world_size();
+  const int r = tr.rank();
+  char* token = static_cast<char*>(ctx.scratch);
+  for (int k = 1; k < n; k <<= 1) {
+    P2POp ops[2] = {
+        {P2POp::kSend, token, 1, mod(r + k, n)},
+        {P2POp::kRecv, token + 1, 1, mod(r - k, n)},
+    };
+    tr.exchange(ops, 2);
+  }
+}
+
+}  // namespace pycomm

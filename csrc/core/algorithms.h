@@ -1,0 +1,59 @@
+// The collective algorithms, written once against Transport + Reducer.
+//
+// Every function here runs the same sequence of post / wait / reduce calls on
+// CPU (executed) and GPU (enqueued); see transport.h for the contract.
+#pragma once
+
+#include <cstddef>
+
+#include "reduce.h"
+#include "transport.h"
+
+namespace pycomm {
+
+// What an algorithm runs on.
+struct Context {
+  Transport& transport;
+  Reducer& reducer;
+  // Temporary space for received slices, in the same memory as the data
+  // (host or device). At least 2 * slice_bytes.
+  void* scratch;
+  size_t scratch_bytes;
+  // Transfer granularity: chunks are cut into slices of this many bytes so
+  // that the transfer of slice k+1 overlaps the reduction of slice k. Must be
+  // equal on every rank.
+  size_t slice_bytes;
+};
+
+// Split of `count` elements into world_size chunks: chunk c has base (+1 for
+// the first `rem` chunks) elements, laid out back to back.
+struct Chunks {
+  size_t base;
+  size_t rem;
+  size_t offset(int c) const { return c * base + (static_cast<size_t>(c) < rem ? c : rem); }
+  size_t length(int c) const { return base + (static_cast<size_t>(c) < rem ? 1 : 0); }
+  static Chunks even(size_t count, int n) { return Chunks{count / n, count % n}; }
+};
+
+// In-place ring reduce-scatter over `data`, laid out as `chunks`. Afterwards
+// chunk r (r = this rank) holds op over all ranks; for AVG it is also scaled
+// by 1/world_size. Other chunks hold partial results.
+void ring_reduce_scatter(const Context& ctx, void* data, Chunks chunks, DType dtype, ReduceOp op);
+
+// In-place ring all-gather: on entry chunk r of `data` is this rank's; on exit
+// every chunk holds its owner's.
+void ring_all_gather(const Context& ctx, void* data, Chunks chunks, size_t elem_size);
+
+// In-place ring all-reduce = reduce-scatter then all-gather. Every rank ends
+// with bitwise-identical results (each chunk is reduced by its owner only, in
+// a fixed order, and then copied).
+void ring_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op);
+
+// Pipelined chain broadcast of `bytes` bytes from `root`: root -> root+1 ->
+// ... in slices, each rank forwarding slice k while receiving slice k+1.
+void chain_broadcast(const Context& ctx, void* data, size_t bytes, int root);
+
+// Dissemination barrier: ceil(log2 n) rounds of 1-byte exchanges.
+void dissemination_barrier(const Context& ctx);
+
+}  // namespace pycomm

@@ -1,0 +1,45 @@
+// CPU reductions and the Reducer interface the algorithms call.
+#pragma once
+
+#include <cstddef>
+
+#include "types.h"
+
+namespace pycomm {
+
+// dst[i] = op(a[i], b[i]) for i < count. dst may alias a or b (not partially).
+// AVG combines as SUM; finish it with cpu_scale.
+void cpu_reduce(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op);
+
+// dst[i] *= factor (floating dtypes only).
+void cpu_scale(void* dst, size_t count, DType dtype, double factor);
+
+// The reduction half of an algorithm's execution context. On CPU the calls
+// execute at once on the calling thread; on GPU they enqueue kernels on the
+// reduction stream (ordered after whatever the transport's wait() made it wait
+// for) and return immediately.
+class Reducer {
+ public:
+  virtual ~Reducer() = default;
+  // dst = op(a, b), elementwise. dst may alias a or b.
+  virtual void reduce(void* dst, const void* a, const void* b, size_t count, DType dtype,
+                      ReduceOp op) = 0;
+  // dst *= factor
+  virtual void scale(void* dst, size_t count, DType dtype, double factor) = 0;
+  // memcpy on the reduction stream / thread
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+};
+
+class CpuReducer final : public Reducer {
+ public:
+  void reduce(void* dst, const void* a, const void* b, size_t count, DType dtype,
+              ReduceOp op) override {
+    cpu_reduce(dst, a, b, count, dtype, op);
+  }
+  void scale(void* dst, size_t count, DType dtype, double factor) override {
+    cpu_scale(dst, count, dtype, factor);
+  }
+  void copy(void* dst, const void* src, size_t bytes) override;
+};
+
+}  // namespace pycomm

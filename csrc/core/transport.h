@@ -1,0 +1,71 @@
+// The Transport interface: point-to-point byte movement between ranks.
+//
+// An algorithm posts a *group* of sends and receives that must be in flight
+// together (a ring step sends to `next` while receiving from `prev`; posting
+// them one after the other could deadlock) and later waits for the group.
+//
+//   CPU transports (gloo, shm): post() starts the transfers, wait() blocks the
+//     calling thread until they are done (or the timeout expires -> CommError).
+//   GPU transport (nccl): post() enqueues ncclSend/ncclRecv inside
+//     ncclGroupStart/End on the comm stream after every reduction enqueued so
+//     far, and wait() makes the reduction stream wait for the group's event.
+//
+// Either way the same algorithm code (algorithms.cc) is correct: it never
+// touches a buffer that a group writes before wait()ing for that group, and
+// never posts a send of data produced by a reduction before that reduction
+// has been issued.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "types.h"
+
+namespace pycomm {
+
+struct P2POp {
+  enum Kind : int { kSend = 0, kRecv = 1 };
+  Kind kind;
+  void* buf;  // const for sends
+  size_t bytes;
+  int peer;
+};
+
+// Identifies a posted group until it is waited for.
+using Handle = uint64_t;
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual std::string name() const = 0;
+
+  // Posts ops[0..n) as one group (all in flight together). Zero-byte ops are
+  // allowed and complete at once. Ordering: messages between one pair of ranks
+  // are matched in posting order.
+  virtual Handle post(const P2POp* ops, size_t n) = 0;
+
+  // Completes a posted group (see the header comment). Each handle is waited
+  // for exactly once. Throws CommError on timeout, a dead peer or abort.
+  virtual void wait(Handle h) = 0;
+
+  // Bounds every blocking wait from now on.
+  virtual void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // Makes pending and future waits fail fast (called after an error, or from
+  // another thread to unblock a hung collective). Idempotent.
+  virtual void abort() {}
+
+  // Convenience: post and wait.
+  void exchange(const P2POp* ops, size_t n) { wait(post(ops, n)); }
+
+ protected:
+  std::chrono::milliseconds timeout_{std::chrono::minutes(5)};
+};
+
+}  // namespace pycomm

@@ -1,0 +1,54 @@
+// Element types, reduction ops and the error type shared by every layer.
+// Plain C++17: no torch, no CUDA.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace pycomm {
+
+// The order of both enums is part of the binding's contract (pycomm/comm.py).
+enum class DType : int {
+  kFloat32 = 0,
+  kFloat64 = 1,
+  kFloat16 = 2,
+  kBFloat16 = 3,
+  kInt32 = 4,
+  kInt64 = 5,
+  kUInt8 = 6,
+  kInt8 = 7,
+};
+constexpr int kNumDTypes = 8;
+
+enum class ReduceOp : int {
+  kSum = 0,
+  kAvg = 1,  // computed as SUM, then a scale by 1/world_size (floating types only)
+  kMax = 2,
+  kMin = 3,
+  kProduct = 4,
+};
+constexpr int kNumReduceOps = 5;
+
+size_t dtype_size(DType t);
+const char* dtype_name(DType t);
+const char* op_name(ReduceOp op);
+bool is_floating(DType t);
+
+// Every failure of a collective (timeout, dead peer, transport error, misuse
+// detected in the core) is a CommError. The binding maps it to
+// pycomm.CommError, a RuntimeError.
+class CommError : public std::runtime_error {
+ public:
+  explicit CommError(const std::string& what) : std::runtime_error(what) {}
+};
+
+// Raised for a caller's mistake that only the core can see (e.g. fingerprint
+// mismatch across ranks in checked mode). Maps to ValueError.
+class UsageError : public std::invalid_argument {
+ public:
+  explicit UsageError(const std::string& what) : std::invalid_argument(what) {}
+};
+
+}  // namespace pycomm

@@ -1,0 +1,121 @@
+// The Python module pycomm._C: a short table, GIL released around every call
+// that can block. Argument checks live in comm.cpp; algorithms in csrc/core.
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/extension.h>
+
+#include "../core/elementwise.h"
+#include "../core/reduce.h"
+#include "comm.h"
+#include "pg_transport.h"
+
+namespace py = pybind11;
+using pycomm::Comm;
+using pycomm::Work;
+
+namespace {
+
+std::unique_ptr<Comm> make_gloo_comm(c10::intrusive_ptr<c10d::Backend> backend, int64_t timeout_ms,
+                                     int64_t slice_bytes) {
+  pycomm::CommOptions opt;
+  opt.timeout_ms = timeout_ms;
+  opt.slice_bytes = slice_bytes;
+  opt.device = "cpu";
+  return std::make_unique<Comm>(std::make_unique<pycomm::ProcessGroupTransport>(std::move(backend)),
+                                opt);
+}
+
+// The core CPU reduction on tensors: for tests of the shared arithmetic and
+// for benchmarks of reduction speed.
+void cpu_reduce_(at::Tensor dst, const at::Tensor& src, int op) {
+  TORCH_CHECK_VALUE(dst.device().is_cpu() && src.device().is_cpu(), "reduce_: CPU tensors only");
+  TORCH_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous(), "reduce_: contiguous tensors only");
+  TORCH_CHECK_VALUE(dst.numel() == src.numel(), "reduce_: dst and src differ in numel");
+  TORCH_CHECK_TYPE(dst.scalar_type() == src.scalar_type(), "reduce_: dst and src differ in dtype");
+  TORCH_CHECK_VALUE(op >= 0 && op < pycomm::kNumReduceOps, "reduce_: unknown op");
+  const auto dt = pycomm::to_dtype(dst.scalar_type(), "dst");
+  py::gil_scoped_release nogil;
+  pycomm::cpu_reduce(dst.data_ptr(), dst.data_ptr(), src.data_ptr(), dst.numel(), dt,
+                     static_cast<pycomm::ReduceOp>(op));
+}
+
+void cpu_scale_(at::Tensor dst, double factor) {
+  TORCH_CHECK_VALUE(dst.device().is_cpu() && dst.is_contiguous(), "scale_: contiguous CPU tensor only");
+  const auto dt = pycomm::to_dtype(dst.scalar_type(), "dst");
+  TORCH_CHECK_VALUE(pycomm::is_floating(dt), "scale_: floating dtype only");
+  py::gil_scoped_release nogil;
+  pycomm::cpu_scale(dst.data_ptr(), dst.numel(), dt, factor);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pycomm C++ core: ring collectives over pluggable transports";
+
+  static py::exception<pycomm::CommError> comm_error(m, "CommError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const pycomm::CommError& e) {
+      py::set_error(comm_error, e.what());
+    } catch (const pycomm::UsageError& e) {
+      py::set_error(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.attr("WITH_CUDA") = false;
+
+  py::class_<Work, c10::intrusive_ptr<Work>>(m, "Work")
+      .def("wait", &Work::wait, py::call_guard<py::gil_scoped_release>())
+      .def("is_completed", &Work::is_completed)
+      .def("is_success", &Work::is_success)
+      .def("get_future",
+           [](const Work& w) { return torch::jit::toPyObject(c10::IValue(w.future())); })
+      .def_property_readonly("op", &Work::op)
+      .def_property_readonly("seq", &Work::seq);
+
+  py::class_<Comm>(m, "Comm")
+      .def_property_readonly("rank", &Comm::rank)
+      .def_property_readonly("world_size", &Comm::world_size)
+      .def_property_readonly("transport", &Comm::transport_name)
+      .def_property_readonly("device", &Comm::device)
+      .def_property_readonly("slice_bytes", &Comm::slice_bytes)
+      .def_property_readonly("seq", &Comm::seq)
+      .def_property_readonly("closed", &Comm::closed)
+      .def_property_readonly("aborted", &Comm::aborted)
+      .def("all_reduce", &Comm::all_reduce, py::arg("tensor"), py::arg("op"), py::arg("algo"),
+           py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
+      .def("reduce_scatter", &Comm::reduce_scatter, py::arg("output"), py::arg("input"),
+           py::arg("op"), py::arg("algo"), py::arg("async_op"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("all_gather", &Comm::all_gather, py::arg("output"), py::arg("input"), py::arg("algo"),
+           py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
+      .def("broadcast", &Comm::broadcast, py::arg("tensor"), py::arg("src"), py::arg("algo"),
+           py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
+      .def("send", &Comm::send, py::arg("tensor"), py::arg("dst"), py::arg("async_op"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("recv", &Comm::recv, py::arg("tensor"), py::arg("src"), py::arg("async_op"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "batch_p2p",
+          [](Comm& c, const std::vector<std::tuple<bool, at::Tensor, int>>& reqs) {
+            std::vector<pycomm::TensorP2P> ops;
+            for (const auto& [is_send, t, peer] : reqs) ops.push_back({is_send, t, peer});
+            py::gil_scoped_release nogil;
+            return c.batch_p2p(ops);
+          },
+          py::arg("ops"))
+      .def("barrier", &Comm::barrier, py::call_guard<py::gil_scoped_release>())
+      .def("close", &Comm::close, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &Comm::abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>());
+
+  m.def("make_gloo_comm", &make_gloo_comm, py::arg("backend"), py::arg("timeout_ms"),
+        py::arg("slice_bytes"));
+  m.def("reduce_", &cpu_reduce_, py::arg("dst"), py::arg("src"), py::arg("op"));
+  m.def("scale_", &cpu_scale_, py::arg("dst"), py::arg("factor"));
+  m.def("half_to_float", [](uint16_t h) { return pycomm::half_to_float(h); });
+  m.def("float_to_half", [](float f) { return pycomm::float_to_half(f); });
+  m.def("bf16_to_float", [](uint16_t h) { return pycomm::bf16_to_float(h); });
+  m.def("float_to_bf16", [](float f) { return pycomm::float_to_bf16(f); });
+}

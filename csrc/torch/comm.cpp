@@ -1,0 +1,327 @@
+#include "comm.h"
+
+#include <pybind11/pybind11.h>
+
+#include <sstream>
+
+namespace py = pybind11;
+
+namespace pycomm {
+
+// ---------------------------------------------------------------- Work
+
+Work::Work(std::string op, uint64_t seq, std::vector<at::Tensor> outputs)
+    : op_(std::move(op)),
+      seq_(seq),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()))) {}
+
+void Work::wait() {
+  future_->wait();
+  if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+}
+
+void Work::complete() { future_->markCompleted(c10::IValue(outputs_)); }
+
+void Work::fail(std::exception_ptr e) { future_->setError(std::move(e)); }
+
+// ---------------------------------------------------------------- checks
+
+DType to_dtype(at::ScalarType t, const char* arg) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kDouble: return DType::kFloat64;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kInt: return DType::kInt32;
+    case at::kLong: return DType::kInt64;
+    case at::kByte: return DType::kUInt8;
+    case at::kChar: return DType::kInt8;
+    default: break;
+  }
+  std::ostringstream msg;
+  msg << arg << " has unsupported dtype " << c10::toString(t)
+      << "; pycomm supports float32, float64, float16, bfloat16, int32, int64, uint8, int8";
+  throw py::type_error(msg.str());
+}
+
+namespace {
+std::string join_msg(std::initializer_list<std::string> parts) {
+  std::string s;
+  for (const auto& p : parts) s += p;
+  return s;
+}
+}  // namespace
+
+void Comm::check_open(const char* op) const {
+  if (closed_) throw std::runtime_error(join_msg({op, ": the communicator is closed"}));
+  if (aborted_) {
+    throw CommError(join_msg({op, ": the communicator was aborted earlier (", abort_reason_,
+                              "); create a new one with pycomm.init()"}));
+  }
+}
+
+void Comm::check_tensor(const at::Tensor& t, const char* arg, const char* op) const {
+  if (!t.defined()) throw py::value_error(join_msg({op, ": ", arg, " is an undefined tensor"}));
+  if (t.is_sparse()) throw py::value_error(join_msg({op, ": ", arg, " must be a dense tensor"}));
+  to_dtype(t.scalar_type(), arg);
+  const std::string dev = t.device().str();
+  if (t.device().type() != c10::Device(options_.device).type()) {
+    throw py::value_error(join_msg({op, ": ", arg, " is on ", dev,
+                                    " but the communicator runs on ", options_.device}));
+  }
+  if (!t.is_contiguous()) {
+    throw py::value_error(join_msg(
+        {op, ": ", arg, " must be contiguous (pass t.contiguous() and copy the result back)"}));
+  }
+}
+
+void Comm::check_peer(int peer, const char* arg, const char* op, bool allow_self) const {
+  if (peer < 0 || peer >= size_) {
+    std::ostringstream msg;
+    msg << op << ": " << arg << "=" << peer << " is out of range for world_size " << size_;
+    throw py::value_error(msg.str());
+  }
+  if (!allow_self && peer == rank_) {
+    std::ostringstream msg;
+    msg << op << ": " << arg << "=" << peer << " is this rank; point-to-point needs another rank";
+    throw py::value_error(msg.str());
+  }
+}
+
+static ReduceOp to_op(int op, DType dtype, const char* opname) {
+  if (op < 0 || op >= kNumReduceOps) {
+    throw py::value_error(join_msg({opname, ": unknown reduce op ", std::to_string(op)}));
+  }
+  const ReduceOp r = static_cast<ReduceOp>(op);
+  if (r == ReduceOp::kAvg && !is_floating(dtype)) {
+    throw py::value_error(join_msg({opname, ": ReduceOp.AVG needs a floating dtype, got ",
+                                    dtype_name(dtype), " (use SUM and divide)"}));
+  }
+  return r;
+}
+
+std::string Comm::algo_for(const std::string& algo, const char* op) const {
+  if (algo == "auto" || algo == "ring") return "ring";
+  if (algo == "nccl") {
+    throw py::value_error(join_msg(
+        {op, ": algo='nccl' needs a CUDA communicator (transport='nccl'); this one runs on ",
+         options_.device, " over ", transport_name_}));
+  }
+  throw py::value_error(join_msg({op, ": unknown algo '", algo, "' (expected 'auto', 'ring' or 'nccl')"}));
+}
+
+// ---------------------------------------------------------------- Comm
+
+Comm::Comm(std::unique_ptr<Transport> transport, CommOptions options)
+    : transport_(std::move(transport)),
+      options_(std::move(options)),
+      rank_(transport_->rank()),
+      size_(transport_->world_size()),
+      transport_name_(transport_->name()) {
+  if (options_.slice_bytes < 64) throw py::value_error("slice_bytes must be at least 64");
+  if (options_.timeout_ms <= 0) throw py::value_error("timeout must be positive");
+  transport_->set_timeout(std::chrono::milliseconds(options_.timeout_ms));
+  scratch_.resize(2 * static_cast<size_t>(options_.slice_bytes) + 64);
+  worker_ = std::make_unique<Worker>();
+}
+
+Comm::~Comm() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+void Comm::close() {
+  if (closed_.exchange(true)) return;
+  worker_->drain();
+  worker_.reset();
+  transport_.reset();
+}
+
+void Comm::abort(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lk(abort_mu_);
+    if (aborted_) return;
+    abort_reason_ = why;
+    aborted_ = true;
+  }
+  if (transport_) transport_->abort();
+}
+
+c10::intrusive_ptr<Work> Comm::run(const char* op, std::vector<at::Tensor> outputs,
+                                   std::function<void(const Context&)> body, bool async_op) {
+  check_open(op);
+  const uint64_t seq = ++seq_;
+  auto work = c10::make_intrusive<Work>(op, seq, std::move(outputs));
+  std::function<void()> task = [this, work, body = std::move(body), op, seq]() {
+    if (aborted_) {
+      work->fail(std::make_exception_ptr(CommError(join_msg(
+          {op, " #", std::to_string(seq), ": communicator aborted earlier (", abort_reason_, ")"}))));
+      return;
+    }
+    try {
+      Context ctx{*transport_, reducer_, scratch_.data(), scratch_.size(),
+                  static_cast<size_t>(options_.slice_bytes)};
+      body(ctx);
+      work->complete();
+    } catch (const std::exception& e) {
+      std::ostringstream msg;
+      msg << op << " #" << seq << " on rank " << rank_ << " (" << transport_name_
+          << " transport, world_size " << size_ << ") failed: " << e.what();
+      abort(msg.str());
+      work->fail(std::make_exception_ptr(CommError(msg.str())));
+    }
+  };
+  if (async_op) {
+    worker_->submit(std::move(task));
+    return work;
+  }
+  if (!worker_->try_run_inline(task)) worker_->submit(std::move(task));
+  work->wait();
+  return {};
+}
+
+c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std::string& algo,
+                                          bool async_op) {
+  constexpr const char* kOp = "all_reduce";
+  check_open(kOp);
+  check_tensor(t, "tensor", kOp);
+  const DType dt = to_dtype(t.scalar_type(), "tensor");
+  const ReduceOp rop = to_op(op, dt, kOp);
+  algo_for(algo, kOp);
+  void* data = t.data_ptr();
+  const size_t count = t.numel();
+  return run(kOp, {t},
+             [=](const Context& ctx) { ring_all_reduce(ctx, data, count, dt, rop); }, async_op);
+}
+
+c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op,
+                                              const std::string& algo, bool async_op) {
+  constexpr const char* kOp = "reduce_scatter";
+  check_open(kOp);
+  check_tensor(out, "output", kOp);
+  check_tensor(in, "input", kOp);
+  if (out.scalar_type() != in.scalar_type()) {
+    throw py::type_error(join_msg({kOp, ": output dtype ", c10::toString(out.scalar_type()),
+                                   " differs from input dtype ", c10::toString(in.scalar_type())}));
+  }
+  if (in.numel() != out.numel() * size_) {
+    std::ostringstream msg;
+    msg << kOp << ": input must have world_size * output.numel() = " << size_ << " * "
+        << out.numel() << " elements, got " << in.numel();
+    throw py::value_error(msg.str());
+  }
+  const DType dt = to_dtype(in.scalar_type(), "input");
+  const ReduceOp rop = to_op(op, dt, kOp);
+  algo_for(algo, kOp);
+  // The ring reduces in place, so it works on a copy of the input.
+  at::Tensor work_buf = in.clone();
+  const size_t m = out.numel();
+  const int r = rank_;
+  return run(kOp, {out, work_buf},
+             [=](const Context& ctx) {
+               ring_reduce_scatter(ctx, work_buf.data_ptr(), Chunks{m, 0}, dt, rop);
+               const size_t es = dtype_size(dt);
+               ctx.reducer.copy(out.data_ptr(), static_cast<char*>(work_buf.data_ptr()) + r * m * es,
+                                m * es);
+             },
+             async_op);
+}
+
+c10::intrusive_ptr<Work> Comm::all_gather(const at::Tensor& out, const at::Tensor& in,
+                                          const std::string& algo, bool async_op) {
+  constexpr const char* kOp = "all_gather";
+  check_open(kOp);
+  check_tensor(out, "output", kOp);
+  check_tensor(in, "input", kOp);
+  if (out.scalar_type() != in.scalar_type()) {
+    throw py::type_error(join_msg({kOp, ": output dtype ", c10::toString(out.scalar_type()),
+                                   " differs from input dtype ", c10::toString(in.scalar_type())}));
+  }
+  if (out.numel() != in.numel() * size_) {
+    std::ostringstream msg;
+    msg << kOp << ": output must have world_size * input.numel() = " << size_ << " * "
+        << in.numel() << " elements, got " << out.numel();
+    throw py::value_error(msg.str());
+  }
+  algo_for(algo, kOp);
+  const size_t es = in.element_size();
+  const size_t m = in.numel();
+  const int r = rank_;
+  return run(kOp, {out, in},
+             [=](const Context& ctx) {
+               char* dst = static_cast<char*>(out.data_ptr()) + r * m * es;
+               ctx.reducer.copy(dst, in.data_ptr(), m * es);
+               ring_all_gather(ctx, out.data_ptr(), Chunks{m, 0}, es);
+             },
+             async_op);
+}
+
+c10::intrusive_ptr<Work> Comm::broadcast(const at::Tensor& t, int src, const std::string& algo,
+                                         bool async_op) {
+  constexpr const char* kOp = "broadcast";
+  check_open(kOp);
+  check_tensor(t, "tensor", kOp);
+  check_peer(src, "src", kOp, /*allow_self=*/true);
+  algo_for(algo, kOp);
+  void* data = t.data_ptr();
+  const size_t bytes = t.nbytes();
+  return run(kOp, {t}, [=](const Context& ctx) { chain_broadcast(ctx, data, bytes, src); },
+             async_op);
+}
+
+c10::intrusive_ptr<Work> Comm::send(const at::Tensor& t, int dst, bool async_op) {
+  constexpr const char* kOp = "send";
+  check_open(kOp);
+  check_tensor(t, "tensor", kOp);
+  check_peer(dst, "dst", kOp, /*allow_self=*/false);
+  void* data = t.data_ptr();
+  const size_t bytes = t.nbytes();
+  return run(kOp, {t},
+             [=](const Context& ctx) {
+               P2POp p{P2POp::kSend, data, bytes, dst};
+               ctx.transport.exchange(&p, 1);
+             },
+             async_op);
+}
+
+c10::intrusive_ptr<Work> Comm::recv(const at::Tensor& t, int src, bool async_op) {
+  constexpr const char* kOp = "recv";
+  check_open(kOp);
+  check_tensor(t, "tensor", kOp);
+  check_peer(src, "src", kOp, /*allow_self=*/false);
+  void* data = t.data_ptr();
+  const size_t bytes = t.nbytes();
+  return run(kOp, {t},
+             [=](const Context& ctx) {
+               P2POp p{P2POp::kRecv, data, bytes, src};
+               ctx.transport.exchange(&p, 1);
+             },
+             async_op);
+}
+
+c10::intrusive_ptr<Work> Comm::batch_p2p(const std::vector<TensorP2P>& reqs) {
+  constexpr const char* kOp = "batch_isend_irecv";
+  check_open(kOp);
+  std::vector<P2POp> ops;
+  std::vector<at::Tensor> tensors;
+  for (const auto& q : reqs) {
+    check_tensor(q.tensor, "tensor", kOp);
+    check_peer(q.peer, "peer", kOp, /*allow_self=*/false);
+    ops.push_back({q.send ? P2POp::kSend : P2POp::kRecv, q.tensor.data_ptr(),
+                   static_cast<size_t>(q.tensor.nbytes()), q.peer});
+    tensors.push_back(q.tensor);
+  }
+  return run(kOp, tensors,
+             [ops](const Context& ctx) { ctx.transport.exchange(ops.data(), ops.size()); },
+             /*async_op=*/true);
+}
+
+void Comm::barrier() {
+  run("barrier", {}, [](const Context& ctx) { dissemination_barrier(ctx); }, false);
+}
+
+}  // namespace pycomm

@@ -1,0 +1,119 @@
+// The C++ communicator behind pycomm.Communicator: validates tensors, turns a
+// call into a task over raw pointers, runs it on the worker (CPU) and hands
+// back a Work. No algorithm logic lives here (see csrc/core/algorithms.h).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../core/algorithms.h"
+#include "../core/transport.h"
+#include "../core/worker.h"
+
+namespace pycomm {
+
+// Handle of one operation: completion, error and a torch Future of its output
+// tensors (what DDP comm hooks return).
+class Work : public c10::intrusive_ptr_target {
+ public:
+  Work(std::string op, uint64_t seq, std::vector<at::Tensor> outputs);
+
+  // Blocks until done; rethrows the operation's error (CommError, ...).
+  void wait();
+  bool is_completed() const { return future_->completed(); }
+  bool is_success() const { return future_->completed() && !future_->hasError(); }
+  // Completed with the list of output tensors, or with the error.
+  c10::intrusive_ptr<c10::ivalue::Future> future() const { return future_; }
+  const std::string& op() const { return op_; }
+  uint64_t seq() const { return seq_; }
+
+  void complete();
+  void fail(std::exception_ptr e);
+
+ private:
+  std::string op_;
+  uint64_t seq_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+struct CommOptions {
+  int64_t timeout_ms = 300000;
+  int64_t slice_bytes = 512 * 1024;
+  std::string device = "cpu";
+};
+
+// One tensor-level p2p request of batch_isend_irecv.
+struct TensorP2P {
+  bool send;
+  at::Tensor tensor;
+  int peer;
+};
+
+class Comm {
+ public:
+  Comm(std::unique_ptr<Transport> transport, CommOptions options);
+  ~Comm();
+
+  int rank() const { return rank_; }
+  int world_size() const { return size_; }
+  std::string transport_name() const { return transport_name_; }
+  std::string device() const { return options_.device; }
+  int64_t slice_bytes() const { return options_.slice_bytes; }
+  uint64_t seq() const { return seq_; }
+  bool closed() const { return closed_; }
+  bool aborted() const { return aborted_; }
+
+  // Each returns nullptr when async_op is false (it has waited), else a Work.
+  c10::intrusive_ptr<Work> all_reduce(const at::Tensor& t, int op, const std::string& algo,
+                                      bool async_op);
+  c10::intrusive_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op,
+                                          const std::string& algo, bool async_op);
+  c10::intrusive_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in,
+                                      const std::string& algo, bool async_op);
+  c10::intrusive_ptr<Work> broadcast(const at::Tensor& t, int src, const std::string& algo,
+                                     bool async_op);
+  c10::intrusive_ptr<Work> send(const at::Tensor& t, int dst, bool async_op);
+  c10::intrusive_ptr<Work> recv(const at::Tensor& t, int src, bool async_op);
+  c10::intrusive_ptr<Work> batch_p2p(const std::vector<TensorP2P>& ops);
+  void barrier();
+
+  // Waits for queued work, then releases the transport. Idempotent.
+  void close();
+  // Fails pending and future operations at once.
+  void abort(const std::string& why);
+
+ private:
+  c10::intrusive_ptr<Work> run(const char* op, std::vector<at::Tensor> outputs,
+                               std::function<void(const Context&)> body, bool async_op);
+  void check_open(const char* op) const;
+  void check_tensor(const at::Tensor& t, const char* arg, const char* op) const;
+  void check_peer(int peer, const char* arg, const char* op, bool allow_self) const;
+  std::string algo_for(const std::string& algo, const char* op) const;
+
+  std::unique_ptr<Transport> transport_;
+  CpuReducer reducer_;
+  CommOptions options_;
+  int rank_;
+  int size_;
+  std::string transport_name_;
+  std::vector<char> scratch_;
+  std::atomic<uint64_t> seq_{0};
+  std::atomic<bool> closed_{false};
+  std::atomic<bool> aborted_{false};
+  std::mutex abort_mu_;
+  std::string abort_reason_;
+  std::unique_ptr<Worker> worker_;
+};
+
+// at::ScalarType -> DType; throws TypeError-mapped exception for the rest.
+DType to_dtype(at::ScalarType t, const char* arg);
+
+}  // namespace pycomm

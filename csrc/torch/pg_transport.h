@@ -1,0 +1,43 @@
+// The `gloo` transport: point-to-point through a torch.distributed backend
+// (ProcessGroupGloo on CPU tensors). It needs c10d, so it lives in the binding
+// layer; the algorithms see only the core Transport interface.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "../core/transport.h"
+
+namespace pycomm {
+
+class ProcessGroupTransport final : public Transport {
+ public:
+  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> backend);
+  ~ProcessGroupTransport() override;
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return size_; }
+  std::string name() const override { return "gloo"; }
+
+  Handle post(const P2POp* ops, size_t n) override;
+  void wait(Handle h) override;
+  void abort() override;
+
+ private:
+  struct Pending {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<int> peers;
+    std::vector<int> kinds;
+  };
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  int rank_;
+  int size_;
+  Handle next_ = 1;
+  std::unordered_map<Handle, Pending> pending_;
+  bool aborted_ = false;
+};
+
+}  // namespace pycomm

@@ -1,0 +1,113 @@
+"""pycomm: collective communication you can read, change and measure.
+
+Ring all-reduce, broadcast and point-to-point transfer implemented in C++
+(csrc/core) over pluggable transports (gloo, shared memory, NCCL), with a
+torch.distributed-style API::
+
+    import pycomm
+    comm = pycomm.init()                 # under torchrun
+    comm.all_reduce(t)                   # in place, SUM
+    work = comm.all_reduce(t, op="avg", async_op=True); work.wait()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .comm import (
+    CommError,
+    Communicator,
+    P2POp,
+    ReduceOp,
+    Work,
+    get_default,
+    init,
+    is_initialized,
+)
+
+__all__ = [
+    "CommError",
+    "Communicator",
+    "P2POp",
+    "ReduceOp",
+    "Work",
+    "all_gather",
+    "all_reduce",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "close",
+    "get_default",
+    "init",
+    "irecv",
+    "is_initialized",
+    "isend",
+    "recv",
+    "reduce_scatter",
+    "send",
+]
+
+__version__ = "0.1.0"
+
+
+# Module-level twins acting on the default communicator (the last init()).
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, algo: str = "auto",
+               async_op: bool = False) -> Work | None:
+    """:meth:`Communicator.all_reduce` on the default communicator."""
+    return get_default().all_reduce(tensor, op=op, algo=algo, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
+                   algo: str = "auto", async_op: bool = False) -> Work | None:
+    """:meth:`Communicator.reduce_scatter` on the default communicator."""
+    return get_default().reduce_scatter(output, input, op=op, algo=algo, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, algo: str = "auto",
+               async_op: bool = False) -> Work | None:
+    """:meth:`Communicator.all_gather` on the default communicator."""
+    return get_default().all_gather(output, input, algo=algo, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, algo: str = "auto",
+              async_op: bool = False) -> Work | None:
+    """:meth:`Communicator.broadcast` on the default communicator."""
+    return get_default().broadcast(tensor, src=src, algo=algo, async_op=async_op)
+
+
+def send(tensor: torch.Tensor, dst: int) -> None:
+    """:meth:`Communicator.send` on the default communicator."""
+    get_default().send(tensor, dst)
+
+
+def recv(tensor: torch.Tensor, src: int) -> None:
+    """:meth:`Communicator.recv` on the default communicator."""
+    get_default().recv(tensor, src)
+
+
+def isend(tensor: torch.Tensor, dst: int) -> Work:
+    """:meth:`Communicator.isend` on the default communicator."""
+    return get_default().isend(tensor, dst)
+
+
+def irecv(tensor: torch.Tensor, src: int) -> Work:
+    """:meth:`Communicator.irecv` on the default communicator."""
+    return get_default().irecv(tensor, src)
+
+
+def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:
+    """:meth:`Communicator.batch_isend_irecv` on the default communicator."""
+    return get_default().batch_isend_irecv(ops)
+
+
+def barrier() -> None:
+    """:meth:`Communicator.barrier` on the default communicator."""
+    get_default().barrier()
+
+
+def close() -> None:
+    """Closes the default communicator."""
+    if is_initialized():
+        get_default().close()

@@ -1,0 +1,403 @@
+"""The communicator: pycomm's torch.distributed-style API over the C++ core.
+
+Python here only orchestrates: it rendezvouses through a c10d Store, picks a
+transport, and forwards each call to pycomm._C.Comm, which validates tensors
+and runs the C++ algorithms (csrc/core).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from ._ext import _C
+
+__all__ = [
+    "CommError",
+    "Communicator",
+    "P2POp",
+    "ReduceOp",
+    "Work",
+    "init",
+    "get_default",
+    "is_initialized",
+]
+
+#: Raised on every rank when a collective fails (timeout, dead peer, transport
+#: error, mismatched calls in checked mode). A RuntimeError.
+CommError = _C.CommError
+
+#: Handle of an asynchronous operation: ``wait()``, ``is_completed()``,
+#: ``is_success()``, ``get_future()`` (a ``torch.futures.Future`` completed with
+#: the list of output tensors, what DDP communication hooks return).
+Work = _C.Work
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+DEFAULT_SLICE_BYTES = 512 * 1024
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction operators. Strings ("sum", "avg", "max", "min", "product")
+    and ``torch.distributed.ReduceOp`` values are accepted wherever an op is."""
+
+    SUM = 0
+    AVG = 1
+    MAX = 2
+    MIN = 3
+    PRODUCT = 4
+
+
+_OP_NAMES = {
+    "sum": ReduceOp.SUM,
+    "avg": ReduceOp.AVG,
+    "mean": ReduceOp.AVG,
+    "max": ReduceOp.MAX,
+    "min": ReduceOp.MIN,
+    "product": ReduceOp.PRODUCT,
+    "prod": ReduceOp.PRODUCT,
+}
+
+OpLike = Union[ReduceOp, str, int, "dist.ReduceOp"]
+
+
+def _to_op(op: Any) -> int:
+    if isinstance(op, ReduceOp):
+        return int(op)
+    if isinstance(op, str):
+        try:
+            return int(_OP_NAMES[op.lower()])
+        except KeyError:
+            raise ValueError(
+                f"unknown reduce op {op!r}; expected one of {sorted(_OP_NAMES)}"
+            ) from None
+    if isinstance(op, dist.ReduceOp) or type(op).__name__ == "RedOpType":
+        name = str(op).split(".")[-1].lower()
+        if name in _OP_NAMES:
+            return int(_OP_NAMES[name])
+        raise ValueError(f"torch.distributed reduce op {op} is not supported by pycomm")
+    if isinstance(op, int) and not isinstance(op, bool) and 0 <= op < len(ReduceOp):
+        return op
+    raise ValueError(f"unknown reduce op {op!r}; use pycomm.ReduceOp or a string like 'sum'")
+
+
+@dataclass
+class P2POp:
+    """One request of :meth:`Communicator.batch_isend_irecv`.
+
+    Args:
+        op: ``"isend"`` or ``"irecv"`` (or the functions/methods of that name,
+            as with ``torch.distributed.P2POp(dist.isend, t, peer)``).
+        tensor: the tensor to send from or receive into (contiguous).
+        peer: the other rank.
+    """
+
+    op: Union[str, Callable[..., Any]]
+    tensor: torch.Tensor
+    peer: int
+
+    def is_send(self) -> bool:
+        name = self.op if isinstance(self.op, str) else getattr(self.op, "__name__", "")
+        if name in ("isend", "send"):
+            return True
+        if name in ("irecv", "recv"):
+            return False
+        raise ValueError(f"P2POp.op must be 'isend' or 'irecv', got {self.op!r}")
+
+
+class Communicator:
+    """A group of ranks and the transport between them.
+
+    Create one with :func:`pycomm.init`. All ranks must call collectives in the
+    same order. Operations are in place, like ``torch.distributed``; with
+    ``async_op=True`` they return a :class:`Work` and run on a background
+    thread (CPU) in submission order. Usable as a context manager (closes).
+    """
+
+    def __init__(self, impl: Any, *, store: Any = None, keepalive: Sequence[Any] = ()) -> None:
+        self._impl = impl
+        self._store = store
+        self._keepalive = list(keepalive)
+
+    # -- properties ------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._impl.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._impl.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self._impl.device)
+
+    @property
+    def transport(self) -> str:
+        return self._impl.transport
+
+    @property
+    def closed(self) -> bool:
+        return self._impl.closed
+
+    def __repr__(self) -> str:
+        return (
+            f"Communicator(rank={self.rank}, world_size={self.world_size}, "
+            f"transport={self.transport!r}, device={str(self.device)!r})"
+        )
+
+    # -- collectives -----------------------------------------------------
+    def all_reduce(
+        self, tensor: torch.Tensor, op: OpLike = ReduceOp.SUM, algo: str = "auto",
+        async_op: bool = False,
+    ) -> Work | None:
+        """Reduces ``tensor`` across all ranks in place; every rank gets the
+        bitwise-identical result.
+
+        Args:
+            tensor: contiguous tensor on the communicator's device.
+            op: SUM, AVG (floating dtypes), MAX, MIN or PRODUCT.
+            algo: "ring", "nccl" (GPU native), or "auto".
+            async_op: return a :class:`Work` instead of waiting.
+
+        Raises:
+            TypeError: unsupported dtype. ValueError: wrong device,
+            non-contiguous tensor, unknown op/algo, AVG on integers.
+            CommError: the collective failed on this or a peer rank.
+        """
+        return self._impl.all_reduce(tensor, _to_op(op), algo, async_op)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: OpLike = ReduceOp.SUM,
+        algo: str = "auto", async_op: bool = False,
+    ) -> Work | None:
+        """``output`` (m elements) on rank r gets op over ranks of
+        ``input[r*m:(r+1)*m]``; ``input`` has world_size * m elements
+        (like ``torch.distributed.reduce_scatter_tensor``)."""
+        return self._impl.reduce_scatter(output, input, _to_op(op), algo, async_op)
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, algo: str = "auto",
+        async_op: bool = False,
+    ) -> Work | None:
+        """``output`` (world_size * m elements) gets every rank's ``input`` (m
+        elements) in rank order (like ``all_gather_into_tensor``)."""
+        return self._impl.all_gather(output, input, algo, async_op)
+
+    def broadcast(
+        self, tensor: torch.Tensor, src: int = 0, algo: str = "auto", async_op: bool = False
+    ) -> Work | None:
+        """Copies ``tensor`` of rank ``src`` into ``tensor`` on every rank
+        (pipelined chain from src)."""
+        return self._impl.broadcast(tensor, src, algo, async_op)
+
+    def barrier(self) -> None:
+        """Returns once every rank has entered the barrier."""
+        self._impl.barrier()
+
+    # -- point to point --------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Sends ``tensor`` to rank ``dst`` (blocks until it is delivered to
+        the transport)."""
+        self._impl.send(tensor, dst, False)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Receives into ``tensor`` from rank ``src``."""
+        self._impl.recv(tensor, src, False)
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        """Asynchronous :meth:`send`."""
+        return self._impl.send(tensor, dst, True)
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+        """Asynchronous :meth:`recv`."""
+        return self._impl.recv(tensor, src, True)
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
+        """Posts all ``ops`` together (so a send and a recv between the same
+        pair cannot deadlock) and returns one :class:`Work` per op (they share
+        one completion)."""
+        ops = list(ops)
+        if not ops:
+            return []
+        for o in ops:
+            if not isinstance(o, P2POp):
+                raise TypeError(f"batch_isend_irecv takes pycomm.P2POp items, got {type(o).__name__}")
+        work = self._impl.batch_p2p([(o.is_send(), o.tensor, o.peer) for o in ops])
+        return [work] * len(ops)
+
+    # -- lifetime ---------------------------------------------------------
+    def close(self) -> None:
+        """Waits for queued operations, then releases the transport. Later
+        calls raise. Idempotent."""
+        global _default
+        self._impl.close()
+        self._keepalive.clear()
+        with _lock:
+            if _default is self:
+                _default = None
+
+    def abort(self, reason: str = "aborted by the user") -> None:
+        """Fails pending and future operations of this communicator at once."""
+        self._impl.abort(reason)
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------ init
+
+_lock = threading.Lock()
+_default: Communicator | None = None
+_init_count = 0
+
+
+def _timeout_from(timeout: timedelta | float | None) -> timedelta:
+    if timeout is None:
+        env = os.environ.get("PYCOMM_TIMEOUT")
+        return timedelta(seconds=float(env)) if env else DEFAULT_TIMEOUT
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=float(timeout))
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    return timeout
+
+
+def _rendezvous(
+    rank: int | None, world_size: int | None, store: Any, group: Any, timeout: timedelta
+) -> tuple[Any, int, int, str]:
+    """Returns (store, rank, world_size, key prefix)."""
+    global _init_count
+    _init_count += 1
+    if group is not None:
+        if not dist.is_initialized():
+            raise ValueError("init(group=...) needs torch.distributed.init_process_group first")
+        r, n = dist.get_rank(group), dist.get_world_size(group)
+        if rank is not None and rank != r:
+            raise ValueError(f"rank={rank} disagrees with the group's rank {r}")
+        base = dist.distributed_c10d._get_default_store()
+        name = dist.distributed_c10d._get_process_group_name(group) if group != dist.group.WORLD else "world"
+        return base, r, n, f"pycomm/{name}/{_init_count}"
+    if store is not None:
+        if rank is None or world_size is None:
+            raise ValueError("init(store=...) also needs rank= and world_size=")
+        return store, rank, world_size, f"pycomm/{_init_count}"
+    if rank is None and world_size is None and dist.is_initialized():
+        return _rendezvous(None, None, None, dist.group.WORLD, timeout)
+    env_rank = rank if rank is not None else os.environ.get("RANK")
+    env_world = world_size if world_size is not None else os.environ.get("WORLD_SIZE")
+    if env_rank is None or env_world is None or "MASTER_ADDR" not in os.environ:
+        raise ValueError(
+            "pycomm.init() needs a rendezvous: run under torchrun (RANK, WORLD_SIZE, "
+            "MASTER_ADDR, MASTER_PORT), or pass rank=, world_size= and store=, or group="
+        )
+    st, r, n = next(dist.rendezvous("env://", int(env_rank), int(env_world), timeout=timeout))
+    return st, r, n, f"pycomm/{_init_count}"
+
+
+def _same_host(store: Any, prefix: str, rank: int, world_size: int) -> bool:
+    """True when every rank runs on this host (hostname + boot id match)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    me = f"{socket.gethostname()}|{boot}"
+    store.set(f"{prefix}/host/{rank}", me)
+    keys = [f"{prefix}/host/{r}" for r in range(world_size)]
+    store.wait(keys)
+    return all(store.get(k).decode() == me for k in keys)
+
+
+def _validate_world(rank: int, world_size: int) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} is out of range for world_size {world_size}")
+
+
+def init(
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: Any = None,
+    *,
+    group: Any = None,
+    transport: str = "auto",
+    device: str | torch.device | None = None,
+    timeout: timedelta | float | None = None,
+    slice_bytes: int | None = None,
+    set_default: bool = True,
+) -> Communicator:
+    """Creates a communicator (every rank calls it, in the same order).
+
+    Rendezvous, in order of precedence: ``group=`` (reuse an initialised
+    torch.distributed group and its store), ``store=`` with ``rank=`` and
+    ``world_size=``, an initialised default torch group, or the torchrun
+    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+
+    Args:
+        transport: "gloo" (torch's Gloo send/recv; CPU, crosses hosts), "shm"
+            (shared memory, one host), "nccl" (GPU), or "auto".
+        device: "cpu" or a CUDA device; default CUDA when the transport is nccl.
+        timeout: bounds every blocking wait (default 5 minutes, or
+            ``PYCOMM_TIMEOUT`` seconds).
+        slice_bytes: pipelining granularity of the ring algorithms (default
+            ``PYCOMM_SLICE_BYTES`` or 512 KiB; must match on all ranks).
+        set_default: make it the communicator of the module-level functions.
+
+    Example:
+        >>> comm = pycomm.init()                  # under torchrun
+        >>> t = torch.ones(4) * comm.rank
+        >>> comm.all_reduce(t)                    # t == sum of ranks everywhere
+    """
+    global _default
+    timeout = _timeout_from(timeout)
+    if slice_bytes is None:
+        slice_bytes = int(os.environ.get("PYCOMM_SLICE_BYTES", DEFAULT_SLICE_BYTES))
+    if transport not in ("auto", "gloo", "shm", "nccl"):
+        raise ValueError(f"unknown transport {transport!r}; expected 'auto', 'gloo', 'shm' or 'nccl'")
+    st, r, n, prefix = _rendezvous(rank, world_size, store, group, timeout)
+    _validate_world(r, n)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if transport == "nccl" or dev.type == "cuda":
+        raise ValueError(
+            "this pycomm build has no CUDA/NCCL support (pycomm._C.WITH_CUDA is False); "
+            "use device='cpu' with transport 'gloo' or 'shm'"
+        ) if not getattr(_C, "WITH_CUDA", False) else NotImplementedError("nccl transport")
+    if dev.type != "cpu":
+        raise ValueError(f"unsupported device {dev}; pycomm runs on 'cpu' or CUDA devices")
+    if transport == "auto":
+        transport = "gloo"
+    st = dist.PrefixStore(prefix, st)
+    timeout_ms = int(timeout.total_seconds() * 1000)
+    if transport == "gloo":
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, timeout)
+        impl = _C.make_gloo_comm(pg, timeout_ms, slice_bytes)
+        comm = Communicator(impl, store=st, keepalive=[pg])
+    else:
+        raise ValueError(f"transport {transport!r} is not available in this build")
+    if set_default:
+        with _lock:
+            _default = comm
+    return comm
+
+
+def get_default() -> Communicator:
+    """The communicator the module-level functions use (the last ``init``)."""
+    if _default is None:
+        raise RuntimeError("pycomm.init() has not been called (or the communicator was closed)")
+    return _default
+
+
+def is_initialized() -> bool:
+    return _default is not None

@@ -1,0 +1,97 @@
+"""Builds pycomm._C, the C++ (and, with a CUDA torch, CUDA/NCCL) core.
+
+    pip install --no-build-isolation .          # uses the torch already installed
+
+Environment:
+  CUDA_HOME             CUDA toolkit (found by torch.utils.cpp_extension when unset)
+  TORCH_CUDA_ARCH_LIST  GPU architectures to build for (default: "9.0" for H100)
+  MAX_JOBS              parallel compile jobs (ninja); defaults to the CPU count
+  PYCOMM_FORCE_CPU=1    build the CPU-only extension even with a CUDA torch
+  NCCL_HOME             NCCL install with include/ and lib/ (default: nvidia-nccl-cu13 wheel)
+
+Build isolation must be off: the extension links against the installed torch,
+and an isolated build would download a different (CUDA) torch.
+"""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+
+try:
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+except ImportError:
+    sys.exit(
+        "pycomm: PyTorch must be installed before building pycomm "
+        "(pip install torch==2.13.0), and the build must see it: "
+        "pip install --no-build-isolation ."
+    )
+
+# pycomm/_build_info.py holds the source lists; load it without importing pycomm.
+_spec = importlib.util.spec_from_file_location("_pycomm_build_info", ROOT / "pycomm" / "_build_info.py")
+info = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(info)
+
+os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+
+
+def _rel(paths):
+    return [os.path.relpath(p, ROOT) for p in paths]
+
+
+def _extension():
+    want_cuda = torch.version.cuda is not None and not os.environ.get("PYCOMM_FORCE_CPU")
+    if want_cuda and CUDA_HOME is None:
+        print("pycomm: torch has CUDA but CUDA_HOME was not found; building the CPU extension",
+              file=sys.stderr)
+        want_cuda = False
+    nccl = info.nccl_home() if want_cuda else None
+    if want_cuda and nccl is None:
+        print("pycomm: NCCL not found (pip install nvidia-nccl-cu13 or set NCCL_HOME); "
+              "building the CPU extension", file=sys.stderr)
+        want_cuda = False
+    if not want_cuda or not info.cuda_sources():
+        print("pycomm: building the CPU extension (CppExtension)", file=sys.stderr)
+        return CppExtension(
+            "pycomm._C",
+            _rel(info.core_sources() + info.torch_sources()),
+            extra_compile_args={"cxx": info.CXX_FLAGS},
+        )
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    print(f"pycomm: building the CUDA extension (CUDA_HOME={CUDA_HOME}, NCCL={nccl}, "
+          f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']})", file=sys.stderr)
+    lib = nccl / "lib"
+    return CUDAExtension(
+        "pycomm._C",
+        _rel(info.core_sources() + info.torch_sources() + info.cuda_sources()),
+        include_dirs=[str(nccl / "include")],
+        library_dirs=[str(lib)],
+        extra_link_args=[f"-l:{_nccl_lib(lib)}", f"-Wl,-rpath,{lib}"],
+        define_macros=[("PYCOMM_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": info.CXX_FLAGS, "nvcc": info.NVCC_FLAGS},
+    )
+
+
+def _nccl_lib(lib: Path) -> str:
+    for name in ("libnccl.so", "libnccl.so.2"):
+        if (lib / name).exists():
+            return name
+    raise SystemExit(f"pycomm: no libnccl.so in {lib}")
+
+
+setup(
+    name="pycomm",
+    version="0.1.0",
+    description="Ring all-reduce, broadcast and p2p over NCCL/gloo/shm as a PyTorch extension",
+    packages=["pycomm", "pycomm.bench"],
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4"],
+    entry_points={"console_scripts": ["pycomm-bench=pycomm.bench.__main__:main"]},
+)
