@@ -7,6 +7,8 @@
 #include <ATen/core/ivalue.h>
 
 #include <atomic>
+#include <chrono>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -93,6 +95,13 @@ class Comm {
  private:
   c10::intrusive_ptr<Work> run(const char* op, std::vector<at::Tensor> outputs,
                                std::function<void(const Context&)> body, bool async_op);
+  // User p2p: sync -> post and wait like run(); async -> the task only posts
+  // (channel kUser) and the worker's idle poll completes the Work, so a
+  // pending isend never blocks a later irecv or collective.
+  c10::intrusive_ptr<Work> run_p2p(const char* op, std::vector<at::Tensor> tensors,
+                                   std::vector<P2POp> ops, bool async_op);
+  bool poll_deferred();  // on the executing thread; true while any is pending
+  void fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e);
   void check_open(const char* op) const;
   void check_tensor(const at::Tensor& t, const char* arg, const char* op) const;
   void check_peer(int peer, const char* arg, const char* op, bool allow_self) const;
@@ -110,6 +119,12 @@ class Comm {
   std::atomic<bool> aborted_{false};
   std::mutex abort_mu_;
   std::string abort_reason_;
+  struct Deferred {
+    c10::intrusive_ptr<Work> work;
+    Handle handle;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  std::deque<Deferred> deferred_;  // touched only by the executing thread
   std::unique_ptr<Worker> worker_;
 };
 
