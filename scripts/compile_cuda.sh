@@ -33,8 +33,11 @@ rm -f "$OUT"/obj/*.o "$OUT"/libpycomm_cuda.so
 echo "compile_cuda: $("$NVCC" --version | tail -1)"
 echo "compile_cuda: NCCL $NCCL_HOME ($(grep -m1 '#define NCCL_VERSION_CODE' "$NCCL_HOME/include/nccl.h" | awk '{print $3}')), sm_$ARCH"
 
-# Same flags as the CUDAExtension build (pycomm/_build_info.py NVCC_FLAGS).
+# Same flags as the CUDAExtension build: pycomm/_build_info.py NVCC_FLAGS plus
+# torch.utils.cpp_extension's COMMON_NVCC_FLAGS (no implicit half conversions).
 FLAGS=(-arch="sm_$ARCH" -std=c++17 -O3 -fmad=false --expt-relaxed-constexpr
+       -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
+       -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
        -Xcompiler -fPIC -Xcompiler -Wall -Xcompiler -Wno-unused-function
        -Werror all-warnings -I"$NCCL_HOME/include")
 
