@@ -46,13 +46,11 @@ DType to_dtype(at::ScalarType t, const char* arg) {
   throw py::type_error(msg.str());
 }
 
-namespace {
 std::string join_msg(std::initializer_list<std::string> parts) {
   std::string s;
   for (const auto& p : parts) s += p;
   return s;
 }
-}  // namespace
 
 void Comm::check_open(const char* op) const {
   if (closed_) throw std::runtime_error(join_msg({op, ": the communicator is closed"}));
@@ -63,13 +61,17 @@ void Comm::check_open(const char* op) const {
 }
 
 void Comm::check_tensor(const at::Tensor& t, const char* arg, const char* op) const {
+  pycomm::check_tensor(t, arg, op, options_.device);
+}
+
+void check_tensor(const at::Tensor& t, const char* arg, const char* op, const std::string& device) {
   if (!t.defined()) throw py::value_error(join_msg({op, ": ", arg, " is an undefined tensor"}));
   if (t.is_sparse()) throw py::value_error(join_msg({op, ": ", arg, " must be a dense tensor"}));
   to_dtype(t.scalar_type(), arg);
   const std::string dev = t.device().str();
-  if (t.device().type() != c10::Device(options_.device).type()) {
+  if (t.device().type() != c10::Device(device).type()) {
     throw py::value_error(join_msg({op, ": ", arg, " is on ", dev,
-                                    " but the communicator runs on ", options_.device}));
+                                    " but the communicator runs on ", device}));
   }
   if (!t.is_contiguous()) {
     throw py::value_error(join_msg(
@@ -78,19 +80,23 @@ void Comm::check_tensor(const at::Tensor& t, const char* arg, const char* op) co
 }
 
 void Comm::check_peer(int peer, const char* arg, const char* op, bool allow_self) const {
-  if (peer < 0 || peer >= size_) {
+  pycomm::check_peer(peer, arg, op, rank_, size_, allow_self);
+}
+
+void check_peer(int peer, const char* arg, const char* op, int rank, int size, bool allow_self) {
+  if (peer < 0 || peer >= size) {
     std::ostringstream msg;
-    msg << op << ": " << arg << "=" << peer << " is out of range for world_size " << size_;
+    msg << op << ": " << arg << "=" << peer << " is out of range for world_size " << size;
     throw py::value_error(msg.str());
   }
-  if (!allow_self && peer == rank_) {
+  if (!allow_self && peer == rank) {
     std::ostringstream msg;
     msg << op << ": " << arg << "=" << peer << " is this rank; point-to-point needs another rank";
     throw py::value_error(msg.str());
   }
 }
 
-static ReduceOp to_op(int op, DType dtype, const char* opname) {
+ReduceOp to_op(int op, DType dtype, const char* opname) {
   if (op < 0 || op >= kNumReduceOps) {
     throw py::value_error(join_msg({opname, ": unknown reduce op ", std::to_string(op)}));
   }

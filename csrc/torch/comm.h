@@ -28,7 +28,8 @@ class Work : public c10::intrusive_ptr_target {
   Work(std::string op, uint64_t seq, std::vector<at::Tensor> outputs);
 
   // Blocks until done; rethrows the operation's error (CommError, ...).
-  void wait();
+  // CudaWork (cuda_comm.cpp) overrides it with stream semantics.
+  virtual void wait();
   bool is_completed() const { return future_->completed(); }
   bool is_success() const { return future_->completed() && !future_->hasError(); }
   // Completed with the list of output tensors, or with the error.
@@ -130,5 +131,12 @@ class Comm {
 
 // at::ScalarType -> DType; throws TypeError-mapped exception for the rest.
 DType to_dtype(at::ScalarType t, const char* arg);
+
+// Argument checks shared by Comm and CudaComm (cuda_comm.cpp); they throw the
+// pybind11 exceptions that become TypeError / ValueError.
+std::string join_msg(std::initializer_list<std::string> parts);
+void check_tensor(const at::Tensor& t, const char* arg, const char* op, const std::string& device);
+void check_peer(int peer, const char* arg, const char* op, int rank, int size, bool allow_self);
+ReduceOp to_op(int op, DType dtype, const char* opname);
 
 }  // namespace pycomm
