@@ -265,9 +265,11 @@ def make_runner(collective: str, algo: str, bufs: Buffers, *, comm: Any, rank: i
         if collective == "allreduce":
             return lambda: dist.all_reduce(t["tensor"], op=top)
         if collective == "reducescatter":
-            return lambda: dist.reduce_scatter_tensor(t["output"], t["input"], op=top)
+            rs = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+            return lambda: rs(t["output"], t["input"], op=top)
         if collective == "allgather":
-            return lambda: dist.all_gather_into_tensor(t["output"], t["input"])
+            ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+            return lambda: ag(t["output"], t["input"])
         if collective == "broadcast":
             return lambda: dist.broadcast(t["tensor"], src=root)
         if collective == "sendrecv":
