@@ -115,43 +115,60 @@ def load_json(path: str) -> dict[str, Any]:
 # ------------------------------------------------------------------ plot
 
 def plot_results(data: dict[str, Any], path: str) -> None:
-    """busbw vs message size (log x), one line per algo (and placement), and
-    the measured memcpy bandwidth as a dashed reference line."""
+    """Left: busbw vs message size (log x), one line per algo (and
+    placement), with the measured memcpy bandwidth as a dotted reference
+    line; the y axis turns logarithmic when the values span more than 100x.
+    Right: time vs size (log-log), where latency floors show."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     meta, rows = data.get("meta", {}), data["rows"]
-    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
-    series: dict[tuple[str, bool], list[tuple[int, float]]] = {}
+    fig, (ax, axt) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=110,
+                                  gridspec_kw={"width_ratios": [3, 2]})
+    series: dict[tuple[str, bool], list[dict[str, Any]]] = {}
     for r in rows:
-        series.setdefault((r["algo"], r["in_place"]), []).append((r["size"], r["busbw"]))
+        series.setdefault((r["algo"], r["in_place"]), []).append(r)
     placements = {ip for _, ip in series}
     for (algo, ip), pts in sorted(series.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
-        pts.sort()
-        label = algo if len(placements) == 1 else f"{algo} ({_placement(ip)})"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4,
-                linestyle="-" if ip else "--", label=label)
+        pts.sort(key=lambda r: r["size"])
+        tr = pts[0]["transport"]
+        label = f"torch.distributed ({tr})" if algo == "torch" else f"pycomm {algo} ({tr})"
+        if len(placements) > 1:
+            label += f", {_placement(ip)}"
+        style = {"marker": "o", "markersize": 4, "linestyle": "-" if ip else "--"}
+        line, = ax.plot([r["size"] for r in pts], [r["busbw"] for r in pts], label=label, **style)
+        axt.plot([r["size"] for r in pts], [r["time_us"] for r in pts], color=line.get_color(),
+                 label=label, **style)
     memcpy = meta.get("memcpy_GBps")
     if memcpy:
         ax.axhline(memcpy, color="gray", linestyle=":", linewidth=1.5,
-                   label=f"memcpy {memcpy:.1f} GB/s (measured)")
+                   label=f"memcpy {memcpy:.2f} GB/s (measured, 1 rank)")
     sizes = sorted({r["size"] for r in rows})
-    ax.set_xscale("log", base=2)
-    if sizes:
-        ax.set_xticks(sizes)
-        ax.set_xticklabels([format_size(s) for s in sizes], rotation=45 if len(sizes) > 10 else 0)
-        ax.minorticks_off()
-    ax.set_xlabel("message size (bytes)")
+    positive = [r["busbw"] for r in rows if r["busbw"] > 0] + ([memcpy] if memcpy else [])
+    if positive and max(positive) / min(positive) > 100:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
+    for a in (ax, axt):
+        a.set_xscale("log", base=2)
+        if sizes:
+            a.set_xticks(sizes)
+            a.set_xticklabels([format_size(s) for s in sizes], rotation=45 if len(sizes) > 8 else 0)
+        a.minorticks_off() if a is ax else None
+        a.set_xlabel("message size (bytes)")
+        a.grid(True, which="both", alpha=0.3)
+    axt.set_yscale("log")
+    axt.set_ylabel("time (us), max over ranks of median")
+    axt.set_title("time per call")
     ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_ylim(bottom=0)
     coll = meta.get("collective", rows[0]["collective"] if rows else "")
     n = meta.get("world_size", rows[0]["world_size"] if rows else "?")
-    ax.set_title(f"pycomm.bench {coll}: {n} ranks, {meta.get('device', '')} "
-                 f"({meta.get('dtype', '')}, {meta.get('host', '')})")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", fontsize=9)
+    ax.set_title(f"{coll} busbw: {n} ranks, {meta.get('device', '')}, {meta.get('dtype', '')}")
+    ax.legend(loc="best", fontsize=8)
+    fig.suptitle(f"pycomm.bench on {meta.get('host', '?')} ({meta.get('cpu_count', '?')} cpus, "
+                 f"torch {meta.get('torch', '?')})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -229,6 +229,7 @@ def run_benchmark(args: Any) -> int:
             "memcpy_GBps": memcpy, "memcpy_bytes": memcpy_bytes,
             "host": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "timing": "max over ranks of per-rank median; CPU perf_counter, GPU CUDA events",
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
