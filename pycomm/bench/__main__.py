@@ -1,0 +1,31 @@
+"""``python -m pycomm.bench`` (and the ``pycomm-bench`` console script).
+
+    python -m pycomm.bench allreduce --nproc 2 -b 1K -e 64M -f 4 --json r.json --plot r.png
+    torchrun --nproc-per-node 2 -m pycomm.bench allreduce -b 1K -e 64M -f 4
+    python -m pycomm.bench model r.json
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code (0 ok, 1 failure or wrong results,
+    2 usage error, 124 timeout)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "model":
+        from .model import main as model_main
+
+        return model_main(argv[1:])
+    from .cli import parse_args
+    from .launch import launch
+
+    return launch(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Command line of ``python -m pycomm.bench``: nccl-tests' flags and meanings.
+
+Pure parsing: nothing here touches torch.distributed, so the tests can check
+every flag without starting a rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Sequence
+
+__all__ = [
+    "ALGOS",
+    "COLLECTIVES",
+    "DTYPES",
+    "OPS",
+    "build_parser",
+    "format_size",
+    "parse_args",
+    "parse_size",
+    "size_sweep",
+]
+
+#: Sub-commands that measure a collective (``model`` is handled by __main__).
+COLLECTIVES = ("allreduce", "reducescatter", "allgather", "broadcast", "sendrecv")
+
+#: ``--algo`` values: pycomm's own algorithms plus ``torch``, the same
+#: collective through torch.distributed's backend (gloo on CPU, NCCL on GPU).
+ALGOS = ("ring", "auto", "nccl", "torch")
+
+#: ``-d`` names (nccl-tests spellings and torch spellings) -> torch dtype name.
+DTYPES = {
+    "float": "float32", "float32": "float32", "fp32": "float32",
+    "double": "float64", "float64": "float64", "fp64": "float64",
+    "half": "float16", "float16": "float16", "fp16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16", "bfp16": "bfloat16",
+    "int32": "int32", "int": "int32",
+    "int64": "int64",
+    "int8": "int8",
+    "uint8": "uint8",
+}
+
+#: ``-o`` names -> canonical op name (pycomm accepts these strings).
+OPS = {"sum": "sum", "prod": "prod", "product": "prod", "max": "max", "min": "min",
+       "avg": "avg", "mean": "avg"}
+
+_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"1K"``, ``"64M"``, ``"2G"``, ``"4096"`` (binary suffixes,
+    like nccl-tests: 1K = 1024). ``KB``/``KiB`` are accepted too.
+
+    Raises:
+        ValueError: not a size, or negative.
+    """
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must be >= 0, got {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"bad size {text!r}; use bytes with an optional K, M or G suffix, e.g. 1K, 64M")
+    value = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if value != int(value):
+        raise ValueError(f"size {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def format_size(nbytes: int) -> str:
+    """Short binary form for labels: 1024 -> "1K", 67108864 -> "64M"."""
+    for suffix, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= mult and nbytes % mult == 0:
+            return f"{nbytes // mult}{suffix}"
+    return f"{nbytes}B" if nbytes < 1024 else f"{nbytes / 1024:.1f}K"
+
+
+def size_sweep(min_bytes: int, max_bytes: int, factor: float = 0, step_bytes: int = 0) -> list[int]:
+    """The sizes nccl-tests visits: from ``min_bytes`` up to ``max_bytes``
+    (inclusive), multiplying by ``factor`` when it is > 1, else adding
+    ``step_bytes``. ``min == max`` gives one size.
+
+    Raises:
+        ValueError: min > max, or neither a factor > 1 nor a positive step
+            while min < max.
+    """
+    if min_bytes < 0 or max_bytes < 0:
+        raise ValueError("sizes must be >= 0")
+    if min_bytes > max_bytes:
+        raise ValueError(f"-b {min_bytes} is larger than -e {max_bytes}")
+    if min_bytes == max_bytes:
+        return [min_bytes]
+    if factor and factor > 1:
+        if min_bytes == 0:
+            raise ValueError("-b 0 cannot grow by a factor; start from 1 byte or more")
+        sizes, s = [], float(min_bytes)
+        while s <= max_bytes * (1 + 1e-12):
+            sizes.append(int(round(s)))
+            s *= factor
+        return sizes
+    if factor and factor != 1:
+        raise ValueError(f"-f must be > 1, got {factor}")
+    if step_bytes <= 0:
+        raise ValueError("a sweep from -b to -e needs -f > 1 or -i > 0")
+    return list(range(min_bytes, max_bytes + 1, step_bytes))
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _algo_list(text: str) -> list[str]:
+    algos = [a.strip().lower() for a in re.split(r"[,\s]+", text) if a.strip()]
+    if not algos:
+        raise argparse.ArgumentTypeError("--algo needs at least one of " + ", ".join(ALGOS))
+    for a in algos:
+        if a not in ALGOS:
+            raise argparse.ArgumentTypeError(f"unknown algo {a!r}; choose from {', '.join(ALGOS)}")
+    return list(dict.fromkeys(algos))  # keep order, drop repeats
+
+
+def _zero_one(text: str) -> int:
+    if text not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"expected 0 or 1, got {text!r}")
+    return int(text)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of one measuring sub-command (collective is positional)."""
+    p = argparse.ArgumentParser(
+        prog="python -m pycomm.bench",
+        description=(
+            "Measure a collective the way nccl-tests does, for several algorithms side by "
+            "side (pycomm's ring, auto, nccl, and torch.distributed's own backend). Runs "
+            "under torchrun, or spawns --nproc local ranks. "
+            "`python -m pycomm.bench model RESULTS.json` fits the alpha-beta cost model."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("collective", choices=COLLECTIVES, help="what to measure")
+    p.add_argument("-b", "--minbytes", type=_size_arg, default=parse_size("32M"),
+                   metavar="SIZE", help="smallest message in bytes (K/M/G suffixes)")
+    p.add_argument("-e", "--maxbytes", type=_size_arg, default=parse_size("32M"),
+                   metavar="SIZE", help="largest message in bytes")
+    p.add_argument("-f", "--stepfactor", type=float, default=0.0, metavar="F",
+                   help="multiply the size by F each step (> 1)")
+    p.add_argument("-i", "--stepbytes", type=_size_arg, default=parse_size("1M"), metavar="SIZE",
+                   help="add SIZE each step when no -f is given")
+    p.add_argument("-n", "--iters", type=_positive_int, default=20, help="timed iterations per size")
+    p.add_argument("-w", "--warmup_iters", type=_nonneg_int, default=5, help="untimed warm-up iterations")
+    p.add_argument("-d", "--datatype", default="float", help="element type: " + ", ".join(sorted(DTYPES)))
+    p.add_argument("-o", "--op", default="sum", help="reduction: sum, prod, max, min, avg")
+    p.add_argument("-r", "--root", type=_nonneg_int, default=0, help="root rank of broadcast")
+    p.add_argument("-c", "--check", type=_zero_one, default=1,
+                   help="1: count wrong elements against an independently computed result")
+    p.add_argument("--algo", type=_algo_list, default=["ring", "torch"],
+                   help="comma-separated list of ring, auto, nccl (GPU), torch; measured "
+                        "interleaved per size")
+    p.add_argument("--transport", default="auto", choices=("auto", "gloo", "shm", "nccl"),
+                   help="pycomm transport (pycomm.init(transport=...))")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda when available")
+    p.add_argument("--nproc", type=_positive_int, default=None,
+                   help="spawn this many local ranks (default: 1, or torchrun's ranks)")
+    p.add_argument("-T", "--timeout", type=float, default=1800.0, metavar="SECONDS",
+                   help="overall limit; ranks are killed and the run fails past it")
+    p.add_argument("--json", metavar="FILE", help="write every measured row as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="draw busbw vs size per algo")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="progress bar on stderr (auto: when stderr is a terminal)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses and cross-checks the flags; exits with a usage error (code 2)
+    on a bad combination. Adds ``sizes``, ``dtype`` (torch name) and
+    canonical ``op``."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    dt = DTYPES.get(args.datatype.lower())
+    if dt is None:
+        p.error(f"unknown datatype {args.datatype!r}; choose from {', '.join(sorted(DTYPES))}")
+    args.dtype = dt
+    op = OPS.get(args.op.lower())
+    if op is None:
+        p.error(f"unknown op {args.op!r}; choose from sum, prod, max, min, avg")
+    args.op = op
+    if op == "avg" and not dt.startswith(("float", "bfloat")):
+        p.error(f"-o avg needs a floating datatype, got {dt}")
+    try:
+        args.sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
+    except ValueError as e:
+        p.error(str(e))
+    if args.collective in ("allgather", "broadcast", "sendrecv"):
+        args.op = "none"  # no reduction; printed as nccl-tests does
+    return args

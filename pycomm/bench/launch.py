@@ -1,0 +1,164 @@
+"""Starting the ranks: under torchrun (one process per rank already), or
+``--nproc N`` local ranks spawned here.
+
+Spawned ranks rendezvous through a TCPStore that this (parent) process
+serves on 127.0.0.1 with a port the OS picks, so there is no port race. A
+rank that raises writes its traceback to a file the parent prints; the
+parent kills the others and fails. Past ``--timeout`` seconds everything is
+killed and the run fails, so a hang cannot outlive the limit.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["launch", "under_torchrun"]
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another env:// launcher) started this process."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _backend(device: str) -> str:
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return "gloo"
+    return "cpu:gloo,cuda:nccl"
+
+
+def _rank_timeout(args: Any) -> timedelta:
+    return timedelta(seconds=max(30.0, min(args.timeout, 300.0)))
+
+
+def _run_here(args: Any) -> int:
+    from .runner import run_benchmark
+
+    try:
+        return run_benchmark(args)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _watchdog(seconds: float) -> None:
+    """Under torchrun nobody else enforces --timeout: exit hard past it."""
+    def fire() -> None:
+        print(f"pycomm.bench: timed out after {seconds:g} s (-T/--timeout); exiting",
+              file=sys.stderr, flush=True)
+        os._exit(124)
+
+    t = threading.Timer(seconds, fire)
+    t.daemon = True
+    t.start()
+
+
+def _child(rank: int, world: int, port: int, args: Any, err_path: str) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        backend = _backend(args.device)
+        if backend != "gloo" and world > torch.cuda.device_count():
+            # More ranks than GPUs: distinct host ids make NCCL use its socket
+            # transport between ranks sharing a GPU (correct, not fast).
+            os.environ.setdefault("NCCL_HOSTID", f"pycomm-bench-{rank}")
+        os.environ.setdefault("LOCAL_RANK", str(rank))
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_rank_timeout(args))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=_rank_timeout(args))
+        code = _run_here(args)
+    except BaseException:
+        with open(err_path, "w") as f:
+            f.write(traceback.format_exc())
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _spawn(args: Any, nproc: int) -> int:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=_rank_timeout(args))
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="pycomm-bench-")
+    errs = [os.path.join(tmp, f"rank{r}.err") for r in range(nproc)]
+    procs = [ctx.Process(target=_child, args=(r, nproc, store.port, args, errs[r]), name=f"rank{r}")
+             for r in range(nproc)]
+    deadline = time.monotonic() + args.timeout
+    failed: list[int] = []
+    timed_out = False
+    try:
+        for p in procs:
+            p.start()
+        while True:
+            codes = [p.exitcode for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            # A wrong result (exit 1, no traceback) still lets the others finish.
+            if any(os.path.exists(errs[r]) for r in failed) or any(c is not None and c < 0 for c in codes):
+                break
+            if all(c is not None for c in codes):
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            procs[0].join(0.05)
+    except KeyboardInterrupt:
+        print("pycomm.bench: interrupted; stopping the ranks", file=sys.stderr)
+        timed_out = False
+        failed = failed or [-1]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
+    tracebacks = [(r, open(errs[r]).read()) for r in range(nproc) if os.path.exists(errs[r])]
+    shutil.rmtree(tmp, ignore_errors=True)
+    del store
+    for r, tb in tracebacks:
+        print(f"pycomm.bench: rank {r} failed:\n{tb}", file=sys.stderr, flush=True)
+    if timed_out:
+        print(f"pycomm.bench: timed out after {args.timeout:g} s (-T/--timeout); ranks killed",
+              file=sys.stderr, flush=True)
+        return 124
+    if tracebacks:
+        return 1
+    for r, p in enumerate(procs):
+        if p.exitcode not in (0, 1):
+            print(f"pycomm.bench: rank {r} died with exit code {p.exitcode}", file=sys.stderr, flush=True)
+            return 1
+    return 1 if any(p.exitcode for p in procs) else 0
+
+
+def launch(args: Any) -> int:
+    """Runs the benchmark on every rank; returns the exit code (0 ok, 1 a
+    rank failed or a result was wrong, 124 timeout)."""
+    if under_torchrun():
+        if args.nproc is not None:
+            raise SystemExit("pycomm.bench: --nproc spawns ranks itself; drop it under torchrun")
+        import torch.distributed as dist
+
+        _watchdog(args.timeout)
+        dist.init_process_group(_backend(args.device), timeout=_rank_timeout(args))
+        return _run_here(args)
+    return _spawn(args, args.nproc or 1)

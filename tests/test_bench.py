@@ -1,0 +1,332 @@
+"""Tests of pycomm.bench: flags, busbw factors, the sweep, data checking,
+JSON schema, the cost model, and one real --nproc 2 run. Never on time."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pycomm.bench import cli, model
+from pycomm.bench import collectives as C
+from pycomm.bench import report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ CLI
+
+@pytest.mark.parametrize("text,expected", [
+    ("0", 0), ("8", 8), ("1K", 1024), ("1k", 1024), ("64M", 64 << 20), ("2G", 2 << 30),
+    ("4KB", 4096), ("4KiB", 4096), ("1.5K", 1536), (512, 512),
+])
+def test_parse_size(text, expected):
+    assert cli.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "K", "1X", "-1", "1.3", "12 M B"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError):
+        cli.parse_size(bad)
+
+
+def test_size_sweep_factor_inclusive():
+    assert cli.size_sweep(1024, 64 << 20, 4) == [1024 << (2 * k) for k in range(9)]
+    assert cli.size_sweep(8, 8, 2) == [8]
+    assert cli.size_sweep(1, 10, 3) == [1, 3, 9]
+
+
+def test_size_sweep_step():
+    assert cli.size_sweep(0, 10, 0, 4) == [0, 4, 8]
+
+
+@pytest.mark.parametrize("lo,hi,f,i", [(10, 1, 2, 0), (1, 10, 0.5, 0), (1, 10, 0, 0), (0, 10, 2, 0)])
+def test_size_sweep_errors(lo, hi, f, i):
+    with pytest.raises(ValueError):
+        cli.size_sweep(lo, hi, f, i)
+
+
+def test_parse_args_nccl_tests_flags():
+    a = cli.parse_args(["allreduce", "-b", "1K", "-e", "64M", "-f", "4", "-w", "2", "-n", "7",
+                        "-d", "half", "-o", "max", "-c", "0", "--algo", "ring, torch,ring",
+                        "--transport", "gloo", "--nproc", "2"])
+    assert a.sizes[0] == 1024 and a.sizes[-1] == 64 << 20 and len(a.sizes) == 9
+    assert (a.warmup_iters, a.iters, a.dtype, a.op, a.check) == (2, 7, "float16", "max", 0)
+    assert a.algo == ["ring", "torch"]  # order kept, repeats dropped
+    assert (a.transport, a.nproc) == ("gloo", 2)
+
+
+def test_parse_args_defaults():
+    a = cli.parse_args(["broadcast"])
+    assert a.sizes == [32 << 20] and a.algo == ["ring", "torch"] and a.op == "none"
+    assert (a.iters, a.warmup_iters, a.check, a.dtype) == (20, 5, 1, "float32")
+
+
+@pytest.mark.parametrize("argv", [
+    ["allreduce", "--algo", "tree"],
+    ["allreduce", "--algo", ""],
+    ["allreduce", "-b", "1Q"],
+    ["allreduce", "-d", "complex64"],
+    ["allreduce", "-o", "xor"],
+    ["allreduce", "-o", "avg", "-d", "int32"],
+    ["allreduce", "-c", "2"],
+    ["allreduce", "-n", "0"],
+    ["allreduce", "-b", "1M", "-e", "1K"],
+    ["allreduce", "--nproc", "0"],
+    ["alltoall"],
+])
+def test_parse_args_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ busbw, counts
+
+@pytest.mark.parametrize("coll,n,factor", [
+    ("allreduce", 2, 1.0), ("allreduce", 4, 1.5), ("allreduce", 1, 0.0), ("allreduce", 8, 1.75),
+    ("reducescatter", 4, 0.75), ("allgather", 2, 0.5), ("broadcast", 8, 1.0), ("sendrecv", 2, 1.0),
+])
+def test_busbw_factor(coll, n, factor):
+    assert C.busbw_factor(coll, n) == pytest.approx(factor)
+
+
+def test_busbw_factor_unknown():
+    with pytest.raises(ValueError):
+        C.busbw_factor("alltoall", 2)
+
+
+def test_counts_like_nccl_tests():
+    assert C.counts("allreduce", 1024, 4, 3) == (256, 1024)
+    assert C.counts("allreduce", 1023, 4, 3) == (255, 1020)
+    # reduce-scatter / all-gather: count per rank, size of the whole buffer
+    assert C.counts("reducescatter", 1024, 4, 3) == (85, 85 * 3 * 4)
+    assert C.counts("allgather", 1024, 2, 2) == (256, 1024)
+
+
+# ------------------------------------------------------------------ data and #wrong
+
+def test_rank_values_small_ints_not_periodic():
+    v = C.rank_values(0, 4096)
+    assert v.min() >= 0 and v.max() <= 7
+    assert not torch.equal(v[:2048], v[2048:])
+    assert not torch.equal(v[:-8], v[8:])
+    assert not torch.equal(C.rank_values(0, 64), C.rank_values(1, 64))
+    p = C.rank_values(3, 100, op="prod")
+    assert set(p.tolist()) <= {1, 2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.int32, torch.int64, torch.uint8, torch.int8])
+@pytest.mark.parametrize("op", ["sum", "max", "min", "prod"])
+def test_checker_accepts_true_allreduce_and_catches_corruption(dtype, op):
+    n, count = 3, 1000
+    inputs = [C.rank_values(r, count, op).to(dtype) for r in range(n)]
+    # the "collective": computed in the dtype the way a library would
+    acc = inputs[0].float() if dtype in (torch.float16, torch.bfloat16) else inputs[0].clone()
+    for t in inputs[1:]:
+        t = t.float() if dtype in (torch.float16, torch.bfloat16) else t
+        acc = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}[op](acc, t)
+    result = acc.to(dtype)
+    expected = C.expected_result("allreduce", 0, n, count, dtype, op)
+    assert C.count_wrong(result, expected) == 0
+    bad = result.clone()
+    bad[17] += 1
+    bad[500] = bad[501] + 3
+    assert C.count_wrong(bad, expected) == 2
+
+
+def test_checker_avg_and_nan():
+    n, count = 4, 64
+    expected = C.expected_result("allreduce", 0, n, count, torch.float32, "avg")
+    result = (sum(C.rank_values(r, count).float() for r in range(n)) / n).float()
+    assert C.count_wrong(result, expected) == 0
+    result[3] = float("nan")
+    assert C.count_wrong(result, expected) == 1
+
+
+def test_checker_catches_misplaced_chunk():
+    # A ring bug that writes chunk 1 where chunk 0 belongs must not pass.
+    n, count = 2, 4096
+    expected = C.expected_result("allreduce", 0, n, count, torch.float32, "sum")
+    wrong = expected.clone().float()
+    half = count // 2
+    wrong[:half] = wrong[half:].clone()
+    assert C.count_wrong(wrong, expected) > half // 2
+
+
+def test_expected_other_collectives():
+    n, m = 3, 10
+    rs = C.expected_result("reducescatter", 1, n, m, torch.float32, "sum")
+    full = C.expected_result("allreduce", 0, n, n * m, torch.float32, "sum")
+    assert torch.equal(rs, full[m:2 * m])
+    ag = C.expected_result("allgather", 2, n, m, torch.int32, "none")
+    assert torch.equal(ag[m:2 * m], C.rank_values(1, m))
+    assert torch.equal(C.expected_result("broadcast", 2, n, m, torch.int32, "none", root=1),
+                       C.rank_values(1, m))
+    assert torch.equal(C.expected_result("sendrecv", 0, n, m, torch.int32, "none"), C.rank_values(2, m))
+
+
+def test_count_wrong_size_mismatch():
+    with pytest.raises(ValueError):
+        C.count_wrong(torch.zeros(3), torch.zeros(4))
+
+
+@pytest.mark.parametrize("coll,in_place", [("reducescatter", True), ("allgather", True),
+                                           ("allgather", False), ("allreduce", True)])
+def test_buffers_reset_poisons_output(coll, in_place):
+    b = C.make_buffers(coll, in_place, 1, 2, 8, torch.float32, "sum", torch.device("cpu"))
+    b.reset()
+    exp = C.expected_result(coll, 1, 2, 8, torch.float32, "sum")
+    # before the collective runs, the result must not already look right
+    assert C.count_wrong(b.result, exp) > 0
+
+
+# ------------------------------------------------------------------ table and JSON
+
+def _row(**kw):
+    r = {"collective": "allreduce", "size": 1024, "count": 256, "dtype": "float32", "op": "sum",
+         "root": -1, "algo": "ring", "in_place": True, "time_us": 10.0, "algbw": 0.1024,
+         "busbw": 0.1024, "wrong": 0, "world_size": 2, "transport": "gloo", "device": "cpu"}
+    r.update(kw)
+    return r
+
+
+def test_table_format():
+    hdr = report.format_header([("ring", True), ("torch", True)])
+    assert "ring in-place" in hdr and "#wrong" in hdr and "algbw" in hdr
+    line = report.format_row([_row(), None, _row(algo="torch", wrong=None)])
+    assert line.split()[:5] == ["1024", "256", "float", "sum", "-1"]
+    assert line.count("N/A") == 5
+    summary = report.format_summary([_row(), _row(algo="torch", busbw=0.3, wrong=2)], ["ring", "torch"])
+    assert "# Out of bounds values : 2 FAILED" in summary
+    assert "# Avg bus bandwidth" in summary
+
+
+def test_json_schema_roundtrip(tmp_path):
+    p = tmp_path / "r.json"
+    report.write_json(str(p), {"world_size": 2}, [_row()])
+    data = report.load_json(str(p))
+    assert data["schema"] == report.SCHEMA
+    assert set(report.ROW_KEYS) <= set(data["rows"][0])
+    bad = dict(_row())
+    del bad["busbw"]
+    with pytest.raises(ValueError):
+        report.write_json(str(p), {}, [bad])
+    (tmp_path / "x.json").write_text("{}")
+    with pytest.raises(ValueError):
+        report.load_json(str(tmp_path / "x.json"))
+
+
+# ------------------------------------------------------------------ cost model
+
+def test_model_formulas():
+    assert model.ring_allreduce_time(4, 1000, 1e-6, 1e-9) == pytest.approx(6e-6 + 1.5e-6)
+    assert model.recursive_doubling_time(8, 1000, 1e-6, 1e-9) == pytest.approx(3 * (1e-6 + 1e-6))
+    assert model.halving_doubling_time(8, 1000, 1e-6, 1e-9) == pytest.approx(6e-6 + 1.75e-6)
+    assert model.ring_allreduce_time(1, 1e9, 1, 1) == 0.0
+
+
+@pytest.mark.parametrize("weighting", ["relative", "absolute"])
+def test_model_fit_recovers_alpha_beta(weighting):
+    alpha, beta = 25e-6, 1 / 5e9
+    samples = [(n, float(b), model.ring_allreduce_time(n, b, alpha, beta))
+               for n in (2, 4) for b in (1 << k for k in range(10, 27, 2))]
+    fit = model.fit_alpha_beta(samples, weighting)
+    assert fit.alpha == pytest.approx(alpha, rel=1e-6)
+    assert fit.beta == pytest.approx(beta, rel=1e-6)
+    assert fit.rel_rms < 1e-6 and fit.points == len(samples)
+
+
+def test_model_fit_with_noise_and_rows():
+    import random
+
+    rng = random.Random(0)
+    alpha, beta = 40e-6, 1 / 2e9
+    rows = []
+    for b in (1 << k for k in range(10, 27, 2)):
+        t = model.ring_allreduce_time(2, b, alpha, beta) * (1 + rng.uniform(-0.05, 0.05))
+        rows.append(_row(size=b, time_us=t * 1e6))
+    rows.append(_row(size=1 << 20, time_us=1.0, wrong=5))  # a wrong row is ignored
+    rows.append(_row(collective="broadcast", size=1 << 20, time_us=1.0))  # not all-reduce
+    fits = model.fit_rows(rows)
+    assert set(fits) == {"ring"}
+    assert fits["ring"].alpha == pytest.approx(alpha, rel=0.2)
+    assert fits["ring"].beta == pytest.approx(beta, rel=0.1)
+
+
+def test_model_fit_errors():
+    with pytest.raises(ValueError):
+        model.fit_alpha_beta([(2, 1024, 1e-3)])
+    with pytest.raises(ValueError):
+        model.fit_alpha_beta([(1, 1024, 1e-3), (1, 2048, 2e-3)])
+    with pytest.raises(ValueError):
+        model.fit_rows([_row(collective="broadcast")])
+
+
+def test_model_predict_best():
+    fit = model.Fit(alpha=10e-6, beta=1e-10, points=2, rel_rms=0.0)
+    preds = {(p["world_size"], p["size"]): p for p in model.predict(fit, [1024], [1024, 1 << 30])}
+    assert preds[(1024, 1024)]["best"] == "rec-doubling"         # small: latency wins
+    assert preds[(1024, 1 << 30)]["best"] == "halving-doubling"  # large: bandwidth + log steps
+    assert preds[(1024, 1 << 30)]["ring"] > preds[(1024, 1 << 30)]["halving-doubling"]
+
+
+def test_model_cli(tmp_path, capsys):
+    p = tmp_path / "r.json"
+    rows = [_row(size=b, time_us=model.ring_allreduce_time(2, b, 20e-6, 1e-10) * 1e6)
+            for b in (1024, 1 << 16, 1 << 20, 1 << 24)]
+    report.write_json(str(p), {"world_size": 2, "device": "cpu"}, rows)
+    assert model.main([str(p), "--worlds", "8,1024", "--sizes", "1M"]) == 0
+    out = capsys.readouterr().out
+    assert "20.00" in out and "10.000" in out  # alpha 20 us, 1/beta 10 GB/s
+    assert out.count("1024      1M") == 1
+
+
+# ------------------------------------------------------------------ end to end
+
+def _bench(args, tmp_path, timeout=240):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "pycomm.bench", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_end_to_end_nproc2(tmp_path):
+    res = _bench(["allreduce", "--nproc", "2", "-b", "64", "-e", "4K", "-f", "8", "-n", "2", "-w", "1",
+                  "--algo", "ring,torch,nccl", "--json", "r.json", "--plot", "r.png"], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "ring in-place" in out and "torch in-place" in out
+    assert "# algo nccl: skipped" in out  # CPU: no nccl, said so, run goes on
+    assert "# Out of bounds values : 0 OK" in out and "# Avg bus bandwidth" in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    rows = data["rows"]
+    assert {r["algo"] for r in rows} == {"ring", "torch"}
+    assert sorted({r["size"] for r in rows}) == [64, 512, 4096]
+    for r in rows:
+        assert set(report.ROW_KEYS) <= set(r)
+        assert r["wrong"] == 0 and r["world_size"] == 2 and r["device"] == "cpu"
+        assert r["busbw"] == pytest.approx(r["algbw"] * 1.0)
+        assert math.isfinite(r["time_us"]) and r["time_us"] > 0
+    assert data["meta"]["memcpy_GBps"] > 0
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the model reads the file back
+    m = _bench(["model", "r.json", "--worlds", "8", "--sizes", "1M"], tmp_path)
+    assert m.returncode == 0, m.stderr
+    assert "ring" in m.stdout and "torch" in m.stdout
+
+
+def test_end_to_end_child_traceback_reaches_user(tmp_path):
+    # -r 5 is not a rank of 2: every rank raises; the parent must print the
+    # traceback and fail, not hang.
+    res = _bench(["broadcast", "--nproc", "2", "-b", "64", "-e", "64", "-r", "5", "-T", "120"], tmp_path)
+    assert res.returncode == 1
+    assert "rank 0 failed" in res.stderr and "Traceback" in res.stderr
+    assert "-r 5 is not a rank" in res.stderr
