@@ -1,0 +1,114 @@
+"""Rendezvous paths and the user-facing entry points."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._dist import spawn_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_torchrun_quickstart_three_ranks():
+    """The README's quickstart under torchrun prints correct sums on 3 ranks."""
+    import socket
+
+    with socket.socket() as sk:  # torchrun's static rendezvous needs a concrete port
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), str(ROOT / "examples" / "quickstart.py")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if "all_reduce ->" in ln]
+    assert len(lines) == 3, proc.stdout
+    assert all("(OK, expected 6.0)" in ln for ln in lines), proc.stdout
+
+
+def _init_from_torch_group(rank, world_size, port):
+    import torch.distributed as dist
+
+    import pycomm
+
+    store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        comm = pycomm.init(group=dist.group.WORLD, transport="gloo")
+        t = torch.full((7,), float(rank))
+        comm.all_reduce(t)
+        ref = torch.full((7,), float(rank))
+        dist.all_reduce(ref)  # torch's own collective as the independent reference
+        same = torch.equal(t, ref)
+        comm2 = pycomm.init(transport="gloo")  # default group picked up without arguments
+        t2 = torch.ones(3)
+        comm2.all_reduce(t2)
+        comm.close()
+        comm2.close()
+        return same and bool(torch.all(t2 == world_size)) and comm.world_size == world_size
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_from_torch_group_matches_torch_all_reduce():
+    assert spawn_ranks(_init_from_torch_group, 3) == [True, True, True]
+
+
+def _init_from_env(rank, world_size, port):
+    import pycomm
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    comm = pycomm.init(transport="gloo")
+    t = torch.tensor([rank + 1.0])
+    comm.all_reduce(t, op="product")
+    comm.close()
+    return t.item()
+
+
+def test_init_from_torchrun_environment():
+    # the test process serves the store, as torchrun's agent does
+    assert spawn_ranks(_init_from_env, 2) == [2.0, 2.0]
+
+
+def test_init_without_rendezvous_says_how():
+    import pycomm
+
+    env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR") if k in os.environ}
+    try:
+        with pytest.raises(ValueError, match="torchrun"):
+            pycomm.init()
+    finally:
+        os.environ.update(env)
+
+
+def test_reduce_op_spellings():
+    import torch.distributed as dist
+
+    import pycomm
+    from pycomm.comm import _to_op
+
+    assert _to_op("SUM") == _to_op(pycomm.ReduceOp.SUM) == _to_op(dist.ReduceOp.SUM) == 0
+    assert _to_op("avg") == _to_op(dist.ReduceOp.AVG) == 1
+    assert _to_op("prod") == _to_op("product") == _to_op(dist.ReduceOp.PRODUCT) == 4
+    with pytest.raises(ValueError):
+        _to_op(dist.ReduceOp.BAND)
+
+
+def test_public_api_names():
+    import pycomm
+
+    for name in ["init", "Communicator", "ReduceOp", "Work", "P2POp", "CommError", "all_reduce",
+                 "reduce_scatter", "all_gather", "broadcast", "send", "recv", "isend", "irecv",
+                 "batch_isend_irecv", "barrier", "close"]:
+        assert name in pycomm.__all__ and hasattr(pycomm, name), name
+    assert issubclass(pycomm.CommError, RuntimeError)
