@@ -112,3 +112,23 @@ def test_public_api_names():
                  "batch_isend_irecv", "barrier", "close"]:
         assert name in pycomm.__all__ and hasattr(pycomm, name), name
     assert issubclass(pycomm.CommError, RuntimeError)
+
+
+@pytest.mark.slow
+def test_jit_fallback_builds_when_no_prebuilt_extension(tmp_path):
+    """A source tree without pycomm/_C*.so JIT-compiles on first import and says
+    so on stderr (about 2 minutes on 2 cores, hence slow)."""
+    import shutil
+
+    tree = tmp_path / "src"
+    shutil.copytree(ROOT / "pycomm", tree / "pycomm",
+                    ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    shutil.copytree(ROOT / "csrc", tree / "csrc")
+    code = ("import torch, pycomm\n"
+            "with pycomm.init(rank=0, world_size=1, store=torch.distributed.HashStore()) as c:\n"
+            "    t = torch.ones(3); c.all_reduce(t); print('sum', t.sum().item())\n")
+    env = dict(os.environ, PYTHONPATH=str(tree), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert "JIT-compiling" in proc.stderr and "sum 3.0" in proc.stdout
