@@ -11,6 +11,7 @@ import enum
 import os
 import socket
 import threading
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence, Union
@@ -319,6 +320,57 @@ def _same_host(store: Any, prefix: str, rank: int, world_size: int) -> bool:
     return all(store.get(k).decode() == me for k in keys)
 
 
+_shm_count = 0
+
+
+def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes: int,
+              fallback_ok: bool) -> Any:
+    """Creates the shm communicator: rank 0 creates the segment (O_EXCL, 0600)
+    and publishes its name; the others attach; once every rank has reported
+    (store barrier) the name is unlinked, so nothing outlives the processes.
+
+    Returns None (on every rank alike) when some rank could not set up shared
+    memory and ``fallback_ok``; raises CommError otherwise.
+    """
+    global _shm_count
+    _shm_count += 1
+    key = f"shm/{_shm_count}"
+    impl, err = None, ""
+    if rank == 0:
+        # Unique per job (rank 0's pid + random) and per communicator.
+        name = f"/pycomm-{os.getpid()}-{_shm_count}-{uuid.uuid4().hex[:12]}"
+        try:
+            impl = _C.make_shm_comm(name, rank, world_size, True, timeout_ms, slice_bytes)
+            st.set(f"{key}/name", name)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            err = f"rank 0: {e}"
+            st.set(f"{key}/name", "!" + err)
+    else:
+        st.wait([f"{key}/name"])
+        name = st.get(f"{key}/name").decode()
+        if name.startswith("!"):
+            err = name[1:]
+        else:
+            try:
+                impl = _C.make_shm_comm(name, rank, world_size, False, timeout_ms, slice_bytes)
+            except Exception as e:  # noqa: BLE001
+                err = f"rank {rank}: {e}"
+    # Barrier: every rank has mapped the segment (or failed to).
+    st.set(f"{key}/mapped/{rank}", "!" + err if err else "ok")
+    keys = [f"{key}/mapped/{r}" for r in range(world_size)]
+    st.wait(keys)
+    errors = [v for v in (st.get(k).decode() for k in keys) if v != "ok"]
+    if not name.startswith("!"):
+        _C.shm_unlink(name)
+    if errors:
+        if impl is not None:
+            impl.close()
+        if fallback_ok:
+            return None
+        raise CommError("could not set up the shm transport: " + "; ".join(e[1:] for e in errors))
+    return impl
+
+
 def _validate_world(rank: int, world_size: int) -> None:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -376,11 +428,20 @@ def init(
         ) if not getattr(_C, "WITH_CUDA", False) else NotImplementedError("nccl transport")
     if dev.type != "cpu":
         raise ValueError(f"unsupported device {dev}; pycomm runs on 'cpu' or CUDA devices")
-    if transport == "auto":
-        transport = "gloo"
     st = dist.PrefixStore(prefix, st)
     timeout_ms = int(timeout.total_seconds() * 1000)
-    if transport == "gloo":
+    impl = None
+    if transport == "auto":
+        transport = "shm" if _same_host(st, "auto", r, n) else "gloo"
+        if transport == "shm":
+            impl = _init_shm(st, r, n, timeout_ms, slice_bytes, fallback_ok=True)
+            if impl is None:
+                transport = "gloo"
+    elif transport == "shm":
+        impl = _init_shm(st, r, n, timeout_ms, slice_bytes, fallback_ok=False)
+    if transport == "shm":
+        comm = Communicator(impl, store=st)
+    elif transport == "gloo":
         pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, timeout)
         impl = _C.make_gloo_comm(pg, timeout_ms, slice_bytes)
         comm = Communicator(impl, store=st, keepalive=[pg])

@@ -56,4 +56,18 @@ void chain_broadcast(const Context& ctx, void* data, size_t bytes, int root);
 // Dissemination barrier: ceil(log2 n) rounds of 1-byte exchanges.
 void dissemination_barrier(const Context& ctx);
 
+// ---- Direct (one-shot) algorithms over SharedBuffers (direct.cc) ----------
+//
+// For transports whose ranks share memory (Transport::shared_buffers() is not
+// null). Latency-optimal for small messages: one synchronisation per piece
+// instead of 2(n-1) ring steps.
+
+// All-reduce in pieces of at most shared_buffers()->capacity() bytes: each
+// rank copies its piece into its shared buffer, all ranks meet
+// (arrive_and_wait), then each rank reduces the n buffers straight into
+// `data` in rank order 0, 1, ..., n-1, so every rank computes the same
+// expression and the results are bitwise identical. AVG then scales by 1/n.
+// Throws UsageError if the transport has no SharedBuffers.
+void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op);
+
 }  // namespace pycomm

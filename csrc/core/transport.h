@@ -36,6 +36,37 @@ struct P2POp {
 // Identifies a posted group until it is waited for.
 using Handle = uint64_t;
 
+// Optional capability of transports whose ranks share memory (shm): every
+// rank owns two buffers of capacity() bytes that every rank can read, plus a
+// monotonically increasing "epoch" flag. The direct (one-shot) algorithms
+// (algorithms.h) build on it: copy into local(e & 1), arrive_and_wait(e),
+// then read remote(r, e & 1) of every rank.
+//
+// Reuse rule: a rank arrives at epoch e only after it has finished reading
+// the buffers of epoch e-1. So once arrive_and_wait(e) returns, every rank is
+// done with epoch e-1, and the buffer of epoch e+1 (same parity as e-1) may be
+// overwritten. Double buffering thus needs one flag per rank and no second
+// barrier per operation.
+class SharedBuffers {
+ public:
+  virtual ~SharedBuffers() = default;
+  // Bytes of each buffer (equal on every rank).
+  virtual size_t capacity() const = 0;
+  // This rank's buffer `which` (0 or 1), writable.
+  virtual void* local(int which) = 0;
+  // Rank r's buffer `which`, readable (r may be this rank).
+  virtual const void* remote(int r, int which) const = 0;
+  // Publishes "this rank reached epoch e" (release) and blocks until every
+  // rank has (acquire). Honours the timeout, abort and dead peers like wait().
+  virtual void arrive_and_wait(uint64_t epoch) = 0;
+  // Epochs are counted per communicator; all ranks call next_epoch() the same
+  // number of times because they run the same collectives in the same order.
+  uint64_t next_epoch() { return ++epoch_; }
+
+ private:
+  uint64_t epoch_ = 0;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -60,6 +91,9 @@ class Transport {
   // Makes pending and future waits fail fast (called after an error, or from
   // another thread to unblock a hung collective). Idempotent.
   virtual void abort() {}
+
+  // Optional capabilities (nullptr when the transport lacks them).
+  virtual SharedBuffers* shared_buffers() { return nullptr; }
 
   // Convenience: post and wait.
   void exchange(const P2POp* ops, size_t n) { wait(post(ops, n)); }

@@ -2,6 +2,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdlib>
 #include <sstream>
 
 namespace py = pybind11;
@@ -109,7 +110,27 @@ std::string Comm::algo_for(const std::string& algo, const char* op) const {
         {op, ": algo='nccl' needs a CUDA communicator (transport='nccl'); this one runs on ",
          options_.device, " over ", transport_name_}));
   }
-  throw py::value_error(join_msg({op, ": unknown algo '", algo, "' (expected 'auto', 'ring' or 'nccl')"}));
+  if (algo == "direct") {
+    throw py::value_error(join_msg({op, ": algo='direct' is only implemented for all_reduce"}));
+  }
+  throw py::value_error(join_msg(
+      {op, ": unknown algo '", algo, "' (expected 'auto', 'ring', 'direct' or 'nccl')"}));
+}
+
+// all_reduce: "auto" picks by size. "direct" (one-shot over shared memory:
+// one synchronisation, each rank reduces every rank's input) beats the ring
+// (2(n-1) steps) up to direct_max_bytes_, measured on 2..4 ranks with the shm
+// transport (benchmarks/allreduce_cpu/shm_vs_gloo.py).
+std::string Comm::all_reduce_algo(const std::string& algo, size_t bytes) const {
+  if (algo == "direct") {
+    if (!has_shared_buffers_) {
+      throw py::value_error(join_msg({"all_reduce: algo='direct' needs transport='shm', this "
+                                      "communicator uses ", transport_name_}));
+    }
+    return "direct";
+  }
+  if (algo == "auto" && has_shared_buffers_ && bytes <= direct_max_bytes_) return "direct";
+  return algo_for(algo, "all_reduce");
 }
 
 // ---------------------------------------------------------------- Comm
@@ -124,6 +145,10 @@ Comm::Comm(std::unique_ptr<Transport> transport, CommOptions options)
   if (options_.timeout_ms <= 0) throw py::value_error("timeout must be positive");
   transport_->set_timeout(std::chrono::milliseconds(options_.timeout_ms));
   scratch_.resize(2 * static_cast<size_t>(options_.slice_bytes) + 64);
+  has_shared_buffers_ = transport_->shared_buffers() != nullptr;
+  if (const char* v = std::getenv("PYCOMM_DIRECT_MAX_BYTES")) {
+    direct_max_bytes_ = static_cast<size_t>(std::strtoull(v, nullptr, 10));
+  }
   worker_ = std::make_unique<Worker>();
 }
 
@@ -191,11 +216,18 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   check_tensor(t, "tensor", kOp);
   const DType dt = to_dtype(t.scalar_type(), "tensor");
   const ReduceOp rop = to_op(op, dt, kOp);
-  algo_for(algo, kOp);
+  const bool direct = all_reduce_algo(algo, t.nbytes()) == "direct";
   void* data = t.data_ptr();
   const size_t count = t.numel();
   return run(kOp, {t},
-             [=](const Context& ctx) { ring_all_reduce(ctx, data, count, dt, rop); }, async_op);
+             [=](const Context& ctx) {
+               if (direct) {
+                 direct_all_reduce(ctx, data, count, dt, rop);
+               } else {
+                 ring_all_reduce(ctx, data, count, dt, rop);
+               }
+             },
+             async_op);
 }
 
 c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op,
