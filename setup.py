@@ -15,6 +15,8 @@ and an isolated build would download a different (CUDA) torch.
 
 import importlib.util
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -62,7 +64,8 @@ def _extension():
             _rel(info.core_sources() + info.torch_sources()),
             extra_compile_args={"cxx": info.CXX_FLAGS},
         )
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # -> -gencode sm_90 (H100)
+    _check_nvcc_version()
     print(f"pycomm: building the CUDA extension (CUDA_HOME={CUDA_HOME}, NCCL={nccl}, "
           f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']})", file=sys.stderr)
     lib = nccl / "lib"
@@ -75,6 +78,28 @@ def _extension():
         define_macros=[("PYCOMM_WITH_CUDA", "1")],
         extra_compile_args={"cxx": info.CXX_FLAGS, "nvcc": info.NVCC_FLAGS},
     )
+
+
+def _check_nvcc_version() -> None:
+    """Warns when nvcc's CUDA release differs from the one torch was built with
+    (torch's BuildExtension fails only on a major mismatch)."""
+    nvcc = Path(CUDA_HOME) / "bin" / "nvcc"
+    try:
+        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True,
+                             check=False).stdout
+    except OSError as e:
+        print(f"pycomm: warning: cannot run {nvcc}: {e}", file=sys.stderr)
+        return
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    if not m:
+        print(f"pycomm: warning: cannot parse `{nvcc} --version`", file=sys.stderr)
+        return
+    nvcc_v = (int(m.group(1)), int(m.group(2)))
+    torch_v = tuple(int(x) for x in torch.version.cuda.split(".")[:2])
+    if nvcc_v != torch_v:
+        print(f"pycomm: warning: nvcc is CUDA {nvcc_v[0]}.{nvcc_v[1]} but torch was built "
+              f"with CUDA {torch.version.cuda}; the extension may fail to load "
+              f"(set CUDA_HOME to a matching toolkit)", file=sys.stderr)
 
 
 def _nccl_lib(lib: Path) -> str:

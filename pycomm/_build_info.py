@@ -10,7 +10,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 
 CXX_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
-NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]
+# -fmad=false: no FMA contraction in our kernels, so GPU reductions are bitwise
+# the CPU ones (csrc/core/elementwise.h is shared).
+NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-fmad=false", "-lineinfo"]
 
 
 def core_sources() -> list[str]:

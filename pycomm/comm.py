@@ -43,6 +43,23 @@ Work = _C.Work
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 DEFAULT_SLICE_BYTES = 512 * 1024
+#: GPU default: each slice costs one ncclGroupStart/End (a kernel launch and a
+#: few microseconds of host time), so slices are larger than on CPU.
+DEFAULT_CUDA_SLICE_BYTES = 4 * 1024 * 1024
+
+#: algo="auto" on GPU: per op, the first rule whose max_bytes (None = no limit)
+#: is >= the message size picks the algorithm. The default crossover, 1 MiB, is
+#: an estimate until measured on the H100 (scripts/gpu_check.sh writes a
+#: measured table to OUTDIR/auto_table.json): below it a collective is
+#: latency-bound and NCCL's single fused kernel wins over our 2(n-1) grouped
+#: launches; above it the ring is bandwidth-bound and is meant to match NCCL.
+#: Override with PYCOMM_AUTO_TABLE=path.json ({"all_reduce": [[bytes|null, algo], ...]}).
+DEFAULT_AUTO_TABLE: dict[str, list[tuple[int | None, str]]] = {
+    "all_reduce": [(1 << 20, "nccl"), (None, "ring")],
+    "reduce_scatter": [(1 << 20, "nccl"), (None, "ring")],
+    "all_gather": [(1 << 20, "nccl"), (None, "ring")],
+    "broadcast": [(1 << 20, "nccl"), (None, "ring")],
+}
 
 
 class ReduceOp(enum.IntEnum):
@@ -371,6 +388,53 @@ def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes:
     return impl
 
 
+def _auto_table() -> dict[str, list[tuple[int, str]]]:
+    """The algo="auto" table for the C++ side (max_bytes -1 = no limit)."""
+    table: dict[str, Any] = dict(DEFAULT_AUTO_TABLE)
+    path = os.environ.get("PYCOMM_AUTO_TABLE")
+    if path:
+        import json
+
+        with open(path) as f:
+            loaded = json.load(f)
+        for op, rules in loaded.items():
+            if op in table:
+                table[op] = [(b, str(a)) for b, a in rules]
+    out: dict[str, list[tuple[int, str]]] = {}
+    for op, rules in table.items():
+        for _, a in rules:
+            if a not in ("ring", "nccl"):
+                raise ValueError(f"auto table: algo for {op} must be 'ring' or 'nccl', got {a!r}")
+        out[op] = [(-1 if b is None else int(b), a) for b, a in rules]
+    return out
+
+
+def _cuda_device(device: Any) -> torch.device:
+    """device=None/"cuda" -> cuda:LOCAL_RANK (mod the visible device count)."""
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    if dev.index is None:
+        count = max(torch.cuda.device_count(), 1)
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % count)
+    return dev
+
+
+def _make_nccl(st: Any, r: int, n: int, dev: torch.device, timeout: timedelta,
+               slice_bytes: int) -> Any:
+    """NCCL bootstrap: rank 0 creates the unique id and publishes it through
+    the (prefixed, per-communicator) store; every rank initialises on ``dev``."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {dev} requested but torch.cuda.is_available() is False")
+    if dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {dev} does not exist ({torch.cuda.device_count()} visible)")
+    torch.cuda.set_device(dev)
+    key = "nccl/unique_id"
+    if r == 0:
+        st.set(key, _C.nccl_unique_id().hex())
+    uid = bytes.fromhex(st.get(key).decode())
+    timeout_ms = int(timeout.total_seconds() * 1000)
+    return _C.make_nccl_comm(uid, r, n, dev.index, timeout_ms, slice_bytes, _auto_table())
+
+
 def _validate_world(rank: int, world_size: int) -> None:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -399,8 +463,11 @@ def init(
 
     Args:
         transport: "gloo" (torch's Gloo send/recv; CPU, crosses hosts), "shm"
-            (shared memory, one host), "nccl" (GPU), or "auto".
-        device: "cpu" or a CUDA device; default CUDA when the transport is nccl.
+            (shared memory, one host), "nccl" (GPU), or "auto" ("nccl" when
+            the device is CUDA, or when no device is given and this is a CUDA
+            build that sees a GPU; a CPU transport otherwise).
+        device: "cpu" or a CUDA device; default ``cuda:LOCAL_RANK`` when the
+            transport is nccl ("cuda" without an index means the same).
         timeout: bounds every blocking wait (default 5 minutes, or
             ``PYCOMM_TIMEOUT`` seconds).
         slice_bytes: pipelining granularity of the ring algorithms (default
@@ -414,24 +481,40 @@ def init(
     """
     global _default
     timeout = _timeout_from(timeout)
-    if slice_bytes is None:
-        slice_bytes = int(os.environ.get("PYCOMM_SLICE_BYTES", DEFAULT_SLICE_BYTES))
     if transport not in ("auto", "gloo", "shm", "nccl"):
         raise ValueError(f"unknown transport {transport!r}; expected 'auto', 'gloo', 'shm' or 'nccl'")
+    with_cuda = bool(getattr(_C, "WITH_CUDA", False))
+    req = torch.device(device) if device is not None else None
+    # nccl (GPU) when asked for, when the device is CUDA, or for transport="auto"
+    # with no device given on a CUDA build that sees a GPU.
+    use_nccl = (
+        transport == "nccl"
+        or (req is not None and req.type == "cuda")
+        or (transport == "auto" and req is None and with_cuda and torch.cuda.is_available())
+    )
+    if use_nccl:
+        if not with_cuda:
+            raise ValueError(
+                "this pycomm build has no CUDA/NCCL support (pycomm._C.WITH_CUDA is False); "
+                "use device='cpu' with transport 'gloo' or 'shm', or rebuild with a CUDA torch"
+            )
+        if transport not in ("auto", "nccl"):
+            raise ValueError(f"transport {transport!r} runs on CPU tensors; CUDA needs 'nccl'")
+        if req is not None and req.type != "cuda":
+            raise ValueError(f"transport 'nccl' needs a CUDA device, got device={req}")
+        transport = "nccl"
+    elif req is not None and req.type != "cpu":
+        raise ValueError(f"unsupported device {req}; pycomm runs on 'cpu' or CUDA devices")
+    if slice_bytes is None:
+        default_slice = DEFAULT_CUDA_SLICE_BYTES if use_nccl else DEFAULT_SLICE_BYTES
+        slice_bytes = int(os.environ.get("PYCOMM_SLICE_BYTES", default_slice))
     st, r, n, prefix = _rendezvous(rank, world_size, store, group, timeout)
     _validate_world(r, n)
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if transport == "nccl" or dev.type == "cuda":
-        raise ValueError(
-            "this pycomm build has no CUDA/NCCL support (pycomm._C.WITH_CUDA is False); "
-            "use device='cpu' with transport 'gloo' or 'shm'"
-        ) if not getattr(_C, "WITH_CUDA", False) else NotImplementedError("nccl transport")
-    if dev.type != "cpu":
-        raise ValueError(f"unsupported device {dev}; pycomm runs on 'cpu' or CUDA devices")
     st = dist.PrefixStore(prefix, st)
     timeout_ms = int(timeout.total_seconds() * 1000)
     impl = None
     if transport == "auto":
+        # CPU: shared memory when every rank runs on this host, else gloo.
         transport = "shm" if _same_host(st, "auto", r, n) else "gloo"
         if transport == "shm":
             impl = _init_shm(st, r, n, timeout_ms, slice_bytes, fallback_ok=True)
@@ -439,7 +522,10 @@ def init(
                 transport = "gloo"
     elif transport == "shm":
         impl = _init_shm(st, r, n, timeout_ms, slice_bytes, fallback_ok=False)
-    if transport == "shm":
+    if transport == "nccl":
+        impl = _make_nccl(st, r, n, _cuda_device(req), timeout, slice_bytes)
+        comm = Communicator(impl, store=st)
+    elif transport == "shm":
         comm = Communicator(impl, store=st)
     elif transport == "gloo":
         pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, timeout)

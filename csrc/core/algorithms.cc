@@ -85,12 +85,15 @@ void ring_reduce_scatter(const Context& ctx, void* data, Chunks chunks, DType dt
       const Slice rs = slice_of(chunks.length(rc), per, j);
       if (rs.count == 0) return;
       char* dst = base + (chunks.offset(rc) + rs.begin) * es;
-      ctx.reducer.reduce(dst, dst, tmp[k % 2], rs.count, dtype, op);
+      if (op == ReduceOp::kAvg && s + 2 == static_cast<size_t>(n)) {
+        // Last step: rc == r, this slice of our chunk is final; AVG's scale by
+        // 1/n is fused into its reduction (one pass instead of two).
+        ctx.reducer.reduce_scale(dst, dst, tmp[k % 2], rs.count, dtype, op, 1.0 / n);
+      } else {
+        ctx.reducer.reduce(dst, dst, tmp[k % 2], rs.count, dtype, op);
+      }
     };
     pipeline(K, slices >= 2, tr, post, finish);
-  }
-  if (op == ReduceOp::kAvg && n > 1) {
-    ctx.reducer.scale(base + chunks.offset(r) * es, chunks.length(r), dtype, 1.0 / n);
   }
 }
 

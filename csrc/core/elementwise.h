@@ -12,6 +12,8 @@
 #include "types.h"
 
 #if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #define PYCOMM_HD __host__ __device__ __forceinline__
 #else
 #define PYCOMM_HD inline
@@ -52,6 +54,12 @@ PYCOMM_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32
 
 PYCOMM_HD uint16_t float_to_bf16(float f) {
   uint32_t u = float_bits(f);
+#if defined(__CUDA_ARCH__)
+  // Device fast path: cvt.rn.bf16.f32 is IEEE round-to-nearest-even without
+  // flush-to-zero, i.e. the software rounding below; only NaN differs (the
+  // hardware returns a canonical NaN), so NaN keeps the software encoding.
+  if ((u & 0x7fffffffu) <= 0x7f800000u) return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#endif
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
   return static_cast<uint16_t>(u >> 16);
@@ -59,6 +67,12 @@ PYCOMM_HD uint16_t float_to_bf16(float f) {
 
 // IEEE binary16 <-> binary32 without hardware support (exact, RNE).
 PYCOMM_HD float half_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  // Device fast path: cvt.f32.f16 is exact for every non-NaN half (subnormals
+  // included), so it equals the software path below; NaN keeps its payload
+  // bits exactly as the software path does (the hardware may canonicalise).
+  if ((h & 0x7fffu) <= 0x7c00u) return __half2float(__ushort_as_half(h));
+#endif
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
@@ -83,6 +97,12 @@ PYCOMM_HD float half_to_float(uint16_t h) {
 
 PYCOMM_HD uint16_t float_to_half(float f) {
   const uint32_t u = float_bits(f);
+#if defined(__CUDA_ARCH__)
+  // Device fast path: cvt.rn.f16.f32 (no .ftz) rounds to nearest even with
+  // subnormals and overflow to inf exactly like the software path below; NaN
+  // takes the software path (sign | 0x7e00) instead of the canonical 0x7fff.
+  if ((u & 0x7fffffffu) <= 0x7f800000u) return __half_as_ushort(__float2half_rn(f));
+#endif
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t abs = u & 0x7fffffffu;
   if (abs >= 0x7f800000u) {  // inf or nan

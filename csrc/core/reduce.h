@@ -26,6 +26,13 @@ class Reducer {
                       ReduceOp op) = 0;
   // dst *= factor
   virtual void scale(void* dst, size_t count, DType dtype, double factor) = 0;
+  // dst = op(a, b) * factor: the last reduce-scatter step of AVG. Must equal
+  // reduce() then scale() bitwise; a GPU reducer fuses it into one pass.
+  virtual void reduce_scale(void* dst, const void* a, const void* b, size_t count, DType dtype,
+                            ReduceOp op, double factor) {
+    reduce(dst, a, b, count, dtype, op);
+    scale(dst, count, dtype, factor);
+  }
   // memcpy on the reduction stream / thread
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
 };

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <limits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -37,6 +38,7 @@ constexpr size_t kLine = 64;
 constexpr size_t kPage = 4096;
 constexpr int64_t kHealthEveryNs = 1000000;  // liveness check period while waiting: 1 ms
 constexpr int64_t kSleepSliceNs = 2000000;   // futex sleeps at most 2 ms between checks
+constexpr int kNumChannels = 2;              // kCollective, kUser (transport.h)
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "need lock-free 32-bit atomics");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
@@ -126,17 +128,20 @@ struct ShmSegment {
   int n;
   size_t slot_bytes, slots, direct_bytes;
 
-  size_t chan_index(int src, int dst) const {
-    return static_cast<size_t>(src) * (n - 1) + (dst < src ? dst : dst - 1);
+  // One ring per (src, dst, channel), src != dst.
+  size_t chan_index(int src, int dst, int ch) const {
+    return (static_cast<size_t>(src) * (n - 1) + (dst < src ? dst : dst - 1)) * kNumChannels + ch;
   }
-  char* chan(int src, int dst) const {
-    return base + hdr->chan_offset + chan_index(src, dst) * hdr->chan_stride;
+  char* chan(int src, int dst, int ch) const {
+    return base + hdr->chan_offset + chan_index(src, dst, ch) * hdr->chan_stride;
   }
-  ChanCtrl* ctrl(int src, int dst) const { return reinterpret_cast<ChanCtrl*>(chan(src, dst)); }
-  std::atomic<uint64_t>* meta(int src, int dst) const {
-    return reinterpret_cast<std::atomic<uint64_t>*>(chan(src, dst) + sizeof(ChanCtrl));
+  ChanCtrl* ctrl(int src, int dst, int ch) const {
+    return reinterpret_cast<ChanCtrl*>(chan(src, dst, ch));
   }
-  char* data(int src, int dst) const { return chan(src, dst) + hdr->ctrl_bytes; }
+  std::atomic<uint64_t>* meta(int src, int dst, int ch) const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(chan(src, dst, ch) + sizeof(ChanCtrl));
+  }
+  char* data(int src, int dst, int ch) const { return chan(src, dst, ch) + hdr->ctrl_bytes; }
   char* direct(int r, int which) const {
     return base + hdr->direct_offset + (static_cast<size_t>(r) * 2 + which) * direct_bytes;
   }
@@ -176,7 +181,7 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
     const size_t chan_offset = round_up(ranks_offset + n * sizeof(RankInfo), kPage);
     const size_t ctrl_bytes = round_up(sizeof(ChanCtrl) + 2 * slots * sizeof(uint64_t), kPage);
     const size_t chan_stride = round_up(ctrl_bytes + slots * slot_bytes, kPage);
-    const size_t nchan = static_cast<size_t>(n) * (n - 1);
+    const size_t nchan = static_cast<size_t>(n) * (n - 1) * kNumChannels;
     const size_t direct_offset = chan_offset + nchan * chan_stride;
     total = direct_offset + static_cast<size_t>(n) * 2 * direct_bytes;
 
@@ -223,15 +228,10 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
       ri->sleeping.store(0, std::memory_order_relaxed);
       ri->epoch.store(0, std::memory_order_relaxed);
     }
-    for (int s = 0; s < n; ++s) {
-      for (int d = 0; d < n; ++d) {
-        if (s == d) continue;
-        char* c = base + chan_offset + (static_cast<size_t>(s) * (n - 1) + (d < s ? d : d - 1)) *
-                                           chan_stride;
-        ChanCtrl* cc = new (c) ChanCtrl();
-        cc->head.store(0, std::memory_order_relaxed);
-        cc->tail.store(0, std::memory_order_relaxed);
-      }
+    for (size_t i = 0; i < nchan; ++i) {
+      ChanCtrl* cc = new (base + chan_offset + i * chan_stride) ChanCtrl();
+      cc->head.store(0, std::memory_order_relaxed);
+      cc->tail.store(0, std::memory_order_relaxed);
     }
     h->magic.store(kMagic, std::memory_order_release);
   } else {
@@ -273,10 +273,10 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
                         static_cast<size_t>(h->direct_bytes)};
   seg_->ranks[rank_].pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
 
-  sendq_.resize(n);
-  recvq_.resize(n);
-  send_head_.assign(n, 0);
-  recv_tail_.assign(n, 0);
+  sendq_.resize(n * kNumChannels);
+  recvq_.resize(n * kNumChannels);
+  send_head_.assign(n * kNumChannels, 0);
+  recv_tail_.assign(n * kNumChannels, 0);
   pidfds_.assign(n, -1);
   pidfd_ok_.assign(n, true);
 }
@@ -395,15 +395,17 @@ std::string ShmTransport::pending_desc() const {
   std::ostringstream s;
   s << "pending:";
   bool any = false;
-  for (int r = 0; r < size_; ++r) {
-    if (!sendq_[r].empty()) {
-      s << " send to rank " << r << " (" << sendq_[r].front().done << "/"
-        << sendq_[r].front().bytes << " bytes)";
+  for (size_t qi = 0; qi < sendq_.size(); ++qi) {
+    const int r = static_cast<int>(qi) / kNumChannels;
+    const char* ch = qi % kNumChannels == kUser ? " [user p2p]" : "";
+    if (!sendq_[qi].empty()) {
+      s << " send to rank " << r << ch << " (" << sendq_[qi].front().done << "/"
+        << sendq_[qi].front().bytes << " bytes)";
       any = true;
     }
-    if (!recvq_[r].empty()) {
-      s << " recv from rank " << r << " (" << recvq_[r].front().done << "/"
-        << recvq_[r].front().bytes << " bytes)";
+    if (!recvq_[qi].empty()) {
+      s << " recv from rank " << r << ch << " (" << recvq_[qi].front().done << "/"
+        << recvq_[qi].front().bytes << " bytes)";
       any = true;
     }
   }
@@ -475,14 +477,15 @@ void ShmTransport::complete_op(Handle group) {
   if (it != remaining_.end() && --it->second == 0) remaining_.erase(it);
 }
 
-bool ShmTransport::progress_send(int peer) {
-  auto& q = sendq_[peer];
+bool ShmTransport::progress_send(int peer, int ch) {
+  const int qi = peer * kNumChannels + ch;
+  auto& q = sendq_[qi];
   if (q.empty()) return false;
   const size_t slots = seg_->slots, slot_bytes = seg_->slot_bytes;
-  ChanCtrl* c = seg_->ctrl(rank_, peer);
-  std::atomic<uint64_t>* meta = seg_->meta(rank_, peer);
-  char* data = seg_->data(rank_, peer);
-  uint64_t head = send_head_[peer];
+  ChanCtrl* c = seg_->ctrl(rank_, peer, ch);
+  std::atomic<uint64_t>* meta = seg_->meta(rank_, peer, ch);
+  char* data = seg_->data(rank_, peer, ch);
+  uint64_t head = send_head_[qi];
   uint64_t tail = c->tail.load(std::memory_order_acquire);
   bool moved = false;
   while (!q.empty()) {
@@ -508,18 +511,19 @@ bool ShmTransport::progress_send(int peer) {
     q.pop_front();
     complete_op(g);
   }
-  send_head_[peer] = head;
+  send_head_[qi] = head;
   return moved;
 }
 
-bool ShmTransport::progress_recv(int peer) {
-  auto& q = recvq_[peer];
+bool ShmTransport::progress_recv(int peer, int ch) {
+  const int qi = peer * kNumChannels + ch;
+  auto& q = recvq_[qi];
   if (q.empty()) return false;
   const size_t slots = seg_->slots, slot_bytes = seg_->slot_bytes;
-  ChanCtrl* c = seg_->ctrl(peer, rank_);
-  std::atomic<uint64_t>* meta = seg_->meta(peer, rank_);
-  const char* data = seg_->data(peer, rank_);
-  uint64_t tail = recv_tail_[peer];
+  ChanCtrl* c = seg_->ctrl(peer, rank_, ch);
+  std::atomic<uint64_t>* meta = seg_->meta(peer, rank_, ch);
+  const char* data = seg_->data(peer, rank_, ch);
+  uint64_t tail = recv_tail_[qi];
   uint64_t head = c->head.load(std::memory_order_acquire);
   bool moved = false;
   while (!q.empty()) {
@@ -534,7 +538,7 @@ bool ShmTransport::progress_recv(int peer) {
       const size_t total = meta[2 * slot + 1].load(std::memory_order_relaxed);
       const size_t want = std::min(slot_bytes, op.bytes - op.done);
       if (m != want || total != op.bytes) {
-        recv_tail_[peer] = tail;
+        recv_tail_[qi] = tail;
         fail("shm transport: rank " + std::to_string(rank_) + " expected a message of " +
              std::to_string(op.bytes) + " bytes from rank " + std::to_string(peer) +
              " but it sent " + std::to_string(total) +
@@ -552,7 +556,7 @@ bool ShmTransport::progress_recv(int peer) {
     q.pop_front();
     complete_op(g);
   }
-  recv_tail_[peer] = tail;
+  recv_tail_[qi] = tail;
   return moved;
 }
 
@@ -561,9 +565,11 @@ bool ShmTransport::progress_all() {
   if (pending_ops_ == 0) return false;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
-    // Receive first: it frees the peer's ring (and our data may be waiting).
-    moved |= progress_recv(p);
-    moved |= progress_send(p);
+    for (int ch = 0; ch < kNumChannels; ++ch) {
+      // Receive first: it frees the peer's ring (and our data may be waiting).
+      moved |= progress_recv(p, ch);
+      moved |= progress_send(p, ch);
+    }
   }
   if (moved) moved_ = true;
   return moved;
@@ -583,8 +589,12 @@ Handle ShmTransport::post(const P2POp* ops, size_t n) {
                       (op.kind == P2POp::kSend ? "send to" : "recv from") + " rank " +
                       std::to_string(op.peer));
     }
+    if (op.channel < 0 || op.channel >= kNumChannels) {
+      throw CommError("shm transport: unknown channel " + std::to_string(op.channel));
+    }
     if (op.bytes == 0) continue;
-    auto& q = op.kind == P2POp::kSend ? sendq_[op.peer] : recvq_[op.peer];
+    const int qi = op.peer * kNumChannels + op.channel;
+    auto& q = op.kind == P2POp::kSend ? sendq_[qi] : recvq_[qi];
     q.push_back(Op{static_cast<char*>(op.buf), op.bytes, 0, h});
     ++cnt;
   }
@@ -603,6 +613,15 @@ void ShmTransport::wait(Handle h) {
         return remaining_.find(h) == remaining_.end();
       },
       "wait");
+}
+
+bool ShmTransport::test(Handle h) {
+  if (remaining_.find(h) == remaining_.end()) return true;
+  progress_all();
+  if (remaining_.find(h) == remaining_.end()) return true;
+  // Abort and dead peers raise here too; the caller (Comm) owns the deadline.
+  check_health("test", std::numeric_limits<int64_t>::max());
+  return false;
 }
 
 // ------------------------------------------------------------ SharedBuffers

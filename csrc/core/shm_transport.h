@@ -6,7 +6,8 @@
 //
 //   Header      magic, version, world size, ring geometry, abort word,
 //               RankInfo[n] { pid, doorbell (futex), sleeping, epoch }
-//   Channels    one per ordered pair (src -> dst), src != dst:
+//   Channels    one per ordered pair (src -> dst), src != dst, and per
+//               message channel (kCollective, kUser: independent streams):
 //                 Ctrl { head  (written by src: slots published),
 //                        tail  (written by dst: slots consumed),
 //                        len[slots] (bytes in each slot) }
@@ -90,6 +91,7 @@ class ShmTransport final : public Transport, public SharedBuffers {
 
   Handle post(const P2POp* ops, size_t n) override;
   void wait(Handle h) override;
+  bool test(Handle h) override;
   void abort() override;
   SharedBuffers* shared_buffers() override { return this; }
 
@@ -109,8 +111,8 @@ class ShmTransport final : public Transport, public SharedBuffers {
     size_t done;
     Handle group;
   };
-  bool progress_send(int peer);
-  bool progress_recv(int peer);
+  bool progress_send(int peer, int channel);
+  bool progress_recv(int peer, int channel);
   bool progress_all();
   void complete_op(Handle group);
   void notify(int peer);
@@ -132,8 +134,9 @@ class ShmTransport final : public Transport, public SharedBuffers {
   ShmSegment* seg_ = nullptr;  // views into the mapping
   bool unlinked_ = false;
 
-  std::vector<std::deque<Op>> sendq_, recvq_;  // per peer, FIFO
-  std::vector<uint64_t> send_head_, recv_tail_;  // local copies of our own counters
+  // Indexed by peer * channels + channel; FIFO per queue.
+  std::vector<std::deque<Op>> sendq_, recvq_;
+  std::vector<uint64_t> send_head_, recv_tail_;  // our own counters, per queue
   std::unordered_map<Handle, size_t> remaining_;  // ops left per group
   Handle next_ = 1;
   size_t pending_ops_ = 0;

@@ -25,12 +25,18 @@
 
 namespace pycomm {
 
+// Independent message streams between a pair of ranks. Collectives use
+// kCollective; user-level isend/irecv use kUser, so a pending user message can
+// never be matched by a collective's receive (or the other way round).
+enum Channel : int { kCollective = 0, kUser = 1 };
+
 struct P2POp {
   enum Kind : int { kSend = 0, kRecv = 1 };
   Kind kind;
   void* buf;  // const for sends
   size_t bytes;
   int peer;
+  int channel = kCollective;
 };
 
 // Identifies a posted group until it is waited for.
@@ -77,12 +83,23 @@ class Transport {
 
   // Posts ops[0..n) as one group (all in flight together). Zero-byte ops are
   // allowed and complete at once. Ordering: messages between one pair of ranks
-  // are matched in posting order.
+  // on one channel are matched in posting order. A posted group must make
+  // progress while the caller waits for *other* groups (user isend/irecv stay
+  // posted while later collectives run): wait() and test() progress every
+  // pending op, not just their own.
   virtual Handle post(const P2POp* ops, size_t n) = 0;
 
   // Completes a posted group (see the header comment). Each handle is waited
   // for exactly once. Throws CommError on timeout, a dead peer or abort.
   virtual void wait(Handle h) = 0;
+
+  // Non-blocking completion check. Returns true once the group is done (the
+  // handle is then consumed, as by wait); throws CommError like wait. Must not
+  // block for long: the worker polls it for deferred user p2p ops.
+  virtual bool test(Handle h) {
+    wait(h);
+    return true;
+  }
 
   // Bounds every blocking wait from now on.
   virtual void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }

@@ -1,5 +1,8 @@
 #include "worker.h"
 
+#include <algorithm>
+#include <chrono>
+
 namespace pycomm {
 
 Worker::Worker() : thread_([this] { loop(); }) {}
@@ -43,22 +46,52 @@ bool Worker::try_run_inline(const std::function<void()>& task) {
 
 void Worker::drain() {
   std::unique_lock<std::mutex> lk(mu_);
-  cv_.wait(lk, [this] { return queue_.empty() && !busy_; });
+  cv_.wait(lk, [this] { return queue_.empty() && !busy_ && !poll_pending_; });
 }
 
 void Worker::loop() {
   std::unique_lock<std::mutex> lk(mu_);
+  int idle_rounds = 0;
   for (;;) {
-    cv_.wait(lk, [this] { return (!queue_.empty() && !busy_) || (stop_ && queue_.empty() && !busy_); });
-    if (queue_.empty()) return;  // stop requested and drained
-    std::function<void()> task = std::move(queue_.front());
-    queue_.pop_front();
-    busy_ = true;
-    lk.unlock();
-    task();  // tasks catch their own exceptions (they complete a Work)
-    lk.lock();
-    busy_ = false;
-    cv_.notify_all();
+    if (!queue_.empty() && !busy_) {
+      std::function<void()> task = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+      lk.unlock();
+      task();  // tasks catch their own exceptions (they complete a Work)
+      lk.lock();
+      busy_ = false;
+      idle_rounds = 0;
+      cv_.notify_all();
+      continue;
+    }
+    if (poll_pending_ && !busy_ && poll_) {
+      busy_ = true;
+      lk.unlock();
+      const bool more = poll_();
+      lk.lock();
+      busy_ = false;
+      poll_pending_ = more;
+      cv_.notify_all();
+      if (more && queue_.empty()) {
+        // back off: a few yields, then short sleeps that a new task interrupts
+        if (++idle_rounds < 16) {
+          lk.unlock();
+          std::this_thread::yield();
+          lk.lock();
+        } else {
+          const auto nap = std::chrono::microseconds(std::min(200, 10 * (idle_rounds - 15)));
+          cv_.wait_for(lk, nap, [this] { return !queue_.empty(); });
+        }
+      }
+      continue;
+    }
+    if (stop_ && queue_.empty() && !busy_ && !poll_pending_) return;
+    idle_rounds = 0;
+    cv_.wait(lk, [this] {
+      return (!queue_.empty() && !busy_) || (poll_pending_ && !busy_) ||
+             (stop_ && queue_.empty() && !busy_);
+    });
   }
 }
 

@@ -26,8 +26,18 @@ class Worker {
   // Returns false, without running it, otherwise.
   bool try_run_inline(const std::function<void()>& task);
 
-  // Blocks until every task submitted so far has finished.
+  // Blocks until every task submitted so far has finished and the idle poll
+  // (below) reports nothing pending.
   void drain();
+
+  // `poll` runs on the worker whenever no task is queued, after kick(), until
+  // it returns false ("nothing pending"). It completes operations a task left
+  // in flight (user isend/irecv) without holding up later tasks. Between
+  // polls the worker backs off (yield, then sleeps up to 200 us) and wakes at
+  // once for a new task. Set it before the first kick().
+  void set_idle_poll(std::function<bool()> poll) { poll_ = std::move(poll); }
+  // Called by a task (on the executing thread) that left work in flight.
+  void kick() { poll_pending_ = true; }
 
  private:
   void loop();
@@ -36,6 +46,8 @@ class Worker {
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
   bool busy_ = false;
+  bool poll_pending_ = false;  // guarded by busy_ ownership, read under mu_
+  std::function<bool()> poll_;
   bool stop_ = false;
   std::thread thread_;
 };

@@ -12,6 +12,11 @@
 #include "pg_transport.h"
 
 namespace py = pybind11;
+#ifdef PYCOMM_WITH_CUDA
+namespace pycomm {
+void bind_cuda(py::module_& m);  // CudaComm, make_nccl_comm, ... (cuda_comm.cpp)
+}
+#endif
 using pycomm::Comm;
 using pycomm::Work;
 
@@ -137,4 +142,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("float_to_half", [](float f) { return pycomm::float_to_half(f); });
   m.def("bf16_to_float", [](uint16_t h) { return pycomm::bf16_to_float(h); });
   m.def("float_to_bf16", [](float f) { return pycomm::float_to_bf16(f); });
+#ifdef PYCOMM_WITH_CUDA
+  pycomm::bind_cuda(m);  // sets WITH_CUDA = True
+#endif
 }

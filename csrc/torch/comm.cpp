@@ -47,13 +47,11 @@ DType to_dtype(at::ScalarType t, const char* arg) {
   throw py::type_error(msg.str());
 }
 
-namespace {
 std::string join_msg(std::initializer_list<std::string> parts) {
   std::string s;
   for (const auto& p : parts) s += p;
   return s;
 }
-}  // namespace
 
 void Comm::check_open(const char* op) const {
   if (closed_) throw std::runtime_error(join_msg({op, ": the communicator is closed"}));
@@ -64,13 +62,17 @@ void Comm::check_open(const char* op) const {
 }
 
 void Comm::check_tensor(const at::Tensor& t, const char* arg, const char* op) const {
+  pycomm::check_tensor(t, arg, op, options_.device);
+}
+
+void check_tensor(const at::Tensor& t, const char* arg, const char* op, const std::string& device) {
   if (!t.defined()) throw py::value_error(join_msg({op, ": ", arg, " is an undefined tensor"}));
   if (t.is_sparse()) throw py::value_error(join_msg({op, ": ", arg, " must be a dense tensor"}));
   to_dtype(t.scalar_type(), arg);
   const std::string dev = t.device().str();
-  if (t.device().type() != c10::Device(options_.device).type()) {
+  if (t.device().type() != c10::Device(device).type()) {
     throw py::value_error(join_msg({op, ": ", arg, " is on ", dev,
-                                    " but the communicator runs on ", options_.device}));
+                                    " but the communicator runs on ", device}));
   }
   if (!t.is_contiguous()) {
     throw py::value_error(join_msg(
@@ -79,19 +81,23 @@ void Comm::check_tensor(const at::Tensor& t, const char* arg, const char* op) co
 }
 
 void Comm::check_peer(int peer, const char* arg, const char* op, bool allow_self) const {
-  if (peer < 0 || peer >= size_) {
+  pycomm::check_peer(peer, arg, op, rank_, size_, allow_self);
+}
+
+void check_peer(int peer, const char* arg, const char* op, int rank, int size, bool allow_self) {
+  if (peer < 0 || peer >= size) {
     std::ostringstream msg;
-    msg << op << ": " << arg << "=" << peer << " is out of range for world_size " << size_;
+    msg << op << ": " << arg << "=" << peer << " is out of range for world_size " << size;
     throw py::value_error(msg.str());
   }
-  if (!allow_self && peer == rank_) {
+  if (!allow_self && peer == rank) {
     std::ostringstream msg;
     msg << op << ": " << arg << "=" << peer << " is this rank; point-to-point needs another rank";
     throw py::value_error(msg.str());
   }
 }
 
-static ReduceOp to_op(int op, DType dtype, const char* opname) {
+ReduceOp to_op(int op, DType dtype, const char* opname) {
   if (op < 0 || op >= kNumReduceOps) {
     throw py::value_error(join_msg({opname, ": unknown reduce op ", std::to_string(op)}));
   }
@@ -150,6 +156,7 @@ Comm::Comm(std::unique_ptr<Transport> transport, CommOptions options)
     direct_max_bytes_ = static_cast<size_t>(std::strtoull(v, nullptr, 10));
   }
   worker_ = std::make_unique<Worker>();
+  worker_->set_idle_poll([this] { return poll_deferred(); });
 }
 
 Comm::~Comm() {
@@ -176,6 +183,71 @@ void Comm::abort(const std::string& why) {
   if (transport_) transport_->abort();
 }
 
+void Comm::fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e) {
+  std::ostringstream msg;
+  msg << work->op() << " #" << work->seq() << " on rank " << rank_ << " (" << transport_name_
+      << " transport, world_size " << size_ << ") failed: " << e.what();
+  abort(msg.str());
+  work->fail(std::make_exception_ptr(CommError(msg.str())));
+}
+
+bool Comm::poll_deferred() {
+  for (auto it = deferred_.begin(); it != deferred_.end();) {
+    bool done = false;
+    try {
+      if (aborted_) throw CommError("communicator aborted (" + abort_reason_ + ")");
+      done = transport_->test(it->handle);
+      if (!done && std::chrono::steady_clock::now() > it->deadline) {
+        std::ostringstream msg;
+        msg << "timed out after " << options_.timeout_ms << " ms waiting for the peer";
+        throw CommError(msg.str());
+      }
+    } catch (const std::exception& e) {
+      fail_op(it->work, e);
+      it = deferred_.erase(it);
+      continue;
+    }
+    if (done) {
+      it->work->complete();
+      it = deferred_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return !deferred_.empty();
+}
+
+c10::intrusive_ptr<Work> Comm::run_p2p(const char* op, std::vector<at::Tensor> tensors,
+                                       std::vector<P2POp> ops, bool async_op) {
+  for (auto& o : ops) o.channel = kUser;
+  if (!async_op) {
+    return run(op, std::move(tensors),
+               [ops](const Context& ctx) { ctx.transport.exchange(ops.data(), ops.size()); },
+               false);
+  }
+  check_open(op);
+  const uint64_t seq = ++seq_;
+  auto work = c10::make_intrusive<Work>(op, seq, std::move(tensors));
+  worker_->submit([this, work, ops] {
+    if (aborted_) {
+      work->fail(std::make_exception_ptr(
+          CommError(work->op() + " #" + std::to_string(work->seq()) +
+                    ": communicator aborted earlier (" + abort_reason_ + ")")));
+      return;
+    }
+    try {
+      const Handle h = transport_->post(ops.data(), ops.size());
+      deferred_.push_back({work, h,
+                           std::chrono::steady_clock::now() +
+                               std::chrono::milliseconds(options_.timeout_ms)});
+      worker_->kick();
+    } catch (const std::exception& e) {
+      fail_op(work, e);
+    }
+  });
+  return work;
+}
+
 c10::intrusive_ptr<Work> Comm::run(const char* op, std::vector<at::Tensor> outputs,
                                    std::function<void(const Context&)> body, bool async_op) {
   check_open(op);
@@ -193,11 +265,7 @@ c10::intrusive_ptr<Work> Comm::run(const char* op, std::vector<at::Tensor> outpu
       body(ctx);
       work->complete();
     } catch (const std::exception& e) {
-      std::ostringstream msg;
-      msg << op << " #" << seq << " on rank " << rank_ << " (" << transport_name_
-          << " transport, world_size " << size_ << ") failed: " << e.what();
-      abort(msg.str());
-      work->fail(std::make_exception_ptr(CommError(msg.str())));
+      fail_op(work, e);
     }
   };
   if (async_op) {
@@ -312,12 +380,7 @@ c10::intrusive_ptr<Work> Comm::send(const at::Tensor& t, int dst, bool async_op)
   check_peer(dst, "dst", kOp, /*allow_self=*/false);
   void* data = t.data_ptr();
   const size_t bytes = t.nbytes();
-  return run(kOp, {t},
-             [=](const Context& ctx) {
-               P2POp p{P2POp::kSend, data, bytes, dst};
-               ctx.transport.exchange(&p, 1);
-             },
-             async_op);
+  return run_p2p(kOp, {t}, {P2POp{P2POp::kSend, data, bytes, dst}}, async_op);
 }
 
 c10::intrusive_ptr<Work> Comm::recv(const at::Tensor& t, int src, bool async_op) {
@@ -327,12 +390,7 @@ c10::intrusive_ptr<Work> Comm::recv(const at::Tensor& t, int src, bool async_op)
   check_peer(src, "src", kOp, /*allow_self=*/false);
   void* data = t.data_ptr();
   const size_t bytes = t.nbytes();
-  return run(kOp, {t},
-             [=](const Context& ctx) {
-               P2POp p{P2POp::kRecv, data, bytes, src};
-               ctx.transport.exchange(&p, 1);
-             },
-             async_op);
+  return run_p2p(kOp, {t}, {P2POp{P2POp::kRecv, data, bytes, src}}, async_op);
 }
 
 c10::intrusive_ptr<Work> Comm::batch_p2p(const std::vector<TensorP2P>& reqs) {
@@ -347,9 +405,7 @@ c10::intrusive_ptr<Work> Comm::batch_p2p(const std::vector<TensorP2P>& reqs) {
                    static_cast<size_t>(q.tensor.nbytes()), q.peer});
     tensors.push_back(q.tensor);
   }
-  return run(kOp, tensors,
-             [ops](const Context& ctx) { ctx.transport.exchange(ops.data(), ops.size()); },
-             /*async_op=*/true);
+  return run_p2p(kOp, tensors, ops, /*async_op=*/true);
 }
 
 void Comm::barrier() {

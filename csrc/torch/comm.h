@@ -7,6 +7,8 @@
 #include <ATen/core/ivalue.h>
 
 #include <atomic>
+#include <chrono>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -26,7 +28,8 @@ class Work : public c10::intrusive_ptr_target {
   Work(std::string op, uint64_t seq, std::vector<at::Tensor> outputs);
 
   // Blocks until done; rethrows the operation's error (CommError, ...).
-  void wait();
+  // CudaWork (cuda_comm.cpp) overrides it with stream semantics.
+  virtual void wait();
   bool is_completed() const { return future_->completed(); }
   bool is_success() const { return future_->completed() && !future_->hasError(); }
   // Completed with the list of output tensors, or with the error.
@@ -93,6 +96,13 @@ class Comm {
  private:
   c10::intrusive_ptr<Work> run(const char* op, std::vector<at::Tensor> outputs,
                                std::function<void(const Context&)> body, bool async_op);
+  // User p2p: sync -> post and wait like run(); async -> the task only posts
+  // (channel kUser) and the worker's idle poll completes the Work, so a
+  // pending isend never blocks a later irecv or collective.
+  c10::intrusive_ptr<Work> run_p2p(const char* op, std::vector<at::Tensor> tensors,
+                                   std::vector<P2POp> ops, bool async_op);
+  bool poll_deferred();  // on the executing thread; true while any is pending
+  void fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e);
   void check_open(const char* op) const;
   void check_tensor(const at::Tensor& t, const char* arg, const char* op) const;
   void check_peer(int peer, const char* arg, const char* op, bool allow_self) const;
@@ -111,6 +121,12 @@ class Comm {
   std::atomic<bool> aborted_{false};
   std::mutex abort_mu_;
   std::string abort_reason_;
+  struct Deferred {
+    c10::intrusive_ptr<Work> work;
+    Handle handle;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  std::deque<Deferred> deferred_;  // touched only by the executing thread
   std::unique_ptr<Worker> worker_;
   bool has_shared_buffers_ = false;
   // algo="auto" runs direct_all_reduce up to this many bytes (when the
@@ -120,5 +136,12 @@ class Comm {
 
 // at::ScalarType -> DType; throws TypeError-mapped exception for the rest.
 DType to_dtype(at::ScalarType t, const char* arg);
+
+// Argument checks shared by Comm and CudaComm (cuda_comm.cpp); they throw the
+// pybind11 exceptions that become TypeError / ValueError.
+std::string join_msg(std::initializer_list<std::string> parts);
+void check_tensor(const at::Tensor& t, const char* arg, const char* op, const std::string& device);
+void check_peer(int peer, const char* arg, const char* op, int rank, int size, bool allow_self);
+ReduceOp to_op(int op, DType dtype, const char* opname);
 
 }  // namespace pycomm

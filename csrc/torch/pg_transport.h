@@ -5,6 +5,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <future>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -24,6 +25,7 @@ class ProcessGroupTransport final : public Transport {
 
   Handle post(const P2POp* ops, size_t n) override;
   void wait(Handle h) override;
+  bool test(Handle h) override;
   void abort() override;
 
  private:
@@ -31,7 +33,12 @@ class ProcessGroupTransport final : public Transport {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::vector<int> peers;
     std::vector<int> kinds;
+    // Set once test() handed the group to a background waiter: gloo's
+    // send/recv works report completion only through a blocking wait().
+    std::future<void> waiter;
   };
+  // Blocks on every work of p (throws CommError naming the failed op).
+  static void wait_all(Pending& p, std::chrono::milliseconds timeout);
   c10::intrusive_ptr<c10d::Backend> backend_;
   int rank_;
   int size_;

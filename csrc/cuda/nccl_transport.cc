@@ -1,0 +1,292 @@
+#include "nccl_transport.h"
+
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "check.h"
+
+namespace pycomm {
+namespace cuda {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Polling back-off: spin briefly (the common case finishes within
+// microseconds), then sleep so that a long wait does not burn a core.
+void backoff(int& spins) {
+  if (++spins < 64) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(spins < 1024 ? 20 : 200));
+  }
+}
+
+std::string ms_str(std::chrono::milliseconds t) {
+  std::ostringstream s;
+  s << t.count() << " ms";
+  return s.str();
+}
+
+}  // namespace
+
+ncclDataType_t to_nccl(DType t) {
+  switch (t) {
+    case DType::kFloat32: return ncclFloat32;
+    case DType::kFloat64: return ncclFloat64;
+    case DType::kFloat16: return ncclFloat16;
+    case DType::kBFloat16: return ncclBfloat16;
+    case DType::kInt32: return ncclInt32;
+    case DType::kInt64: return ncclInt64;
+    case DType::kUInt8: return ncclUint8;
+    case DType::kInt8: return ncclInt8;
+  }
+  throw UsageError("no NCCL type for dtype " + std::to_string(static_cast<int>(t)));
+}
+
+ncclRedOp_t to_nccl(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return ncclSum;
+    case ReduceOp::kAvg: return ncclAvg;
+    case ReduceOp::kMax: return ncclMax;
+    case ReduceOp::kMin: return ncclMin;
+    case ReduceOp::kProduct: return ncclProd;
+  }
+  throw UsageError("no NCCL op for reduce op " + std::to_string(static_cast<int>(op)));
+}
+
+// ---------------------------------------------------------------- NcclComm
+
+std::string NcclComm::unique_id() {
+  ncclUniqueId id;
+  PYCOMM_NCCL_CHECK(ncclGetUniqueId(&id), nullptr);
+  return std::string(id.internal, NCCL_UNIQUE_ID_BYTES);
+}
+
+NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int device,
+                   std::chrono::milliseconds timeout)
+    : rank_(rank), size_(world_size), device_(device), timeout_(timeout) {
+  if (unique_id.size() != NCCL_UNIQUE_ID_BYTES) {
+    throw UsageError("NCCL unique id must be " + std::to_string(NCCL_UNIQUE_ID_BYTES) +
+                     " bytes, got " + std::to_string(unique_id.size()));
+  }
+  ncclUniqueId id;
+  std::memcpy(id.internal, unique_id.data(), NCCL_UNIQUE_ID_BYTES);
+  DeviceScope scope(device);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // every call returns at once; we poll (and can abort)
+  config.commName = "pycomm";
+  try {
+    std::lock_guard<std::mutex> lk(mu_);
+    PYCOMM_NCCL_CHECK(ncclCommInitRankConfig(&comm_, world_size, id, rank, &config), nullptr);
+  } catch (const std::exception& e) {
+    abort(e.what());
+    throw;
+  }
+  wait_ready("ncclCommInitRankConfig");  // aborts and throws on error/timeout
+}
+
+NcclComm::~NcclComm() {
+  try {
+    destroy();
+  } catch (...) {
+    // destroy() has aborted the communicator already
+  }
+}
+
+std::string NcclComm::abort_reason() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return abort_reason_;
+}
+
+void NcclComm::throw_if_aborted() const {
+  if (aborted_) throw CommError("NCCL communicator was aborted: " + abort_reason_);
+  if (destroyed_ || comm_ == nullptr) throw CommError("NCCL communicator was destroyed");
+}
+
+void NcclComm::fail(const std::string& msg) {
+  abort(msg);
+  throw CommError(msg);
+}
+
+void NcclComm::abort(const std::string& why) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (aborted_) return;
+  abort_reason_ = why;
+  aborted_ = true;
+  if (comm_ != nullptr && !destroyed_) {
+    // Stops NCCL kernels and proxy threads and frees the communicator; the
+    // streams then drain. Errors here have nowhere better to go.
+    (void)ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
+}
+
+void NcclComm::wait_ready(const char* what) {
+  const auto deadline = Clock::now() + timeout_;
+  int spins = 0;
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    std::string err;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      throw_if_aborted();
+      const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+      if (r != ncclSuccess) {
+        err = nccl_error_message(r, "ncclCommGetAsyncError", __FILE__, __LINE__, comm_);
+      } else if (state != ncclSuccess && state != ncclInProgress) {
+        err = nccl_error_message(state, what, __FILE__, __LINE__, comm_);
+      }
+    }
+    if (!err.empty()) fail(err);
+    if (state == ncclSuccess) return;
+    if (Clock::now() > deadline) {
+      fail(std::string(what) + " did not finish within the timeout of " + ms_str(timeout_) +
+           " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+           "; a peer may be dead or not calling the same operation)");
+    }
+    backoff(spins);
+  }
+}
+
+void NcclComm::check_async(const char* what) {
+  std::string err;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    throw_if_aborted();
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+    if (r != ncclSuccess) {
+      err = nccl_error_message(r, "ncclCommGetAsyncError", __FILE__, __LINE__, comm_);
+    } else if (state != ncclSuccess && state != ncclInProgress) {
+      err = nccl_error_message(state, what, __FILE__, __LINE__, comm_);
+    }
+  }
+  if (!err.empty()) fail(err);
+}
+
+void NcclComm::host_wait(cudaEvent_t ev, const char* what) {
+  const auto deadline = Clock::now() + timeout_;
+  int spins = 0;
+  for (;;) {
+    if (event_done(ev)) return;
+    check_async(what);
+    if (Clock::now() > deadline) {
+      fail(std::string(what) + " did not complete on the GPU within the timeout of " +
+           ms_str(timeout_) + " (rank " + std::to_string(rank_) + " of " +
+           std::to_string(size_) + "; a peer may be dead or not calling the same operation)");
+    }
+    backoff(spins);
+  }
+}
+
+void NcclComm::destroy() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (aborted_ || destroyed_ || comm_ == nullptr) return;
+  }
+  // Finalize flushes every operation issued so far (bounded by the timeout),
+  // then destroy frees the communicator.
+  call([](ncclComm_t c) { PYCOMM_NCCL_CHECK(ncclCommFinalize(c), c); });
+  wait_ready("ncclCommFinalize");
+  std::lock_guard<std::mutex> lk(mu_);
+  if (aborted_ || destroyed_) return;
+  const ncclResult_t r = ncclCommDestroy(comm_);
+  comm_ = nullptr;
+  destroyed_ = true;
+  if (r != ncclSuccess && r != ncclInProgress) {
+    throw CommError(nccl_error_message(r, "ncclCommDestroy", __FILE__, __LINE__, nullptr));
+  }
+}
+
+// ---------------------------------------------------------------- transport
+
+NcclTransport::NcclTransport(NcclComm& comm, CudaStreams& streams)
+    : comm_(comm), streams_(streams) {
+  Transport::set_timeout(comm.timeout());
+}
+
+void NcclTransport::set_timeout(std::chrono::milliseconds timeout) {
+  Transport::set_timeout(timeout);
+  comm_.set_timeout(timeout);
+}
+
+Handle NcclTransport::post(const P2POp* ops, size_t n) {
+  // Zero-byte ops complete at once and are not sent: both ends of a ring step
+  // compute the same slice sizes, so they skip the same messages.
+  size_t live = 0;
+  for (size_t i = 0; i < n; ++i) live += ops[i].bytes != 0;
+  // The comm stream first waits for the reductions enqueued so far: a send may
+  // read what they write, a receive may overwrite what they read.
+  streams_.comm_after_reductions();
+  if (live != 0) {
+    cudaStream_t stream = streams_.comm();
+    comm_.call([&](ncclComm_t c) {
+      PYCOMM_NCCL_CHECK(ncclGroupStart(), c);
+      try {
+        for (size_t i = 0; i < n; ++i) {
+          const P2POp& o = ops[i];
+          if (o.bytes == 0) continue;
+          if (o.kind == P2POp::kSend) {
+            PYCOMM_NCCL_CHECK(ncclSend(o.buf, o.bytes, ncclUint8, o.peer, c, stream), c);
+          } else {
+            PYCOMM_NCCL_CHECK(ncclRecv(o.buf, o.bytes, ncclUint8, o.peer, c, stream), c);
+          }
+        }
+      } catch (...) {
+        (void)ncclGroupEnd();  // close the group before the communicator is aborted
+        throw;
+      }
+      PYCOMM_NCCL_CHECK(ncclGroupEnd(), c);
+    });
+    // Nonblocking: the group is enqueued on the stream only once NCCL reports
+    // ncclSuccess, so the event must be recorded after this.
+    comm_.wait_ready("ncclGroupEnd (ncclSend/ncclRecv)");
+  }
+  return streams_.record_comm();
+}
+
+void NcclTransport::wait(Handle h) { streams_.reduction_wait(h); }
+
+template <class F>
+Handle NcclTransport::enqueue(const char* what, F&& f) {
+  streams_.comm_after_reductions();
+  cudaStream_t stream = streams_.comm();
+  comm_.call([&](ncclComm_t c) { f(c, stream); });
+  comm_.wait_ready(what);
+  return streams_.record_comm();
+}
+
+Handle NcclTransport::all_reduce(const void* in, void* out, size_t count, DType dtype,
+                                 ReduceOp op) {
+  return enqueue("ncclAllReduce", [&](ncclComm_t c, cudaStream_t s) {
+    if (count == 0) return;
+    PYCOMM_NCCL_CHECK(ncclAllReduce(in, out, count, to_nccl(dtype), to_nccl(op), c, s), c);
+  });
+}
+
+Handle NcclTransport::reduce_scatter(const void* in, void* out, size_t recv_count, DType dtype,
+                                     ReduceOp op) {
+  return enqueue("ncclReduceScatter", [&](ncclComm_t c, cudaStream_t s) {
+    if (recv_count == 0) return;
+    PYCOMM_NCCL_CHECK(
+        ncclReduceScatter(in, out, recv_count, to_nccl(dtype), to_nccl(op), c, s), c);
+  });
+}
+
+Handle NcclTransport::all_gather(const void* in, void* out, size_t send_count, DType dtype) {
+  return enqueue("ncclAllGather", [&](ncclComm_t c, cudaStream_t s) {
+    if (send_count == 0) return;
+    PYCOMM_NCCL_CHECK(ncclAllGather(in, out, send_count, to_nccl(dtype), c, s), c);
+  });
+}
+
+Handle NcclTransport::broadcast(void* data, size_t bytes, int root) {
+  return enqueue("ncclBroadcast", [&](ncclComm_t c, cudaStream_t s) {
+    if (bytes == 0) return;
+    PYCOMM_NCCL_CHECK(ncclBroadcast(data, data, bytes, ncclUint8, root, c, s), c);
+  });
+}
+
+}  // namespace cuda
+}  // namespace pycomm

@@ -1,0 +1,145 @@
+// NCCL: the communicator (bootstrap, nonblocking init, timeouts, abort), the
+// `nccl` Transport the ring algorithms run on, and the native collectives
+// (algo="nccl", the baseline). Raw device pointers, counts, DType and
+// cudaStream_t only: no torch.
+//
+// Bootstrap: rank 0 calls NcclComm::unique_id(); the 128 bytes travel through
+// the c10d Store (pycomm/comm.py); every rank constructs NcclComm with them on
+// its device.
+//
+// Errors and timeouts. The communicator is created nonblocking
+// (ncclConfig_t.blocking = 0): every NCCL call returns at once, possibly with
+// ncclInProgress, and wait_ready() polls ncclCommGetAsyncError until the call
+// has finished, an error shows up, or the timeout expires. On an error or a
+// timeout the communicator is aborted (ncclCommAbort: NCCL kernels stop, the
+// streams drain) and CommError is thrown. Host waits for the GPU (host_wait,
+// the binding's watchdog) poll the event and ncclCommGetAsyncError the same
+// way, so a dead peer surfaces as a CommError within the timeout instead of a
+// hang. abort() may be called from any thread; a lock keeps the ncclComm_t
+// from being used after ncclCommAbort has freed it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <string>
+
+#include "../core/transport.h"
+#include "streams.h"
+
+namespace pycomm {
+namespace cuda {
+
+class NcclComm {
+ public:
+  // ncclGetUniqueId, as NCCL_UNIQUE_ID_BYTES raw bytes.
+  static std::string unique_id();
+
+  // ncclCommInitRankConfig(nonblocking) on `device`, waiting at most `timeout`.
+  NcclComm(const std::string& unique_id, int rank, int world_size, int device,
+           std::chrono::milliseconds timeout);
+  ~NcclComm();  // destroys (or aborts, if pending work cannot be flushed)
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return size_; }
+  int device() const { return device_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+
+  // Runs f(ncclComm_t) under the lock (throws CommError if aborted). Used to
+  // issue NCCL calls; follow with wait_ready().
+  // A CommError thrown by f (a failed PYCOMM_NCCL_CHECK) aborts the communicator.
+  template <class F>
+  void call(F&& f) {
+    std::string err;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      throw_if_aborted();
+      try {
+        f(comm_);
+        return;
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
+    }
+    fail(err);
+  }
+
+  // Polls until the last nonblocking call has finished (ncclSuccess). On an
+  // asynchronous error or after timeout(): aborts and throws CommError.
+  void wait_ready(const char* what);
+
+  // Throws CommError (after aborting) if NCCL reports an asynchronous error.
+  void check_async(const char* what);
+
+  // Blocks the host until `ev` completes, checking for NCCL errors and the
+  // timeout while it polls (then aborts and throws).
+  void host_wait(cudaEvent_t ev, const char* what);
+
+  // Flushes and destroys the communicator (ncclCommFinalize, ncclCommDestroy).
+  // After an abort, does nothing. Idempotent.
+  void destroy();
+
+  // ncclCommAbort (idempotent, any thread). Pending and later calls throw.
+  void abort(const std::string& why);
+  bool aborted() const { return aborted_.load(); }
+  std::string abort_reason() const;
+
+ private:
+  void throw_if_aborted() const;  // mu_ held
+  [[noreturn]] void fail(const std::string& msg);  // abort + throw CommError
+
+  int rank_, size_, device_;
+  std::chrono::milliseconds timeout_;
+  mutable std::mutex mu_;
+  ncclComm_t comm_ = nullptr;
+  std::atomic<bool> aborted_{false};
+  bool destroyed_ = false;
+  std::string abort_reason_;
+};
+
+// The `nccl` Transport. post() = on the comm stream: wait for the reductions
+// enqueued so far, ncclGroupStart, ncclSend/ncclRecv (ncclUint8, bytes) per op,
+// ncclGroupEnd, record an event -> Handle. wait(h) = the reduction stream
+// waits for that event. Neither blocks the host (except to let a nonblocking
+// ncclGroupEnd finish its setup). See streams.h for why this overlaps.
+class NcclTransport final : public Transport {
+ public:
+  NcclTransport(NcclComm& comm, CudaStreams& streams);
+
+  int rank() const override { return comm_.rank(); }
+  int world_size() const override { return comm_.world_size(); }
+  std::string name() const override { return "nccl"; }
+
+  Handle post(const P2POp* ops, size_t n) override;
+  void wait(Handle h) override;
+  void set_timeout(std::chrono::milliseconds timeout) override;
+  void abort() override { comm_.abort("aborted through the transport"); }
+
+  // Native NCCL collectives (algo="nccl"), enqueued on the comm stream in the
+  // same order as post(); complete them with wait(). out may equal in.
+  Handle all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op);
+  Handle reduce_scatter(const void* in, void* out, size_t recv_count, DType dtype, ReduceOp op);
+  Handle all_gather(const void* in, void* out, size_t send_count, DType dtype);
+  Handle broadcast(void* data, size_t bytes, int root);
+
+  NcclComm& comm() { return comm_; }
+
+ private:
+  template <class F>
+  Handle enqueue(const char* what, F&& f);
+
+  NcclComm& comm_;
+  CudaStreams& streams_;
+};
+
+ncclDataType_t to_nccl(DType t);
+ncclRedOp_t to_nccl(ReduceOp op);
+
+}  // namespace cuda
+}  // namespace pycomm

@@ -1,0 +1,233 @@
+"""Multi-process test harness: real ranks, a per-call timeout, tracebacks back.
+
+Two ways to run code on N ranks:
+
+* ``run_ranks(fn, world_size, transport, *args)``: ranks come from a cached pool
+  of spawned processes that already hold a communicator (spawning and
+  importing torch costs ~2 s a process, so pools are reused across tests).
+  ``fn(comm, *args)`` runs on every rank; its return values come back as a
+  list indexed by rank. A failure or timeout kills the pool (its
+  communicator may be aborted) and raises with every child's traceback.
+* ``spawn_ranks(fn, world_size, *args)``: fresh processes that build their own
+  communicator (fault tests: they kill ranks). ``fn(rank, world_size, port,
+  *args)``; returns per-rank results, or the exitcode where a rank died.
+
+Either way a deadlock fails the calling test after ``timeout`` seconds instead
+of hanging CI.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from collections import OrderedDict
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+_CTX = mp.get_context("spawn")
+DEFAULT_TIMEOUT = float(os.environ.get("PYCOMM_TEST_TIMEOUT", "120"))
+# The communicator's own timeout in tests: a wedged collective errors out
+# well before the harness gives up.
+COMM_TIMEOUT = timedelta(seconds=float(os.environ.get("PYCOMM_TEST_COMM_TIMEOUT", "60")))
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def master_store(world_size: int) -> dist.TCPStore:
+    """A TCPStore server owned by the test process on a free port (no race:
+    the OS picks the port and the children connect as clients)."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timedelta(seconds=60),
+                         wait_for_workers=False)
+
+
+def client_store(port: int, world_size: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timedelta(seconds=60))
+
+
+def _pool_child(rank: int, world_size: int, port: int, transport: str, conn: Any) -> None:
+    try:
+        import pycomm
+
+        store = client_store(port, world_size)
+        comm = pycomm.init(rank=rank, world_size=world_size, store=store, transport=transport,
+                           timeout=COMM_TIMEOUT)
+        conn.send(("ready", comm.transport))
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            comm.close()
+            conn.send(("closed", None))
+            return
+        fn, args = msg
+        try:
+            conn.send(("ok", fn(comm, *args)))
+        except BaseException:
+            conn.send(("err", traceback.format_exc()))
+
+
+class RankPool:
+    """world_size spawned processes, each holding a communicator."""
+
+    def __init__(self, world_size: int, transport: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.world_size = world_size
+        self.transport = transport
+        self._store = master_store(world_size)
+        self._conns = []
+        self._procs = []
+        for r in range(world_size):
+            parent, child = _CTX.Pipe()
+            p = _CTX.Process(target=_pool_child,
+                             args=(r, world_size, self._store.port, transport, child), daemon=True)
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+        self._collect("init", timeout)
+
+    def _collect(self, what: str, timeout: float) -> list[Any]:
+        results: list[Any] = [None] * self.world_size
+        errors: list[str] = []
+        pending = set(range(self.world_size))
+        import time
+
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready = mp.connection.wait([self._conns[r] for r in pending], timeout=left)
+            for c in ready:
+                r = self._conns.index(c)
+                pending.discard(r)
+                try:
+                    status, value = c.recv()
+                except EOFError:
+                    errors.append(f"rank {r} died (exitcode {self._procs[r].exitcode})")
+                    continue
+                if status == "err":
+                    errors.append(f"rank {r} raised:\n{value}")
+                else:
+                    results[r] = value
+        if pending:
+            errors.append(f"ranks {sorted(pending)} did not finish {what} within {timeout:.0f} s "
+                          "(deadlock?)")
+        if errors:
+            self.kill()
+            raise RankFailure(f"{what} failed on {self.world_size} ranks "
+                              f"({self.transport}):\n" + "\n".join(errors))
+        return results
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
+        for c in self._conns:
+            c.send((fn, args))
+        return self._collect(getattr(fn, "__name__", "fn"), timeout)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def close(self) -> None:
+        try:
+            for c in self._conns:
+                c.send(None)
+            self._collect("close", 30)
+        except Exception:
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        self._procs = [p for p in self._procs if p.is_alive()]
+
+
+_pools: "OrderedDict[tuple[int, str], RankPool]" = OrderedDict()
+_MAX_POOLS = 3
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, transport: str, *args: Any,
+              timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
+    key = (world_size, transport)
+    pool = _pools.pop(key, None)
+    if pool is None or not pool.alive():
+        while len(_pools) >= _MAX_POOLS:
+            _pools.popitem(last=False)[1].close()
+        pool = RankPool(world_size, transport)
+    try:
+        results = pool.run(fn, *args, timeout=timeout)
+    except BaseException:
+        pool.kill()
+        raise
+    _pools[key] = pool
+    return results
+
+
+def close_pools() -> None:
+    while _pools:
+        _pools.popitem()[1].close()
+
+
+def _spawn_child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,
+                 conn: Any) -> None:
+    try:
+        conn.send(("ok", fn(rank, world_size, port, *args)))
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+
+
+def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
+                timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
+    """Fresh processes; a rank that dies yields ("died", exitcode) in its slot."""
+    import time
+
+    store = master_store(world_size)
+    conns, procs = [], []
+    for r in range(world_size):
+        parent, child = _CTX.Pipe()
+        p = _CTX.Process(target=_spawn_child, args=(fn, r, world_size, store.port, args, child),
+                         daemon=True)
+        p.start()
+        child.close()
+        conns.append(parent)
+        procs.append(p)
+    results: list[Any] = [None] * world_size
+    errors = []
+    deadline = time.monotonic() + timeout
+    pending = set(range(world_size))
+    while pending and time.monotonic() < deadline:
+        ready = mp.connection.wait([conns[r] for r in pending],
+                                   timeout=max(0.0, deadline - time.monotonic()))
+        for c in ready:
+            r = conns.index(c)
+            pending.discard(r)
+            try:
+                status, value = c.recv()
+            except EOFError:
+                procs[r].join(timeout=5)
+                results[r] = ("died", procs[r].exitcode)
+                continue
+            if status == "err":
+                errors.append(f"rank {r} raised:\n{value}")
+            results[r] = value
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=10)
+    if pending:
+        errors.append(f"ranks {sorted(pending)} did not finish within {timeout:.0f} s (deadlock?)")
+    if errors:
+        raise RankFailure("\n".join(errors))
+    return results

@@ -1,0 +1,24 @@
+import os
+
+import pytest
+
+from tests import _dist
+
+# Every CPU transport the build offers; the collective suite runs for each.
+CPU_TRANSPORTS = [t for t in os.environ.get("PYCOMM_TEST_TRANSPORTS", "gloo,shm").split(",") if t]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA and NCCL (skipped without a GPU)")
+    config.addinivalue_line("markers", "slow: long-running variants (run with -m slow)")
+
+
+@pytest.fixture(params=CPU_TRANSPORTS)
+def transport(request):
+    return request.param
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_rank_pools():
+    yield
+    _dist.close_pools()

@@ -1,0 +1,78 @@
+"""Deterministic per-rank inputs and independent float64 references."""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+
+import torch
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+          torch.int32, torch.int64, torch.uint8, torch.int8]
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+OPS = ["sum", "avg", "max", "min", "product"]
+
+
+def rank_input(rank: int, count: int, dtype: torch.dtype, op: str, seed: int = 0) -> torch.Tensor:
+    """Rank `rank`'s input. Value ranges keep every op exact or well
+    conditioned: small integers (no overflow for 5 ranks), products near 1."""
+    key = f"{rank}/{count}/{dtype}/{op}/{seed}".encode()  # stable across processes
+    g = torch.Generator().manual_seed(zlib.crc32(key))
+    if dtype.is_floating_point:
+        if op == "product":
+            x = torch.rand(count, generator=g, dtype=torch.float64) * 0.5 + 0.75
+        else:
+            x = torch.randn(count, generator=g, dtype=torch.float64)
+        return x.to(dtype)
+    lo, hi = (0, 4) if dtype == torch.uint8 else (-3, 4)
+    if op == "product":
+        lo, hi = (1, 3) if dtype == torch.uint8 else (-2, 3)
+    return torch.randint(lo, hi, (count,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """op over ranks, computed in float64 (int64 for integer dtypes)."""
+    acc_t = torch.float64 if inputs[0].dtype.is_floating_point else torch.int64
+    xs = torch.stack([x.to(acc_t) for x in inputs])
+    if op in ("sum", "avg"):
+        out = xs.sum(0)
+        return out / len(inputs) if op == "avg" else out
+    if op == "max":
+        return xs.max(0).values
+    if op == "min":
+        return xs.min(0).values
+    if op == "product":
+        return xs.prod(0)
+    raise ValueError(op)
+
+
+def tolerance(dtype: torch.dtype, world_size: int) -> tuple[float, float]:
+    """(rtol, atol) for comparing a ring result with the float64 reference:
+    each of the n-1 reduction steps rounds once to the storage dtype."""
+    n = max(world_size, 1)
+    return {
+        torch.float64: (1e-12, 1e-12),
+        torch.float32: (1e-5 * n, 1e-5 * n),
+        torch.float16: (2e-3 * n, 4e-3 * n),
+        torch.bfloat16: (1.6e-2 * n, 3.2e-2 * n),
+    }.get(dtype, (0.0, 0.0))
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    rtol, atol = tolerance(out.dtype, 4)
+    if out.dtype.is_floating_point:
+        torch.testing.assert_close(out.to(torch.float64), ref.to(torch.float64), rtol=rtol,
+                                   atol=atol, msg=lambda m: f"{what}: {m}")
+    else:
+        # integers wrap like torch's own arithmetic
+        expect = ref.to(out.dtype)
+        if not torch.equal(out, expect):
+            bad = (out != expect).nonzero()[:5].flatten().tolist()
+            raise AssertionError(f"{what}: {int((out != expect).sum())} elements differ, "
+                                 f"first at {bad}: got {out[bad].tolist()} "
+                                 f"expected {expect[bad].tolist()}")
+
+
+def digest(t: torch.Tensor) -> str:
+    """Bit pattern fingerprint, to prove every rank holds identical bytes."""
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

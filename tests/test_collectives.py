@@ -1,0 +1,246 @@
+"""The collective suite: every op x dtype x size on real ranks, against float64
+references, for every CPU transport (the `transport` fixture) and world sizes
+1 to 4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from tests.reference import (
+    DTYPES,
+    FLOAT_DTYPES,
+    OPS,
+    assert_matches,
+    digest,
+    rank_input,
+    reference,
+)
+
+WORLD_SIZES = [1, 2, 3, 4]
+SMALL_COUNTS = [0, 1, 13, 1031]  # 13, 1031: primes, not divisible by 2, 3 or 4
+LARGE_COUNT = 1_048_583  # prime, over a million
+
+
+def _cases(large: bool):
+    for dtype in DTYPES:
+        for op in OPS:
+            if op == "avg" and not dtype.is_floating_point:
+                continue
+            for count in SMALL_COUNTS:
+                yield count, dtype, op
+    if large:
+        for dtype in DTYPES:
+            yield LARGE_COUNT, dtype, "sum"
+        yield LARGE_COUNT, torch.float32, "max"
+        yield LARGE_COUNT, torch.float32, "avg"
+
+
+# ---------------------------------------------------------------- all_reduce
+
+def _all_reduce_cases(comm, algo: str, large: bool):
+    digests = []
+    for count, dtype, op in _cases(large):
+        inputs = [rank_input(r, count, dtype, op) for r in range(comm.world_size)]
+        t = inputs[comm.rank].clone()
+        comm.all_reduce(t, op=op, algo=algo)
+        assert_matches(t, reference(inputs, op), f"all_reduce {op} {dtype} count={count}")
+        digests.append(digest(t))
+    return digests
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("algo", ["ring", "auto"])
+def test_all_reduce_every_op_dtype_size(transport, world_size, algo):
+    per_rank = run_ranks(_all_reduce_cases, world_size, transport, algo, algo == "ring")
+    # bitwise identical on every rank
+    for r in range(1, world_size):
+        assert per_rank[r] == per_rank[0], f"rank {r} differs from rank 0"
+
+
+def _all_reduce_small_slices(comm):
+    # slice_bytes is a communicator property; emulate many slices with a
+    # count that spans many of them.
+    count = comm._impl.slice_bytes // 4 * 5 + 3
+    inputs = [rank_input(r, count, torch.float32, "sum") for r in range(comm.world_size)]
+    t = inputs[comm.rank].clone()
+    comm.all_reduce(t)
+    assert_matches(t, reference(inputs, "sum"), "multi-slice all_reduce")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_spans_many_slices(transport, world_size):
+    run_ranks(_all_reduce_small_slices, world_size, transport)
+
+
+# ---------------------------------------------------------------- reduce_scatter / all_gather
+
+def _reduce_scatter_cases(comm):
+    n, r = comm.world_size, comm.rank
+    for m in [0, 1, 7, 1000]:
+        for dtype in DTYPES:
+            for op in ["sum", "max", "avg"]:
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                inputs = [rank_input(q, n * m, dtype, op) for q in range(n)]
+                mine = inputs[r].clone()
+                out = torch.empty(m, dtype=dtype)
+                comm.reduce_scatter(out, mine, op=op)
+                assert torch.equal(mine, inputs[r]), "reduce_scatter modified its input"
+                assert_matches(out, reference(inputs, op)[r * m:(r + 1) * m],
+                               f"reduce_scatter {op} {dtype} m={m}")
+
+
+def _all_gather_cases(comm):
+    n, r = comm.world_size, comm.rank
+    for m in [0, 1, 7, 1000]:
+        for dtype in DTYPES:
+            inputs = [rank_input(q, m, dtype, "sum") for q in range(n)]
+            out = torch.full((n * m,), 7, dtype=dtype)
+            comm.all_gather(out, inputs[r])
+            assert torch.equal(out, torch.cat(inputs)), f"all_gather {dtype} m={m}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_reduce_scatter(transport, world_size):
+    run_ranks(_reduce_scatter_cases, world_size, transport)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_all_gather(transport, world_size):
+    run_ranks(_all_gather_cases, world_size, transport)
+
+
+# ---------------------------------------------------------------- broadcast
+
+def _broadcast_cases(comm):
+    n, r = comm.world_size, comm.rank
+    for src in range(n):
+        for count in [0, 1, 13, 300_007]:
+            for dtype in [torch.float32, torch.bfloat16, torch.int64, torch.uint8]:
+                expect = rank_input(src, count, dtype, "sum", seed=src)
+                t = expect.clone() if r == src else torch.zeros(count, dtype=dtype)
+                comm.broadcast(t, src=src)
+                assert torch.equal(t, expect), f"broadcast src={src} count={count} {dtype}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_broadcast_from_every_src(transport, world_size):
+    run_ranks(_broadcast_cases, world_size, transport)
+
+
+# ---------------------------------------------------------------- p2p
+
+def _p2p_both_directions(comm):
+    """Every pair exchanges in both directions at once, with isend/irecv and
+    with batch_isend_irecv, for several sizes."""
+    import pycomm
+
+    n, r = comm.world_size, comm.rank
+    for count in [1, 1000, 250_001]:
+        for peer in range(n):
+            if peer == r:
+                continue
+            mine = rank_input(r, count, torch.float32, "sum", seed=peer)
+            theirs = rank_input(peer, count, torch.float32, "sum", seed=r)
+            got = torch.empty(count)
+            works = comm.batch_isend_irecv([pycomm.P2POp("isend", mine, peer),
+                                            pycomm.P2POp(pycomm.irecv, got, peer)])
+            for w in works:
+                w.wait()
+            assert torch.equal(got, theirs)
+            # isend/irecv: lower rank sends first, both directions in flight
+            got2 = torch.empty(count)
+            ws = comm.isend(mine, peer)
+            wr = comm.irecv(got2, peer)
+            wr.wait()
+            ws.wait()
+            assert torch.equal(got2, theirs)
+    # blocking send/recv along a ring (even ranks send first)
+    if n > 1:
+        buf = torch.empty(17, dtype=torch.int64)
+        msg = torch.arange(17) + r
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        if r % 2 == 0:
+            comm.send(msg, nxt)
+            comm.recv(buf, prv)
+        else:
+            comm.recv(buf, prv)
+            comm.send(msg, nxt)
+        assert torch.equal(buf, torch.arange(17) + prv)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_p2p_both_directions(transport, world_size):
+    run_ranks(_p2p_both_directions, world_size, transport)
+
+
+# ---------------------------------------------------------------- async
+
+def _async_out_of_order(comm):
+    n = comm.world_size
+    ts = [torch.full((1000 * (i + 1),), float(comm.rank + i)) for i in range(6)]
+    works = [comm.all_reduce(t, async_op=True) for t in ts]
+    futs = [w.get_future() for w in works]
+    for i in reversed(range(6)):  # wait out of order
+        works[i].wait()
+        assert works[i].is_completed() and works[i].is_success()
+    for i, t in enumerate(ts):
+        expect = sum(q + i for q in range(n))
+        assert torch.all(t == expect), f"async op {i}"
+        value = futs[i].wait()
+        assert value[0] is not None and torch.equal(value[0], t)
+    # a chained future, as DDP comm hooks use it
+    t = torch.ones(10) * (comm.rank + 1)
+    fut = comm.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    assert torch.all(fut.wait() == n * (n + 1))
+    # mixed async collectives and p2p keep submission order
+    a = torch.ones(5)
+    w1 = comm.all_reduce(a, async_op=True)
+    b = torch.full((3,), float(comm.rank))
+    w2 = comm.broadcast(b, src=n - 1, async_op=True)
+    w2.wait()
+    w1.wait()
+    assert torch.all(a == n) and torch.all(b == n - 1)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_async_ops_waited_out_of_order(transport, world_size):
+    run_ranks(_async_out_of_order, world_size, transport)
+
+
+def _barrier_and_module_level(comm):
+    import pycomm
+
+    comm.barrier()
+    t = torch.ones(3)
+    pycomm.all_reduce(t, op=pycomm.ReduceOp.SUM)  # the default communicator
+    assert torch.all(t == comm.world_size)
+    t = torch.tensor([float(comm.rank)])
+    pycomm.all_reduce(t, op="max")
+    assert t.item() == comm.world_size - 1
+    pycomm.barrier()
+    return pycomm.get_default() is comm
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_barrier_and_module_level_twins(transport, world_size):
+    assert all(run_ranks(_barrier_and_module_level, world_size, transport))
+
+
+def _float_special_values(comm):
+    n, r = comm.world_size, comm.rank
+    for dtype in FLOAT_DTYPES:
+        t = torch.tensor([float("nan") if r == 0 else 1.0, float("inf"), -0.0, 1.0], dtype=dtype)
+        comm.all_reduce(t, op="max")
+        assert torch.isnan(t[0]) and t[1] == float("inf")
+        t = torch.tensor([1.0 if r else float("nan")], dtype=dtype)
+        comm.all_reduce(t, op="min")
+        assert torch.isnan(t[0])
+    return n
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_nan_propagates_in_max_min(transport, world_size):
+    run_ranks(_float_special_values, world_size, transport)

@@ -1,0 +1,449 @@
+"""GPU tests (pytest -m gpu): the CUDA kernels and the nccl communicator.
+
+They run on ONE GPU: 2-4 ranks are processes sharing it. NCCL refuses two
+ranks of one host on one GPU, so each rank gets its own NCCL_HOSTID (NCCL then
+talks between them over its socket transport on loopback); with
+PYCOMM_GPU_TEST_MODE=multi they use NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30)
+instead. Such runs prove correctness, not speed. Everything skips cleanly
+without CUDA or without a CUDA build of pycomm._C.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+try:
+    from pycomm._ext import _C
+
+    _HAVE_EXT = True
+except Exception:  # pragma: no cover - the CPU suite reports build problems
+    _C = None
+    _HAVE_EXT = False
+
+HAVE_GPU = (_HAVE_EXT and bool(getattr(_C, "WITH_CUDA", False))
+            and torch.cuda.is_available())
+if not HAVE_GPU:
+    pytest.skip("needs CUDA and the CUDA build of pycomm._C", allow_module_level=True)
+
+OPS = {"sum": 0, "avg": 1, "max": 2, "min": 3, "product": 4}
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+          torch.int32, torch.int64, torch.uint8, torch.int8]
+FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+TIMEOUT = float(os.environ.get("PYCOMM_GPU_TEST_TIMEOUT", "600"))
+
+
+# ---------------------------------------------------------------- kernels (one process)
+
+def _rand(dtype, n, seed, lo=-8, hi=8):
+    g = torch.Generator().manual_seed(seed)
+    if dtype in FLOATS:
+        return (torch.rand(n, generator=g, dtype=torch.float64) * (hi - lo) + lo).to(dtype)
+    if dtype == torch.uint8:
+        lo = 0
+    return torch.randint(lo, hi + 1, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, except that NaNs only need to be NaN at the same
+    places: arithmetic on a NaN gives the canonical NaN on the GPU but keeps
+    the operand's payload on x86 (MAX/MIN select, so they keep it on both)."""
+    a, b = a.cpu().contiguous(), b.cpu().contiguous()
+    if a.dtype.is_floating_point:
+        na, nb = torch.isnan(a), torch.isnan(b)
+        if not torch.equal(na, nb):
+            return False
+        width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a[~na].view(width), b[~nb].view(width))
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", list(OPS))
+def test_kernel_bitwise_equals_cpu(op, dtype):
+    if op == "avg" and dtype not in FLOATS:
+        pytest.skip("AVG is floating only")
+    n = 1 << 16
+    a, b = _rand(dtype, n + 64, 1), _rand(dtype, n + 64, 2)
+    if dtype in FLOATS:  # specials: NaN, inf, -0, subnormals, overflow in fp16
+        sp = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, 6e4, -6e4, 1e-7],
+                          dtype=torch.float64).to(dtype)
+        a[: sp.numel()] = sp
+        b[3 : 3 + sp.numel()] = sp
+    # offsets 0..15 elements: aligned packs, scalar prologues/epilogues, and
+    # different misalignments of dst and src (the element-by-element path)
+    for off_a, off_b, count in [(0, 0, n), (1, 1, n - 3), (3, 5, n - 7), (0, 0, 1), (2, 2, 0), (7, 7, 13)]:
+        x, y = a[off_a : off_a + count].clone(), b[off_b : off_b + count].clone()
+        ref = x.clone()
+        _C.reduce_(ref, y, OPS[op])
+        buf_a = a.cuda()
+        gx = buf_a[off_a : off_a + count]
+        gx.copy_(x)
+        gy = b.cuda()[off_b : off_b + count]
+        _C.cuda_reduce_(gx, gy, OPS[op])
+        torch.cuda.synchronize()
+        assert _bitwise_equal(gx, ref), (op, dtype, off_a, off_b, count)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("factor", [0.5, 1 / 3])
+def test_scale_and_fused_reduce_scale_bitwise(dtype, factor):
+    n = 100_003
+    a, b = _rand(dtype, n, 3), _rand(dtype, n, 4)
+    ref = a.clone()
+    _C.scale_(ref, factor)
+    g = a.cuda()
+    _C.cuda_scale_(g, factor)
+    torch.cuda.synchronize()
+    assert _bitwise_equal(g, ref)
+    ref2 = a.clone()
+    _C.reduce_(ref2, b, OPS["sum"])
+    _C.scale_(ref2, factor)
+    g2 = a.cuda()
+    _C.cuda_reduce_scale_(g2, b.cuda(), OPS["sum"], factor)
+    torch.cuda.synchronize()
+    assert _bitwise_equal(g2, ref2)
+
+
+# ---------------------------------------------------------------- multi-rank harness
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world, port, queue, kwargs):
+    try:
+        if os.environ.get("PYCOMM_GPU_TEST_MODE", "hostid") == "multi":
+            os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+        else:
+            os.environ["NCCL_HOSTID"] = f"host{rank}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_IB_DISABLE", "1")
+        os.environ["LOCAL_RANK"] = "0"
+        import torch.distributed as dist
+
+        import pycomm
+
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
+                              timeout=timedelta(seconds=TIMEOUT))
+        comm = pycomm.init(rank=rank, world_size=world, store=store, transport="nccl",
+                           device="cuda:0", timeout=kwargs.pop("comm_timeout", 120),
+                           slice_bytes=kwargs.pop("slice_bytes", None), set_default=False)
+        try:
+            fn(comm, store, **kwargs)
+        finally:
+            try:
+                comm.close()
+            except Exception:
+                if not kwargs.get("allow_close_error"):
+                    raise
+        queue.put((rank, None))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+
+
+def run_ranks(world: int, fn, **kwargs) -> None:
+    """Runs fn(comm, store, **kwargs) on `world` ranks sharing cuda:0; a child's
+    traceback fails the test; a hang fails it after TIMEOUT seconds."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, queue, dict(kwargs)), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + TIMEOUT
+    errors, done = [], 0
+    try:
+        while done < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"timed out after {TIMEOUT} s ({done}/{world} ranks finished)")
+            try:
+                rank, err = queue.get(timeout=min(left, 5.0))
+            except Exception:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and done + len(errors) < world:
+                    raise AssertionError(f"rank(s) died: exit codes {[p.exitcode for p in procs]}")
+                continue
+            done += 1
+            if err:
+                errors.append(f"--- rank {rank} ---\n{err}")
+        assert not errors, "\n".join(errors)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def _inputs(rank, dtype, n, op, seed):
+    """Rank r's input: small values so integer sums/products cannot overflow."""
+    if op == "product":
+        if dtype in FLOATS:
+            x = _rand(torch.float64, n, seed * 31 + rank, lo=0, hi=1) + 0.5
+            return x.to(dtype)
+        return _rand(dtype, n, seed * 31 + rank, lo=1 if dtype == torch.uint8 else -2, hi=2)
+    return _rand(dtype, n, seed * 31 + rank, lo=-8, hi=8)
+
+
+def _reference(op, dtype, n, world, seed):
+    xs = [_inputs(r, dtype, n, op, seed).double() for r in range(world)]
+    if op in ("sum", "avg"):
+        ref = sum(xs)
+        if op == "avg":
+            ref = ref / world
+    elif op == "product":
+        ref = xs[0]
+        for x in xs[1:]:
+            ref = ref * x
+    elif op == "max":
+        ref = torch.stack(xs).amax(0)
+    else:
+        ref = torch.stack(xs).amin(0)
+    return ref
+
+
+def _tolerance(dtype, world):
+    return {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12),
+            torch.float16: (2e-3 * world, 1e-2 * world),
+            torch.bfloat16: (1.6e-2 * world, 6e-2 * world)}.get(dtype, (0, 0))
+
+
+COUNTS = [0, 1, 1009, 3 * (1 << 16) + 5]
+
+
+def _all_reduce_sweep(comm, store, seed):
+    world = comm.world_size
+    digests = []
+    for algo in ("ring", "nccl"):
+        for dtype in DTYPES:
+            for op in OPS:
+                if op == "avg" and dtype not in FLOATS:
+                    continue
+                for n in COUNTS:
+                    t = _inputs(comm.rank, dtype, n, op, seed).cuda()
+                    comm.all_reduce(t, op=op, algo=algo)
+                    got = t.cpu()
+                    ref = _reference(op, dtype, n, world, seed)
+                    rtol, atol = _tolerance(dtype, world)
+                    torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol,
+                                               msg=lambda m: f"{algo} {op} {dtype} n={n}: {m}")
+                    if algo == "ring":
+                        digests.append(hashlib.sha1(got.contiguous().view(torch.uint8).numpy()
+                                                    .tobytes()).hexdigest())
+    # ring results are bitwise identical on every rank
+    store.set(f"digest/{comm.rank}", ",".join(digests))
+    for r in range(world):
+        assert store.get(f"digest/{r}").decode() == ",".join(digests), f"rank {r} differs"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_all_reduce_every_op_dtype(world):
+    # small slices so that chunks span several slices (the overlapped pipeline)
+    run_ranks(world, _all_reduce_sweep, seed=world, slice_bytes=64 * 1024)
+
+
+def _default_slice_large(comm, store):
+    n = (1 << 22) + 3  # 16 MiB fp32: several default (4 MiB) slices per chunk
+    for algo in ("ring", "nccl", "auto"):
+        t = torch.full((n,), float(comm.rank + 1), device="cuda")
+        comm.all_reduce(t, algo=algo)
+        expect = comm.world_size * (comm.world_size + 1) / 2
+        assert torch.all(t == expect).item(), algo
+
+
+def test_all_reduce_default_slices_and_auto():
+    run_ranks(2, _default_slice_large)
+
+
+def _nan_propagation(comm, store):
+    for dtype in FLOATS:
+        for op in ("max", "min"):
+            t = torch.zeros(1001, dtype=dtype, device="cuda")
+            if comm.rank == 1:
+                t[0] = float("nan")
+                t[1000] = float("nan")
+            comm.all_reduce(t, op=op, algo="ring")
+            assert torch.isnan(t[0]).item() and torch.isnan(t[1000]).item(), (dtype, op)
+            assert not torch.isnan(t[1:1000]).any().item()
+
+
+def test_ring_max_min_propagate_nan():
+    run_ranks(3, _nan_propagation, slice_bytes=256)
+
+
+def _broadcast_every_src(comm, store):
+    for algo in ("ring", "nccl"):
+        for src in range(comm.world_size):
+            for dtype in (torch.float32, torch.uint8, torch.bfloat16):
+                for n in COUNTS:
+                    ref = _rand(dtype, n, 1000 + src)
+                    t = ref.cuda() if comm.rank == src else torch.zeros(n, dtype=dtype, device="cuda")
+                    comm.broadcast(t, src=src, algo=algo)
+                    assert _bitwise_equal(t, ref), (algo, src, dtype, n)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_broadcast_from_every_src(world):
+    run_ranks(world, _broadcast_every_src, slice_bytes=4096)
+
+
+def _rs_ag(comm, store):
+    world, r = comm.world_size, comm.rank
+    for algo in ("ring", "nccl"):
+        for dtype in (torch.float32, torch.bfloat16, torch.int32):
+            for m in (0, 1, 1009, 70001):
+                inp = _inputs(r, dtype, m * world, "sum", 7).cuda()
+                out = torch.empty(m, dtype=dtype, device="cuda")
+                comm.reduce_scatter(out, inp, op="sum", algo=algo)
+                ref = _reference("sum", dtype, m * world, world, 7)[r * m:(r + 1) * m]
+                rtol, atol = _tolerance(dtype, world)
+                torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol)
+                gin = _rand(dtype, m, 50 + r).cuda()
+                gout = torch.empty(m * world, dtype=dtype, device="cuda")
+                comm.all_gather(gout, gin, algo=algo)
+                gref = torch.cat([_rand(dtype, m, 50 + q) for q in range(world)])
+                assert _bitwise_equal(gout, gref), (algo, dtype, m)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_all_gather(world):
+    run_ranks(world, _rs_ag, slice_bytes=8192)
+
+
+def _p2p(comm, store):
+    import pycomm
+
+    world, r = comm.world_size, comm.rank
+    nxt, prv = (r + 1) % world, (r - 1) % world
+    for n in (0, 1, 1009, 1 << 20):
+        # batch: send to next while receiving from previous (a ring shift)
+        send = _rand(torch.float32, n, 300 + r).cuda()
+        recv = torch.empty(n, device="cuda")
+        works = comm.batch_isend_irecv([pycomm.P2POp("isend", send, nxt),
+                                        pycomm.P2POp("irecv", recv, prv)])
+        for w in works:
+            w.wait()
+        assert _bitwise_equal(recv, _rand(torch.float32, n, 300 + prv))
+        # ping-pong between 0 and 1 with blocking send/recv and isend/irecv
+        if r in (0, 1):
+            t = torch.full((n,), float(r), device="cuda")
+            if r == 0:
+                comm.send(t, 1)
+                comm.recv(t, 1)
+                assert torch.all(t == 2.0).item()
+            else:
+                comm.recv(t, 0)
+                t += 2
+                w = comm.isend(t, 0)
+                w.wait()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_p2p_and_batch(world):
+    run_ranks(world, _p2p)
+
+
+def _async_and_streams(comm, store):
+    world, r = comm.world_size, comm.rank
+    n = 1 << 20
+    expect = world * (world + 1) / 2
+    # async Work + future: the future completes with the output tensors once done
+    t = torch.full((n,), float(r + 1), device="cuda")
+    w = comm.all_reduce(t, async_op=True)
+    fut = w.get_future()
+    res = fut.wait()
+    assert res[0] is t or res[0].data_ptr() == t.data_ptr()
+    assert w.is_completed() and w.is_success()
+    w.wait()
+    assert torch.all(t == expect).item()
+
+    # stream semantics: the op runs after the caller's current stream (here a
+    # side stream that is busy before it writes the input) ...
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        t = torch.zeros(n, device="cuda")
+        torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU time before the fill
+        t.fill_(float(r + 1))
+        w = comm.all_reduce(t, algo="ring", async_op=True)
+        # ... and wait() makes the current stream (s) wait, without the host
+        w.wait()
+        t.mul_(2)  # on s, after the all-reduce
+    s.synchronize()
+    assert torch.all(t == 2 * expect).item()
+
+    # a sync op orders the caller's stream after it as well
+    u = torch.full((n,), float(r + 1), device="cuda")
+    comm.all_reduce(u, algo="nccl")
+    u.add_(1)
+    torch.cuda.synchronize()
+    assert torch.all(u == expect + 1).item()
+
+    # many async ops in flight, completing in order
+    ts = [torch.full((4099,), float(r + i), device="cuda") for i in range(16)]
+    ws = [comm.all_reduce(x, async_op=True, algo="ring" if i % 2 else "nccl") for i, x in enumerate(ts)]
+    for i, (x, w) in enumerate(zip(ts, ws)):
+        w.get_future().wait()
+        assert torch.all(x == sum(q + i for q in range(world))).item()
+
+    comm.barrier()
+
+
+def test_async_work_future_and_stream_semantics():
+    run_ranks(2, _async_and_streams)
+
+
+def _argument_errors(comm, store):
+    with pytest.raises(ValueError):
+        comm.all_reduce(torch.ones(4))  # CPU tensor
+    with pytest.raises(ValueError):
+        comm.all_reduce(torch.ones(4, 2, device="cuda").t())  # not contiguous
+    with pytest.raises(ValueError):
+        comm.all_reduce(torch.ones(4, dtype=torch.int32, device="cuda"), op="avg")
+    with pytest.raises(ValueError):
+        comm.all_reduce(torch.ones(4, device="cuda"), algo="bogus")
+    with pytest.raises(TypeError):
+        comm.all_reduce(torch.ones(4, dtype=torch.complex64, device="cuda"))
+    with pytest.raises(ValueError):
+        comm.send(torch.ones(4, device="cuda"), comm.rank)
+    assert comm.transport == "nccl" and comm.device == torch.device("cuda:0")
+    comm.barrier()
+
+
+def test_argument_errors():
+    run_ranks(2, _argument_errors)
+
+
+def _timeout(comm, store, allow_close_error):
+    import pycomm
+
+    if comm.rank == 1:
+        time.sleep(12)  # never joins the collective
+        return
+    t = torch.ones(1 << 16, device="cuda")
+    # Either the enqueue (NCCL connects lazily, which needs the peer) or the
+    # GPU wait (watchdog) hits the timeout; both abort and raise CommError.
+    with pytest.raises(RuntimeError, match="timed out|did not finish|aborted|NCCL"):
+        w = comm.all_reduce(t, async_op=True)
+        w.get_future().wait()
+    assert comm._impl.aborted
+    with pytest.raises(pycomm.CommError):
+        comm.all_reduce(t)
+
+
+def test_timeout_aborts_and_raises():
+    run_ranks(2, _timeout, comm_timeout=3, allow_close_error=True)
