@@ -43,8 +43,8 @@ def _fmt_size(b: int) -> str:
 
 
 def _iters_for(nbytes: int, base: int) -> int:
-    # ~constant total bytes per size, at least 5 iterations
-    return max(5, min(base, (256 << 20) // max(nbytes, 1)))
+    # ~constant total bytes per size, at least 10 iterations
+    return max(10, min(base, (512 << 20) // max(nbytes, 1)))
 
 
 def _rank_main(rank: int, n: int, port: int, sizes: list[int], algos: list[str], iters: int,
