@@ -182,7 +182,10 @@ class Communicator:
         Args:
             tensor: contiguous tensor on the communicator's device.
             op: SUM, AVG (floating dtypes), MAX, MIN or PRODUCT.
-            algo: "ring", "nccl" (GPU native), or "auto".
+            algo: "ring", "nccl" (GPU native), "direct" (shm transport:
+                every rank reduces straight from the others' shared buffers;
+                one or two synchronisations instead of 2(n-1) ring steps), or
+                "auto" (the fastest for the size and transport).
             async_op: return a :class:`Work` instead of waiting.
 
         Raises:
@@ -465,7 +468,9 @@ def init(
         transport: "gloo" (torch's Gloo send/recv; CPU, crosses hosts), "shm"
             (shared memory, one host), "nccl" (GPU), or "auto" ("nccl" when
             the device is CUDA, or when no device is given and this is a CUDA
-            build that sees a GPU; a CPU transport otherwise).
+            build that sees a GPU; on CPU "shm" when every rank runs on this
+            host (hostname + boot id, exchanged through the store), falling
+            back to "gloo" if shared memory cannot be set up, else "gloo").
         device: "cpu" or a CUDA device; default ``cuda:LOCAL_RANK`` when the
             transport is nccl ("cuda" without an index means the same).
         timeout: bounds every blocking wait (default 5 minutes, or

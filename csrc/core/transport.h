@@ -44,15 +44,13 @@ using Handle = uint64_t;
 
 // Optional capability of transports whose ranks share memory (shm): every
 // rank owns two buffers of capacity() bytes that every rank can read, plus a
-// monotonically increasing "epoch" flag. The direct (one-shot) algorithms
-// (algorithms.h) build on it: copy into local(e & 1), arrive_and_wait(e),
-// then read remote(r, e & 1) of every rank.
+// monotonically increasing "epoch" flag. The direct algorithms
+// (algorithms.h) build on it: b = next_buffer(); copy into local(b);
+// arrive_and_wait(next_epoch()); then read remote(r, b) of every rank.
 //
-// Reuse rule: a rank arrives at epoch e only after it has finished reading
-// the buffers of epoch e-1. So once arrive_and_wait(e) returns, every rank is
-// done with epoch e-1, and the buffer of epoch e+1 (same parity as e-1) may be
-// overwritten. Double buffering thus needs one flag per rank and no second
-// barrier per operation.
+// Reuse rule: a rank arrives at the first epoch of a piece only after it has
+// finished every read of the previous piece, so double buffering by piece
+// (next_buffer) needs one flag per rank and no extra barrier per operation.
 class SharedBuffers {
  public:
   virtual ~SharedBuffers() = default;
@@ -68,9 +66,15 @@ class SharedBuffers {
   // Epochs are counted per communicator; all ranks call next_epoch() the same
   // number of times because they run the same collectives in the same order.
   uint64_t next_epoch() { return ++epoch_; }
+  // Buffers alternate per piece of work (a piece may span several epochs):
+  // piece k's buffer is written again by piece k+2, which starts only after
+  // the first arrive_and_wait of piece k+1, i.e. when every rank has finished
+  // piece k.
+  int next_buffer() { return static_cast<int>(pieces_++ & 1); }
 
  private:
   uint64_t epoch_ = 0;
+  uint64_t pieces_ = 0;
 };
 
 class Transport {

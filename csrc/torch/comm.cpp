@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdlib>
+#include <limits>
 #include <sstream>
 
 namespace py = pybind11;
@@ -123,10 +124,10 @@ std::string Comm::algo_for(const std::string& algo, const char* op) const {
       {op, ": unknown algo '", algo, "' (expected 'auto', 'ring', 'direct' or 'nccl')"}));
 }
 
-// all_reduce: "auto" picks by size. "direct" (one-shot over shared memory:
-// one synchronisation, each rank reduces every rank's input) beats the ring
-// (2(n-1) steps) up to direct_max_bytes_, measured on 2..4 ranks with the shm
-// transport (benchmarks/allreduce_cpu/shm_vs_gloo.py).
+// all_reduce: "auto" picks by size. "direct" (over shared memory: one or two
+// synchronisations per piece instead of 2(n-1) ring steps; see
+// algorithms.h) is taken up to direct_max_bytes_ when the transport shares
+// memory.
 std::string Comm::all_reduce_algo(const std::string& algo, size_t bytes) const {
   if (algo == "direct") {
     if (!has_shared_buffers_) {
@@ -152,6 +153,10 @@ Comm::Comm(std::unique_ptr<Transport> transport, CommOptions options)
   transport_->set_timeout(std::chrono::milliseconds(options_.timeout_ms));
   scratch_.resize(2 * static_cast<size_t>(options_.slice_bytes) + 64);
   has_shared_buffers_ = transport_->shared_buffers() != nullptr;
+  // Measured (benchmarks/allreduce_cpu/shm_vs_gloo.py, 2-4 ranks on 2 cores):
+  // direct beats the ring over shm at every size from 4 KiB to 64 MiB, so
+  // auto always takes it on shm; the ring stays available as algo="ring".
+  direct_max_bytes_ = std::numeric_limits<size_t>::max();
   if (const char* v = std::getenv("PYCOMM_DIRECT_MAX_BYTES")) {
     direct_max_bytes_ = static_cast<size_t>(std::strtoull(v, nullptr, 10));
   }
