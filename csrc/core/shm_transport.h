@@ -62,8 +62,10 @@ struct ShmConfig {
   size_t slots = 8;                   // slots per channel (ring depth)
   size_t direct_bytes = 1024 * 1024;  // bytes of each SharedBuffers buffer
   // Waiting policy: pause-spins before yielding, yields before sleeping.
-  unsigned spin = 2000;
-  unsigned yields = 20;
+  // Short on purpose: on a machine with few cores a long spin starves the
+  // peer (or a helper thread) it is waiting for; ~500 pauses is 10-30 us.
+  unsigned spin = 500;
+  unsigned yields = 50;
   // Overrides from PYCOMM_SHM_SLOT_BYTES, PYCOMM_SHM_SLOTS,
   // PYCOMM_SHM_DIRECT_BYTES, PYCOMM_SHM_SPIN, PYCOMM_SHM_YIELDS.
   static ShmConfig from_env();
