@@ -5,7 +5,7 @@ import pytest
 from tests import _dist
 
 # Every CPU transport the build offers; the collective suite runs for each.
-CPU_TRANSPORTS = [t for t in os.environ.get("PYCOMM_TEST_TRANSPORTS", "gloo").split(",") if t]
+CPU_TRANSPORTS = [t for t in os.environ.get("PYCOMM_TEST_TRANSPORTS", "gloo,shm").split(",") if t]
 
 
 def pytest_configure(config):

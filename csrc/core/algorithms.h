@@ -56,4 +56,22 @@ void chain_broadcast(const Context& ctx, void* data, size_t bytes, int root);
 // Dissemination barrier: ceil(log2 n) rounds of 1-byte exchanges.
 void dissemination_barrier(const Context& ctx);
 
+// ---- Direct (one-shot) algorithms over SharedBuffers (direct.cc) ----------
+//
+// For transports whose ranks share memory (Transport::shared_buffers() is not
+// null). Latency-optimal for small messages: one synchronisation per piece
+// instead of 2(n-1) ring steps.
+
+// All-reduce in pieces of at most shared_buffers()->capacity() bytes: each
+// rank copies its piece into its shared buffer and all ranks meet
+// (arrive_and_wait). One-shot (2 ranks, or small pieces): each rank then
+// reduces the n buffers straight into `data` in rank order 0, 1, ..., n-1.
+// Two-shot (3+ ranks, large pieces): rank r reduces only chunk r (same order)
+// and publishes it, all meet again, and each rank copies the other chunks
+// from their owners: 1/n of the reduction work per rank. Either way every
+// element is computed by the same expression on every rank, so the results
+// are bitwise identical. AVG then scales by 1/n. Throws UsageError if the
+// transport has no SharedBuffers.
+void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op);
+
 }  // namespace pycomm

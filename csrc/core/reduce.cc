@@ -5,20 +5,27 @@
 
 #include "elementwise.h"
 
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#define PYCOMM_X86_SIMD 1
+#include <immintrin.h>
+#else
+#define PYCOMM_X86_SIMD 0
+#endif
+
 namespace pycomm {
 namespace {
 
-// Plain loops over __restrict pointers: the compiler vectorises the 32/64-bit
-// cases. The aliasing case (dst == a) is the common one and still vectorises
-// because each element is read before it is written.
+// Plain loops: the compiler vectorises the 32/64-bit cases (with a runtime
+// overlap check, since dst may alias a). The aliasing case (dst == a) is the
+// common one and still vectorises because each element is read before it is
+// written.
 template <class T, class Fn>
 void reduce_loop(T* dst, const T* a, const T* b, size_t n, Fn fn) {
   for (size_t i = 0; i < n; ++i) dst[i] = combine(a[i], b[i], fn);
 }
 
-// 16-bit floats: convert a block to fp32, combine there, convert back. Keeping
-// the conversions in separate tight loops lets them vectorise where the target
-// allows.
+// 16-bit floats, portable path: convert a block to fp32, combine there,
+// convert back, each step in its own tight loop.
 template <class T, class Fn>
 void reduce_block16(T* dst, const T* a, const T* b, size_t n, Fn fn) {
   constexpr size_t kBlock = 512;
@@ -32,6 +39,104 @@ void reduce_block16(T* dst, const T* a, const T* b, size_t n, Fn fn) {
   }
 }
 
+#if PYCOMM_X86_SIMD
+// ---- x86 AVX2 + F16C paths, chosen at run time (the build targets baseline
+// x86-64). Bitwise identical to the functors of elementwise.h:
+//  * fp16 -> fp32 (vcvtph2ps) is exact for every non-NaN half, like
+//    half_to_float; a NaN stays a NaN of the same sign, and the store below
+//    re-encodes every NaN the software way, so NaN payloads cannot leak.
+//  * fp32 -> fp16 (vcvtps2ph, imm = round to nearest even) rounds like
+//    float_to_half (subnormals and overflow to inf included); NaN lanes are
+//    redone with float_to_half.
+//  * bf16 is the integer RNE of float_to_bf16 on 8 lanes; NaN lanes redone.
+//  * the ops are the same IEEE single operations as the scalar functors
+//    (MAX/MIN: a if a is NaN or a > b, else b; as blends).
+bool have_avx2_f16c() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return ok;
+}
+
+#define PYCOMM_AVX2 __attribute__((target("avx2,f16c")))
+
+template <class T>
+PYCOMM_AVX2 inline __m256 load8(const T* p);
+template <>
+PYCOMM_AVX2 inline __m256 load8<Half>(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <>
+PYCOMM_AVX2 inline __m256 load8<BFloat16>(const BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// Redo the NaN lanes (bits of `mask`) with the scalar conversion.
+template <class T>
+PYCOMM_AVX2 inline __m128i fix_nans(__m128i h, __m256 f, int mask) {
+  alignas(32) float fs[8];
+  alignas(16) uint16_t hs[8];
+  _mm256_store_ps(fs, f);
+  _mm_store_si128(reinterpret_cast<__m128i*>(hs), h);
+  for (int i = 0; i < 8; ++i) {
+    if (mask & (1 << i)) hs[i] = Codec<T>::store(fs[i]).bits;
+  }
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(hs));
+}
+
+template <class T>
+PYCOMM_AVX2 inline void store8(T* p, __m256 f);
+template <>
+PYCOMM_AVX2 inline void store8<Half>(Half* p, __m256 f) {
+  __m128i h = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const int nan = _mm256_movemask_ps(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  if (nan) h = fix_nans<Half>(h, f, nan);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+}
+template <>
+PYCOMM_AVX2 inline void store8<BFloat16>(BFloat16* p, __m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  const int nan = _mm256_movemask_ps(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  if (nan) h = fix_nans<BFloat16>(h, f, nan);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+}
+
+PYCOMM_AVX2 inline __m256 apply8(SumFn, __m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+PYCOMM_AVX2 inline __m256 apply8(ProdFn, __m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+PYCOMM_AVX2 inline __m256 apply8(MaxFn, __m256 a, __m256 b) {
+  const __m256 take_a = _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+  return _mm256_blendv_ps(b, a, take_a);
+}
+PYCOMM_AVX2 inline __m256 apply8(MinFn, __m256 a, __m256 b) {
+  const __m256 take_a = _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(a, b, _CMP_LT_OQ));
+  return _mm256_blendv_ps(b, a, take_a);
+}
+
+template <class T, class Fn>
+PYCOMM_AVX2 void reduce16_avx2(T* dst, const T* a, const T* b, size_t n, Fn fn) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) store8<T>(dst + i, apply8(fn, load8<T>(a + i), load8<T>(b + i)));
+  for (; i < n; ++i) dst[i] = combine(a[i], b[i], fn);
+}
+
+template <class T>
+PYCOMM_AVX2 void scale16_avx2(T* d, size_t n, double factor) {
+  const __m256 f = _mm256_set1_ps(static_cast<float>(factor));
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) store8<T>(d + i, _mm256_mul_ps(load8<T>(d + i), f));
+  for (; i < n; ++i) d[i] = scale_one(d[i], factor);
+}
+
+// The generic loop, compiled for AVX2 (twice the width of the baseline SSE2).
+template <class T, class Fn>
+PYCOMM_AVX2 void reduce_loop_avx2(T* dst, const T* a, const T* b, size_t n, Fn fn) {
+  for (size_t i = 0; i < n; ++i) dst[i] = combine(a[i], b[i], fn);
+}
+#endif  // PYCOMM_X86_SIMD
+
 }  // namespace
 
 void cpu_reduce(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op) {
@@ -43,8 +148,20 @@ void cpu_reduce(void* dst, const void* a, const void* b, size_t count, DType dty
       const T* x = static_cast<const T*>(a);
       const T* y = static_cast<const T*>(b);
       if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
+#if PYCOMM_X86_SIMD
+        if (have_avx2_f16c()) {
+          reduce16_avx2(d, x, y, count, fn);
+          return 0;
+        }
+#endif
         reduce_block16(d, x, y, count, fn);
       } else {
+#if PYCOMM_X86_SIMD
+        if (have_avx2_f16c()) {
+          reduce_loop_avx2(d, x, y, count, fn);
+          return 0;
+        }
+#endif
         reduce_loop(d, x, y, count, fn);
       }
       return 0;
@@ -58,6 +175,14 @@ void cpu_scale(void* dst, size_t count, DType dtype, double factor) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     T* d = static_cast<T*>(dst);
+#if PYCOMM_X86_SIMD
+    if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
+      if (have_avx2_f16c()) {
+        scale16_avx2(d, count, factor);
+        return 0;
+      }
+    }
+#endif
     for (size_t i = 0; i < count; ++i) d[i] = scale_one(d[i], factor);
     return 0;
   });

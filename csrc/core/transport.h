@@ -42,6 +42,41 @@ struct P2POp {
 // Identifies a posted group until it is waited for.
 using Handle = uint64_t;
 
+// Optional capability of transports whose ranks share memory (shm): every
+// rank owns two buffers of capacity() bytes that every rank can read, plus a
+// monotonically increasing "epoch" flag. The direct algorithms
+// (algorithms.h) build on it: b = next_buffer(); copy into local(b);
+// arrive_and_wait(next_epoch()); then read remote(r, b) of every rank.
+//
+// Reuse rule: a rank arrives at the first epoch of a piece only after it has
+// finished every read of the previous piece, so double buffering by piece
+// (next_buffer) needs one flag per rank and no extra barrier per operation.
+class SharedBuffers {
+ public:
+  virtual ~SharedBuffers() = default;
+  // Bytes of each buffer (equal on every rank).
+  virtual size_t capacity() const = 0;
+  // This rank's buffer `which` (0 or 1), writable.
+  virtual void* local(int which) = 0;
+  // Rank r's buffer `which`, readable (r may be this rank).
+  virtual const void* remote(int r, int which) const = 0;
+  // Publishes "this rank reached epoch e" (release) and blocks until every
+  // rank has (acquire). Honours the timeout, abort and dead peers like wait().
+  virtual void arrive_and_wait(uint64_t epoch) = 0;
+  // Epochs are counted per communicator; all ranks call next_epoch() the same
+  // number of times because they run the same collectives in the same order.
+  uint64_t next_epoch() { return ++epoch_; }
+  // Buffers alternate per piece of work (a piece may span several epochs):
+  // piece k's buffer is written again by piece k+2, which starts only after
+  // the first arrive_and_wait of piece k+1, i.e. when every rank has finished
+  // piece k.
+  int next_buffer() { return static_cast<int>(pieces_++ & 1); }
+
+ private:
+  uint64_t epoch_ = 0;
+  uint64_t pieces_ = 0;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -77,6 +112,9 @@ class Transport {
   // Makes pending and future waits fail fast (called after an error, or from
   // another thread to unblock a hung collective). Idempotent.
   virtual void abort() {}
+
+  // Optional capabilities (nullptr when the transport lacks them).
+  virtual SharedBuffers* shared_buffers() { return nullptr; }
 
   // Convenience: post and wait.
   void exchange(const P2POp* ops, size_t n) { wait(post(ops, n)); }

@@ -7,6 +7,7 @@
 
 #include "../core/elementwise.h"
 #include "../core/reduce.h"
+#include "../core/shm_transport.h"
 #include "comm.h"
 #include "pg_transport.h"
 
@@ -28,6 +29,20 @@ std::unique_ptr<Comm> make_gloo_comm(c10::intrusive_ptr<c10d::Backend> backend, 
   opt.slice_bytes = slice_bytes;
   opt.device = "cpu";
   return std::make_unique<Comm>(std::make_unique<pycomm::ProcessGroupTransport>(std::move(backend)),
+                                opt);
+}
+
+// The shm transport: rank 0 creates the segment `name`, the others attach
+// (pycomm/comm.py sequences this through the Store and unlinks the name once
+// every rank has mapped it).
+std::unique_ptr<Comm> make_shm_comm(const std::string& name, int rank, int world_size, bool create,
+                                    int64_t timeout_ms, int64_t slice_bytes) {
+  pycomm::CommOptions opt;
+  opt.timeout_ms = timeout_ms;
+  opt.slice_bytes = slice_bytes;
+  opt.device = "cpu";
+  return std::make_unique<Comm>(std::make_unique<pycomm::ShmTransport>(
+                                    name, rank, world_size, create, pycomm::ShmConfig::from_env()),
                                 opt);
 }
 
@@ -117,6 +132,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("make_gloo_comm", &make_gloo_comm, py::arg("backend"), py::arg("timeout_ms"),
         py::arg("slice_bytes"));
+  m.def("make_shm_comm", &make_shm_comm, py::arg("name"), py::arg("rank"), py::arg("world_size"),
+        py::arg("create"), py::arg("timeout_ms"), py::arg("slice_bytes"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("shm_unlink", &pycomm::ShmTransport::unlink, py::arg("name"));
   m.def("reduce_", &cpu_reduce_, py::arg("dst"), py::arg("src"), py::arg("op"));
   m.def("scale_", &cpu_scale_, py::arg("dst"), py::arg("factor"));
   m.def("half_to_float", [](uint16_t h) { return pycomm::half_to_float(h); });

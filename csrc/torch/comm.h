@@ -107,6 +107,7 @@ class Comm {
   void check_tensor(const at::Tensor& t, const char* arg, const char* op) const;
   void check_peer(int peer, const char* arg, const char* op, bool allow_self) const;
   std::string algo_for(const std::string& algo, const char* op) const;
+  std::string all_reduce_algo(const std::string& algo, size_t bytes) const;
 
   std::unique_ptr<Transport> transport_;
   CpuReducer reducer_;
@@ -127,6 +128,10 @@ class Comm {
   };
   std::deque<Deferred> deferred_;  // touched only by the executing thread
   std::unique_ptr<Worker> worker_;
+  bool has_shared_buffers_ = false;
+  // algo="auto" runs direct_all_reduce up to this many bytes (when the
+  // transport shares memory); PYCOMM_DIRECT_MAX_BYTES overrides.
+  size_t direct_max_bytes_ = 256 * 1024;
 };
 
 // at::ScalarType -> DType; throws TypeError-mapped exception for the rest.

@@ -1,0 +1,654 @@
+#include "shm_transport.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <limits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <sstream>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+
+namespace pycomm {
+namespace {
+
+constexpr uint64_t kMagic = 0x316d68735f6d6370ULL;  // "pcm_shm1"
+constexpr uint32_t kVersion = 1;
+constexpr size_t kLine = 64;
+constexpr size_t kPage = 4096;
+constexpr int64_t kHealthEveryNs = 1000000;  // liveness check period while waiting: 1 ms
+constexpr int64_t kSleepSliceNs = 2000000;   // futex sleeps at most 2 ms between checks
+constexpr int kNumChannels = 2;              // kCollective, kUser (transport.h)
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "need lock-free 32-bit atomics");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
+
+size_t round_up(size_t a, size_t b) { return (a + b - 1) / b * b; }
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void futex_wait(std::atomic<uint32_t>* addr, uint32_t val, int64_t timeout_ns) {
+  timespec ts;
+  ts.tv_sec = static_cast<time_t>(timeout_ns / 1000000000);
+  ts.tv_nsec = static_cast<long>(timeout_ns % 1000000000);
+  // Shared mapping: no FUTEX_PRIVATE_FLAG. EAGAIN / EINTR / ETIMEDOUT all mean
+  // "look again".
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT, val, &ts, nullptr, 0);
+}
+
+void futex_wake(std::atomic<uint32_t>* addr) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+size_t env_size(const char* name, size_t dflt) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return dflt;
+  char* end = nullptr;
+  const unsigned long long x = std::strtoull(v, &end, 10);
+  if (end == v) return dflt;
+  return static_cast<size_t>(x);
+}
+
+std::string errno_str(int e) { return std::string(std::strerror(e)); }
+
+}  // namespace
+
+// ------------------------------------------------------------ the layout
+
+struct alignas(kLine) RankInfo {
+  std::atomic<int32_t> pid;  // getpid() of the rank, 0 until it has attached
+  char pad0[kLine - 4];
+  std::atomic<uint32_t> doorbell;  // futex word: bumped by peers that publish while we sleep
+  std::atomic<uint32_t> sleeping;  // 1 while this rank may be in futex_wait
+  char pad1[kLine - 8];
+  std::atomic<uint64_t> epoch;  // SharedBuffers: last epoch this rank arrived at
+  char pad2[kLine - 8];
+};
+
+struct alignas(kLine) Header {
+  std::atomic<uint64_t> magic;  // stored last (release) by the creator
+  uint32_t version;
+  uint32_t world_size;
+  uint64_t slot_bytes;
+  uint64_t slots;
+  uint64_t direct_bytes;
+  uint64_t total_bytes;
+  uint64_t ranks_offset;
+  uint64_t chan_offset;
+  uint64_t chan_stride;
+  uint64_t ctrl_bytes;
+  uint64_t direct_offset;
+  alignas(kLine) std::atomic<uint32_t> abort;  // 0, or 1 + the rank that aborted
+};
+
+struct alignas(kLine) ChanCtrl {
+  std::atomic<uint64_t> head;  // slots published by the sender
+  char pad0[kLine - 8];
+  std::atomic<uint64_t> tail;  // slots consumed by the receiver
+  char pad1[kLine - 8];
+  // followed by meta[2 * slots]: {bytes in slot, total bytes of its message}
+};
+
+struct ShmSegment {
+  char* base;
+  Header* hdr;
+  RankInfo* ranks;
+  int n;
+  size_t slot_bytes, slots, direct_bytes;
+
+  // One ring per (src, dst, channel), src != dst.
+  size_t chan_index(int src, int dst, int ch) const {
+    return (static_cast<size_t>(src) * (n - 1) + (dst < src ? dst : dst - 1)) * kNumChannels + ch;
+  }
+  char* chan(int src, int dst, int ch) const {
+    return base + hdr->chan_offset + chan_index(src, dst, ch) * hdr->chan_stride;
+  }
+  ChanCtrl* ctrl(int src, int dst, int ch) const {
+    return reinterpret_cast<ChanCtrl*>(chan(src, dst, ch));
+  }
+  std::atomic<uint64_t>* meta(int src, int dst, int ch) const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(chan(src, dst, ch) + sizeof(ChanCtrl));
+  }
+  char* data(int src, int dst, int ch) const { return chan(src, dst, ch) + hdr->ctrl_bytes; }
+  char* direct(int r, int which) const {
+    return base + hdr->direct_offset + (static_cast<size_t>(r) * 2 + which) * direct_bytes;
+  }
+};
+
+ShmConfig ShmConfig::from_env() {
+  ShmConfig c;
+  c.slot_bytes = env_size("PYCOMM_SHM_SLOT_BYTES", c.slot_bytes);
+  c.slots = env_size("PYCOMM_SHM_SLOTS", c.slots);
+  c.direct_bytes = env_size("PYCOMM_SHM_DIRECT_BYTES", c.direct_bytes);
+  c.spin = static_cast<unsigned>(env_size("PYCOMM_SHM_SPIN", c.spin));
+  c.yields = static_cast<unsigned>(env_size("PYCOMM_SHM_YIELDS", c.yields));
+  return c;
+}
+
+// ------------------------------------------------------------ setup
+
+ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bool create,
+                           ShmConfig cfg)
+    : name_(name), rank_(rank), size_(world_size), cfg_(cfg) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    throw CommError("shm transport: rank " + std::to_string(rank) + " out of range for world_size " +
+                    std::to_string(world_size));
+  }
+  if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos ||
+      name.size() > 200) {
+    throw CommError("shm transport: bad segment name '" + name + "' (want \"/name\")");
+  }
+  const int n = world_size;
+  int fd = -1;
+  size_t total = 0;
+  if (create) {
+    const size_t slot_bytes = round_up(std::max<size_t>(cfg.slot_bytes, kLine), kLine);
+    const size_t slots = std::max<size_t>(cfg.slots, 2);
+    const size_t direct_bytes = round_up(std::max<size_t>(cfg.direct_bytes, kLine), kLine);
+    const size_t ranks_offset = round_up(sizeof(Header), kLine);
+    const size_t chan_offset = round_up(ranks_offset + n * sizeof(RankInfo), kPage);
+    const size_t ctrl_bytes = round_up(sizeof(ChanCtrl) + 2 * slots * sizeof(uint64_t), kPage);
+    const size_t chan_stride = round_up(ctrl_bytes + slots * slot_bytes, kPage);
+    const size_t nchan = static_cast<size_t>(n) * (n - 1) * kNumChannels;
+    const size_t direct_offset = chan_offset + nchan * chan_stride;
+    total = direct_offset + static_cast<size_t>(n) * 2 * direct_bytes;
+
+    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) {
+      throw CommError("shm transport: cannot create shared memory " + name + ": " +
+                      errno_str(errno));
+    }
+    if (ftruncate(fd, static_cast<off_t>(total)) != 0) {
+      const int e = errno;
+      close(fd);
+      shm_unlink(name.c_str());
+      throw CommError("shm transport: cannot size " + name + " to " + std::to_string(total) +
+                      " bytes: " + errno_str(e) + " (is /dev/shm large enough?)");
+    }
+    void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    const int e = errno;
+    close(fd);
+    if (p == MAP_FAILED) {
+      shm_unlink(name.c_str());
+      throw CommError("shm transport: cannot map " + name + ": " + errno_str(e));
+    }
+    map_ = p;
+    map_bytes_ = total;
+    char* base = static_cast<char*>(p);
+    // ftruncate zero-filled the segment; construct the shared words in place.
+    Header* h = new (base) Header();
+    h->version = kVersion;
+    h->world_size = static_cast<uint32_t>(n);
+    h->slot_bytes = slot_bytes;
+    h->slots = slots;
+    h->direct_bytes = direct_bytes;
+    h->total_bytes = total;
+    h->ranks_offset = ranks_offset;
+    h->chan_offset = chan_offset;
+    h->chan_stride = chan_stride;
+    h->ctrl_bytes = ctrl_bytes;
+    h->direct_offset = direct_offset;
+    h->abort.store(0, std::memory_order_relaxed);
+    for (int r = 0; r < n; ++r) {
+      RankInfo* ri = new (base + ranks_offset + r * sizeof(RankInfo)) RankInfo();
+      ri->pid.store(0, std::memory_order_relaxed);
+      ri->doorbell.store(0, std::memory_order_relaxed);
+      ri->sleeping.store(0, std::memory_order_relaxed);
+      ri->epoch.store(0, std::memory_order_relaxed);
+    }
+    for (size_t i = 0; i < nchan; ++i) {
+      ChanCtrl* cc = new (base + chan_offset + i * chan_stride) ChanCtrl();
+      cc->head.store(0, std::memory_order_relaxed);
+      cc->tail.store(0, std::memory_order_relaxed);
+    }
+    h->magic.store(kMagic, std::memory_order_release);
+  } else {
+    fd = shm_open(name.c_str(), O_RDWR, 0);
+    if (fd < 0) {
+      throw CommError("shm transport: rank " + std::to_string(rank) +
+                      " cannot open shared memory " + name + ": " + errno_str(errno) +
+                      " (do all ranks share /dev/shm, i.e. one host and IPC namespace?)");
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < sizeof(Header)) {
+      close(fd);
+      throw CommError("shm transport: " + name + " is not a pycomm segment");
+    }
+    total = static_cast<size_t>(st.st_size);
+    void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    const int e = errno;
+    close(fd);
+    if (p == MAP_FAILED) throw CommError("shm transport: cannot map " + name + ": " + errno_str(e));
+    map_ = p;
+    map_bytes_ = total;
+    Header* h = reinterpret_cast<Header*>(p);
+    if (h->magic.load(std::memory_order_acquire) != kMagic || h->version != kVersion ||
+        h->world_size != static_cast<uint32_t>(n) || h->total_bytes != total) {
+      munmap(map_, map_bytes_);
+      map_ = nullptr;
+      throw CommError("shm transport: " + name + " has a different layout or world size (" +
+                      std::to_string(h->world_size) + " vs " + std::to_string(n) + ")");
+    }
+  }
+  char* base = static_cast<char*>(map_);
+  Header* h = reinterpret_cast<Header*>(base);
+  seg_ = new ShmSegment{base,
+                        h,
+                        reinterpret_cast<RankInfo*>(base + h->ranks_offset),
+                        n,
+                        static_cast<size_t>(h->slot_bytes),
+                        static_cast<size_t>(h->slots),
+                        static_cast<size_t>(h->direct_bytes)};
+  seg_->ranks[rank_].pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
+
+  sendq_.resize(n * kNumChannels);
+  recvq_.resize(n * kNumChannels);
+  send_head_.assign(n * kNumChannels, 0);
+  recv_tail_.assign(n * kNumChannels, 0);
+  pidfds_.assign(n, -1);
+  pidfd_ok_.assign(n, true);
+}
+
+ShmTransport::~ShmTransport() {
+  for (int fd : pidfds_) {
+    if (fd >= 0) close(fd);
+  }
+  delete seg_;
+  seg_ = nullptr;
+  if (map_) munmap(map_, map_bytes_);
+  map_ = nullptr;
+  // Normally already unlinked right after every rank attached; this covers an
+  // init that failed half way. Names are unique, so this never hits another
+  // communicator's segment.
+  if (!unlinked_) unlink(name_);
+}
+
+void ShmTransport::unlink(const std::string& name) { shm_unlink(name.c_str()); }
+
+// ------------------------------------------------------------ failure
+
+void ShmTransport::fail(const std::string& msg) {
+  // Tell the peers at once: they fail fast instead of waiting for a timeout.
+  abort();
+  throw CommError(msg);
+}
+
+void ShmTransport::abort() {
+  aborted_.store(true, std::memory_order_release);
+  if (!seg_) return;
+  uint32_t zero = 0;
+  seg_->hdr->abort.compare_exchange_strong(zero, static_cast<uint32_t>(rank_ + 1));
+  for (int r = 0; r < size_; ++r) {
+    seg_->ranks[r].doorbell.fetch_add(1);
+    futex_wake(&seg_->ranks[r].doorbell);
+  }
+}
+
+bool ShmTransport::peer_dead(int* who) {
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const int32_t pid = seg_->ranks[r].pid.load(std::memory_order_acquire);
+    if (pid <= 0) continue;  // not attached yet
+    if (pidfds_[r] < 0 && pidfd_ok_[r]) {
+      const long fd = syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0);
+      if (fd >= 0) {
+        pidfds_[r] = static_cast<int>(fd);
+      } else if (errno == ESRCH) {
+        *who = r;
+        return true;
+      } else {
+        pidfd_ok_[r] = false;  // old kernel or seccomp: fall back to kill + /proc
+      }
+    }
+    if (pidfds_[r] >= 0) {
+      // A pidfd polls readable once the process has exited (zombie or reaped).
+      pollfd p{pidfds_[r], POLLIN, 0};
+      if (poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP | POLLERR))) {
+        *who = r;
+        return true;
+      }
+      continue;
+    }
+    if (kill(pid, 0) != 0 && errno == ESRCH) {
+      *who = r;
+      return true;
+    }
+    // An unreaped killed child still answers kill(): look for a zombie.
+    char path[64];
+    std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
+    if (FILE* f = std::fopen(path, "r")) {
+      char buf[512];
+      const size_t m = std::fread(buf, 1, sizeof(buf) - 1, f);
+      std::fclose(f);
+      buf[m] = 0;
+      const char* rp = std::strrchr(buf, ')');
+      if (rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X')) {
+        *who = r;
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+void ShmTransport::check_health(const char* what, int64_t deadline_ns) {
+  if (aborted_.load(std::memory_order_acquire)) {
+    throw CommError(std::string("shm transport: ") + what + " on rank " + std::to_string(rank_) +
+                    ": the communicator was aborted");
+  }
+  const uint32_t a = seg_->hdr->abort.load(std::memory_order_acquire);
+  if (a != 0) {
+    aborted_.store(true, std::memory_order_release);
+    throw CommError(std::string("shm transport: ") + what + " on rank " + std::to_string(rank_) +
+                    ": rank " + std::to_string(a - 1) +
+                    " aborted the communicator (it hit an error or was aborted)");
+  }
+  const int64_t now = now_ns();
+  if (now - last_health_ns_ >= kHealthEveryNs) {
+    last_health_ns_ = now;
+    int who = -1;
+    if (peer_dead(&who)) {
+      fail(std::string("shm transport: ") + what + " on rank " + std::to_string(rank_) +
+           ": peer rank " + std::to_string(who) + " (pid " +
+           std::to_string(seg_->ranks[who].pid.load()) + ") has died; " + pending_desc());
+    }
+  }
+  if (now >= deadline_ns) {
+    fail(std::string("shm transport: ") + what + " on rank " + std::to_string(rank_) +
+         " timed out after " + std::to_string(timeout_.count()) + " ms; " + pending_desc());
+  }
+}
+
+std::string ShmTransport::pending_desc() const {
+  std::ostringstream s;
+  s << "pending:";
+  bool any = false;
+  for (size_t qi = 0; qi < sendq_.size(); ++qi) {
+    const int r = static_cast<int>(qi) / kNumChannels;
+    const char* ch = qi % kNumChannels == kUser ? " [user p2p]" : "";
+    if (!sendq_[qi].empty()) {
+      s << " send to rank " << r << ch << " (" << sendq_[qi].front().done << "/"
+        << sendq_[qi].front().bytes << " bytes)";
+      any = true;
+    }
+    if (!recvq_[qi].empty()) {
+      s << " recv from rank " << r << ch << " (" << recvq_[qi].front().done << "/"
+        << recvq_[qi].front().bytes << " bytes)";
+      any = true;
+    }
+  }
+  if (!any) s << " waiting for peers to arrive";
+  return s.str();
+}
+
+// ------------------------------------------------------------ waiting
+
+template <class Poll>
+void ShmTransport::block(Poll&& poll, const char* what) {
+  const int64_t deadline = now_ns() + static_cast<int64_t>(timeout_.count()) * 1000000;
+  RankInfo& me = seg_->ranks[rank_];
+  unsigned idle = 0;
+  for (;;) {
+    moved_ = false;
+    if (poll()) return;
+    if (moved_) {
+      idle = 0;
+      continue;
+    }
+    ++idle;
+    if (idle <= cfg_.spin) {
+      cpu_relax();
+      if ((idle & 255) == 0) check_health(what, deadline);
+      continue;
+    }
+    check_health(what, deadline);
+    if (idle <= cfg_.spin + cfg_.yields) {
+      sched_yield();
+      continue;
+    }
+    // Sleep on our doorbell. Announce it first, then look once more, so a
+    // peer that publishes after our last look sees `sleeping` and wakes us.
+    const uint32_t v = me.doorbell.load(std::memory_order_acquire);
+    me.sleeping.store(1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    moved_ = false;
+    const bool done = poll();
+    if (done || moved_) {
+      me.sleeping.store(0, std::memory_order_relaxed);
+      if (done) return;
+      idle = 0;
+      continue;
+    }
+    const int64_t left = deadline - now_ns();
+    futex_wait(&me.doorbell, v, std::max<int64_t>(1000, std::min(left, kSleepSliceNs)));
+    me.sleeping.store(0, std::memory_order_relaxed);
+    idle = cfg_.spin / 2;  // woken: likely more to come soon, spin a little again
+  }
+}
+
+void ShmTransport::notify(int peer) {
+  // Pairs with the fence in block(): either the sleeper sees what we just
+  // published, or we see its `sleeping` flag and wake it.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  RankInfo& ri = seg_->ranks[peer];
+  if (ri.sleeping.load(std::memory_order_relaxed)) {
+    ri.doorbell.fetch_add(1);
+    futex_wake(&ri.doorbell);
+  }
+}
+
+// ------------------------------------------------------------ progress
+
+void ShmTransport::complete_op(Handle group) {
+  --pending_ops_;
+  auto it = remaining_.find(group);
+  if (it != remaining_.end() && --it->second == 0) remaining_.erase(it);
+}
+
+bool ShmTransport::progress_send(int peer, int ch) {
+  const int qi = peer * kNumChannels + ch;
+  auto& q = sendq_[qi];
+  if (q.empty()) return false;
+  const size_t slots = seg_->slots, slot_bytes = seg_->slot_bytes;
+  ChanCtrl* c = seg_->ctrl(rank_, peer, ch);
+  std::atomic<uint64_t>* meta = seg_->meta(rank_, peer, ch);
+  char* data = seg_->data(rank_, peer, ch);
+  uint64_t head = send_head_[qi];
+  uint64_t tail = c->tail.load(std::memory_order_acquire);
+  bool moved = false;
+  while (!q.empty()) {
+    Op& op = q.front();
+    while (op.done < op.bytes) {
+      if (head - tail >= slots) {
+        tail = c->tail.load(std::memory_order_acquire);
+        if (head - tail >= slots) break;  // ring full
+      }
+      const size_t slot = static_cast<size_t>(head % slots);
+      const size_t m = std::min(slot_bytes, op.bytes - op.done);
+      std::memcpy(data + slot * slot_bytes, op.buf + op.done, m);
+      meta[2 * slot].store(m, std::memory_order_relaxed);
+      meta[2 * slot + 1].store(op.bytes, std::memory_order_relaxed);
+      ++head;
+      c->head.store(head, std::memory_order_release);
+      op.done += m;
+      moved = true;
+      notify(peer);
+    }
+    if (op.done < op.bytes) break;
+    const Handle g = op.group;
+    q.pop_front();
+    complete_op(g);
+  }
+  send_head_[qi] = head;
+  return moved;
+}
+
+bool ShmTransport::progress_recv(int peer, int ch) {
+  const int qi = peer * kNumChannels + ch;
+  auto& q = recvq_[qi];
+  if (q.empty()) return false;
+  const size_t slots = seg_->slots, slot_bytes = seg_->slot_bytes;
+  ChanCtrl* c = seg_->ctrl(peer, rank_, ch);
+  std::atomic<uint64_t>* meta = seg_->meta(peer, rank_, ch);
+  const char* data = seg_->data(peer, rank_, ch);
+  uint64_t tail = recv_tail_[qi];
+  uint64_t head = c->head.load(std::memory_order_acquire);
+  bool moved = false;
+  while (!q.empty()) {
+    Op& op = q.front();
+    while (op.done < op.bytes) {
+      if (tail == head) {
+        head = c->head.load(std::memory_order_acquire);
+        if (tail == head) break;  // nothing published yet
+      }
+      const size_t slot = static_cast<size_t>(tail % slots);
+      const size_t m = meta[2 * slot].load(std::memory_order_relaxed);
+      const size_t total = meta[2 * slot + 1].load(std::memory_order_relaxed);
+      const size_t want = std::min(slot_bytes, op.bytes - op.done);
+      if (m != want || total != op.bytes) {
+        recv_tail_[qi] = tail;
+        fail("shm transport: rank " + std::to_string(rank_) + " expected a message of " +
+             std::to_string(op.bytes) + " bytes from rank " + std::to_string(peer) +
+             " but it sent " + std::to_string(total) +
+             " bytes (mismatched collective calls across ranks?)");
+      }
+      std::memcpy(op.buf + op.done, data + slot * slot_bytes, m);
+      ++tail;
+      c->tail.store(tail, std::memory_order_release);
+      op.done += m;
+      moved = true;
+      notify(peer);
+    }
+    if (op.done < op.bytes) break;
+    const Handle g = op.group;
+    q.pop_front();
+    complete_op(g);
+  }
+  recv_tail_[qi] = tail;
+  return moved;
+}
+
+bool ShmTransport::progress_all() {
+  bool moved = false;
+  if (pending_ops_ == 0) return false;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    for (int ch = 0; ch < kNumChannels; ++ch) {
+      // Receive first: it frees the peer's ring (and our data may be waiting).
+      moved |= progress_recv(p, ch);
+      moved |= progress_send(p, ch);
+    }
+  }
+  if (moved) moved_ = true;
+  return moved;
+}
+
+Handle ShmTransport::post(const P2POp* ops, size_t n) {
+  if (aborted_.load(std::memory_order_acquire) || seg_->hdr->abort.load() != 0) {
+    throw CommError("shm transport on rank " + std::to_string(rank_) +
+                    ": the communicator was aborted");
+  }
+  const Handle h = next_++;
+  size_t cnt = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const P2POp& op = ops[i];
+    if (op.peer < 0 || op.peer >= size_ || op.peer == rank_) {
+      throw CommError("shm transport: rank " + std::to_string(rank_) + " cannot " +
+                      (op.kind == P2POp::kSend ? "send to" : "recv from") + " rank " +
+                      std::to_string(op.peer));
+    }
+    if (op.channel < 0 || op.channel >= kNumChannels) {
+      throw CommError("shm transport: unknown channel " + std::to_string(op.channel));
+    }
+    if (op.bytes == 0) continue;
+    const int qi = op.peer * kNumChannels + op.channel;
+    auto& q = op.kind == P2POp::kSend ? sendq_[qi] : recvq_[qi];
+    q.push_back(Op{static_cast<char*>(op.buf), op.bytes, 0, h});
+    ++cnt;
+  }
+  if (cnt == 0) return h;
+  remaining_[h] = cnt;
+  pending_ops_ += cnt;
+  progress_all();  // start at once: push what fits, take what has arrived
+  return h;
+}
+
+void ShmTransport::wait(Handle h) {
+  if (remaining_.find(h) == remaining_.end()) return;
+  block(
+      [&] {
+        progress_all();
+        return remaining_.find(h) == remaining_.end();
+      },
+      "wait");
+}
+
+bool ShmTransport::test(Handle h) {
+  if (remaining_.find(h) == remaining_.end()) return true;
+  progress_all();
+  if (remaining_.find(h) == remaining_.end()) return true;
+  // Abort and dead peers raise here too; the caller (Comm) owns the deadline.
+  check_health("test", std::numeric_limits<int64_t>::max());
+  return false;
+}
+
+// ------------------------------------------------------------ SharedBuffers
+
+size_t ShmTransport::capacity() const { return seg_->direct_bytes; }
+
+void* ShmTransport::local(int which) { return seg_->direct(rank_, which & 1); }
+
+const void* ShmTransport::remote(int r, int which) const { return seg_->direct(r, which & 1); }
+
+void ShmTransport::arrive_and_wait(uint64_t epoch) {
+  if (aborted_.load(std::memory_order_acquire) || seg_->hdr->abort.load() != 0) {
+    throw CommError("shm transport on rank " + std::to_string(rank_) +
+                    ": the communicator was aborted");
+  }
+  seg_->ranks[rank_].epoch.store(epoch, std::memory_order_release);
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) notify(r);
+  }
+  block(
+      [&] {
+        for (int r = 0; r < size_; ++r) {
+          if (seg_->ranks[r].epoch.load(std::memory_order_acquire) < epoch) return false;
+        }
+        return true;
+      },
+      "arrive_and_wait");
+}
+
+}  // namespace pycomm

@@ -1,0 +1,153 @@
+// The `shm` transport: ranks on one host exchange bytes through one POSIX
+// shared-memory segment per communicator. Plain C++17 + POSIX (Linux futex).
+//
+// Segment layout (all offsets page aligned, every shared word on its own
+// cache line):
+//
+//   Header      magic, version, world size, ring geometry, abort word,
+//               RankInfo[n] { pid, doorbell (futex), sleeping, epoch }
+//   Channels    one per ordered pair (src -> dst), src != dst, and per
+//               message channel (kCollective, kUser: independent streams):
+//                 Ctrl { head  (written by src: slots published),
+//                        tail  (written by dst: slots consumed),
+//                        len[slots] (bytes in each slot) }
+//                 data[slots][slot_bytes]
+//   Direct      per rank 2 buffers of direct_bytes (SharedBuffers capability)
+//
+// Protocol of a channel (single producer, single consumer): head and tail are
+// 64-bit sequence numbers that never wrap; slot = seq % slots. The producer
+// may fill slot `head` while head - tail < slots, writes data and len, then
+// publishes head + 1 with a release store. The consumer sees head with an
+// acquire load, copies the slot out, then publishes tail + 1 (release). A
+// message of B bytes occupies ceil(B / slot_bytes) consecutive slots; since
+// both sides post their ops in the same order, messages match in order, and
+// len[] lets the receiver detect a size mismatch.
+//
+// Progress: post() queues its ops per peer and pushes as much as fits at once;
+// wait() keeps making progress on *every* pending op (all groups, all peers,
+// in per-peer FIFO order) until its group is done, so a send into a full ring
+// never blocks a receive the peer is waiting for.
+//
+// Waiting: spin (pause) briefly, then sched_yield, then sleep on this rank's
+// doorbell futex with a short timeout. A rank that publishes (head or tail)
+// rings the peer's doorbell only if the peer announced it sleeps
+// (store sleeping; fence; check  vs  store head; fence; load sleeping), so the
+// fast path makes no syscall. While waiting it checks the deadline, the local
+// and shared abort words, and whether peer processes are still alive (pidfd,
+// or kill(pid, 0) + /proc state as a fallback), so a dead peer raises
+// CommError within a few milliseconds.
+//
+// Lifetime: rank 0 creates the segment (O_CREAT | O_EXCL, mode 0600) and the
+// others attach after rank 0 has published its name (through the c10d Store,
+// in pycomm/comm.py); once every rank has mapped it, it is unlinked, so
+// nothing is left in /dev/shm even if a process is killed later. The
+// destructor unmaps (and unlinks, in case that step never ran).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "transport.h"
+
+namespace pycomm {
+
+struct ShmConfig {
+  size_t slot_bytes = 64 * 1024;      // bytes per ring slot
+  size_t slots = 8;                   // slots per channel (ring depth)
+  size_t direct_bytes = 1024 * 1024;  // bytes of each SharedBuffers buffer
+  // Waiting policy: pause-spins before yielding, yields before sleeping.
+  // Short on purpose: on a machine with few cores a long spin starves the
+  // peer (or a helper thread) it is waiting for; ~500 pauses is 10-30 us.
+  unsigned spin = 500;
+  unsigned yields = 50;
+  // Overrides from PYCOMM_SHM_SLOT_BYTES, PYCOMM_SHM_SLOTS,
+  // PYCOMM_SHM_DIRECT_BYTES, PYCOMM_SHM_SPIN, PYCOMM_SHM_YIELDS.
+  static ShmConfig from_env();
+};
+
+struct ShmSegment;  // the mapped layout (shm_transport.cc)
+
+class ShmTransport final : public Transport, public SharedBuffers {
+ public:
+  // Rank 0 creates the segment `name` (a POSIX shm name: "/..." without other
+  // slashes); it fails if the name exists. Other ranks attach to it (after
+  // rank 0's create() returned) and take the geometry from its header; their
+  // `cfg` only supplies the waiting policy. Throws CommError.
+  ShmTransport(const std::string& name, int rank, int world_size, bool create, ShmConfig cfg);
+  ~ShmTransport() override;
+  ShmTransport(const ShmTransport&) = delete;
+  ShmTransport& operator=(const ShmTransport&) = delete;
+
+  // Removes the name (ENOENT is fine). Call once every rank has attached.
+  static void unlink(const std::string& name);
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return size_; }
+  std::string name() const override { return "shm"; }
+
+  Handle post(const P2POp* ops, size_t n) override;
+  void wait(Handle h) override;
+  bool test(Handle h) override;
+  void abort() override;
+  SharedBuffers* shared_buffers() override { return this; }
+
+  // SharedBuffers
+  size_t capacity() const override;
+  void* local(int which) override;
+  const void* remote(int r, int which) const override;
+  void arrive_and_wait(uint64_t epoch) override;
+
+  const std::string& segment_name() const { return name_; }
+  size_t segment_bytes() const { return map_bytes_; }
+
+ private:
+  struct Op {
+    char* buf;
+    size_t bytes;
+    size_t done;
+    Handle group;
+  };
+  bool progress_send(int peer, int channel);
+  bool progress_recv(int peer, int channel);
+  bool progress_all();
+  void complete_op(Handle group);
+  void notify(int peer);
+  // Blocks until poll() returns true (it may make progress, which sets
+  // moved_), spinning, yielding, then sleeping on the doorbell futex.
+  template <class Poll>
+  void block(Poll&& poll, const char* what);
+  void check_health(const char* what, int64_t deadline_ns);
+  std::string pending_desc() const;
+  bool peer_dead(int* who);
+  [[noreturn]] void fail(const std::string& msg);
+
+  std::string name_;
+  int rank_;
+  int size_;
+  ShmConfig cfg_;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  ShmSegment* seg_ = nullptr;  // views into the mapping
+  bool unlinked_ = false;
+
+  // Indexed by peer * channels + channel; FIFO per queue.
+  std::vector<std::deque<Op>> sendq_, recvq_;
+  std::vector<uint64_t> send_head_, recv_tail_;  // our own counters, per queue
+  std::unordered_map<Handle, size_t> remaining_;  // ops left per group
+  Handle next_ = 1;
+  size_t pending_ops_ = 0;
+  bool moved_ = false;
+
+  std::atomic<bool> aborted_{false};
+  std::vector<int> pidfds_;     // per rank, -1 when not open (yet)
+  std::vector<bool> pidfd_ok_;  // false: pidfd_open unavailable, use kill + /proc
+  int64_t last_health_ns_ = 0;
+};
+
+}  // namespace pycomm
