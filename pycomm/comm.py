@@ -515,11 +515,15 @@ def init(
         transport = "nccl"
     elif req is not None and req.type != "cpu":
         raise ValueError(f"unsupported device {req}; pycomm runs on 'cpu' or CUDA devices")
-    if slice_bytes is None:
-        default_slice = (DEFAULT_CUDA_SLICE_BYTES if use_nccl else
-                         DEFAULT_GLOO_SLICE_BYTES if transport in ("gloo", "auto") else
-                         DEFAULT_SLICE_BYTES)
-        slice_bytes = int(os.environ.get("PYCOMM_SLICE_BYTES", default_slice))
+
+    def slice_for(kind: str) -> int:
+        """The explicit slice size, else PYCOMM_SLICE_BYTES, else the transport's."""
+        if slice_bytes is not None:
+            return int(slice_bytes)
+        default = {"nccl": DEFAULT_CUDA_SLICE_BYTES, "gloo": DEFAULT_GLOO_SLICE_BYTES}.get(
+            kind, DEFAULT_SLICE_BYTES)
+        return int(os.environ.get("PYCOMM_SLICE_BYTES", default))
+
     st, r, n, prefix = _rendezvous(rank, world_size, store, group, timeout)
     _validate_world(r, n)
     st = dist.PrefixStore(prefix, st)
@@ -529,19 +533,19 @@ def init(
         # CPU: shared memory when every rank runs on this host, else gloo.
         transport = "shm" if _same_host(st, "auto", r, n) else "gloo"
         if transport == "shm":
-            impl = _init_shm(st, r, n, timeout_ms, slice_bytes, fallback_ok=True)
+            impl = _init_shm(st, r, n, timeout_ms, slice_for("shm"), fallback_ok=True)
             if impl is None:
                 transport = "gloo"
     elif transport == "shm":
-        impl = _init_shm(st, r, n, timeout_ms, slice_bytes, fallback_ok=False)
+        impl = _init_shm(st, r, n, timeout_ms, slice_for("shm"), fallback_ok=False)
     if transport == "nccl":
-        impl = _make_nccl(st, r, n, _cuda_device(req), timeout, slice_bytes)
+        impl = _make_nccl(st, r, n, _cuda_device(req), timeout, slice_for("nccl"))
         comm = Communicator(impl, store=st)
     elif transport == "shm":
         comm = Communicator(impl, store=st)
     elif transport == "gloo":
         pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, timeout)
-        impl = _C.make_gloo_comm(pg, timeout_ms, slice_bytes)
+        impl = _C.make_gloo_comm(pg, timeout_ms, slice_for("gloo"))
         comm = Communicator(impl, store=st, keepalive=[pg])
     else:
         raise ValueError(f"transport {transport!r} is not available in this build")
