@@ -1,0 +1,208 @@
+"""Fault injection: a rank is SIGKILLed before, during or after a large
+all-reduce, a broadcast and a send/recv exchange. Every survivor must raise
+pycomm.CommError (naming the op, its sequence number, a peer rank and the
+transport) within the communicator timeout + 5 s, later calls must raise at
+once, close() must return, no process may be left behind and nothing may be
+left in /dev/shm.
+
+Each trial runs in fresh processes: tests._dist.run_fault_trials spawns one
+host per rank and forks a new trial rank per trial (see fork_trials). The
+figures (trials, survivors raised, worst time to error) are printed; run with
+``-s`` to see them. ``-m slow`` runs 10 trials per case instead of 2.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from tests._dist import run_fault_trials
+
+WORLD = 3
+COMM_TIMEOUT_S = 5.0
+SLACK_S = 5.0
+LARGE = 4 << 20  # elements (16 MiB of float32): many ring slices in flight
+OPS = ["all_reduce", "broadcast", "sendrecv"]
+WHENS = ["before", "during", "after"]
+SHM_PREFIX = "pycomm-"  # /dev/shm/pycomm-<pid>-... (shm transport segments)
+
+
+def _trial(rank, world, store, index, transport, cases, trials, timeout_s, count):
+    import pycomm
+
+    op, when = cases[index // trials]
+    trial = index % trials
+    victim = (trial + 1) % world
+    # Trials are not in lockstep across hosts (a survivor may still be waiting
+    # out the last trial's timeout): meet first, under the store's own 60 s
+    # timeout, so the short comm timeout bounds only the fault.
+    store.set(f"arrived/{rank}", "1")
+    store.wait([f"arrived/{r}" for r in range(world)])
+    t0 = time.time()
+    comm = pycomm.init(rank=rank, world_size=world, store=store, transport=transport,
+                       timeout=timeout_s, set_default=False)
+    init_s = time.time() - t0
+    t = torch.full((count,), float(rank + 1))
+    r2 = torch.empty_like(t)
+
+    def call(async_op=False):
+        if op == "all_reduce":
+            return comm.all_reduce(t, async_op=async_op)
+        if op == "broadcast":
+            return comm.broadcast(t, src=0, async_op=async_op)
+        works = comm.batch_isend_irecv([pycomm.P2POp("isend", t, (rank + 1) % world),
+                                        pycomm.P2POp("irecv", r2, (rank - 1) % world)])
+        if async_op:
+            return works[0]
+        works[0].wait()
+
+    def die():
+        store.set("killed_at", repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    comm.barrier()  # every rank is connected and past init
+    if rank == victim:
+        if when == "before":
+            die()
+        if when == "during":
+            call(async_op=True)
+            time.sleep(random.uniform(0.0, 0.03))
+            die()
+        call()  # after
+        die()
+
+    res = {"rank": rank, "init_s": init_s}
+    start = time.time()
+    try:
+        if trial % 2:
+            call(async_op=True).wait()  # Work.wait() of a failed async op raises too
+        else:
+            call()
+        if when == "after":
+            start = time.time()
+            call()  # the victim is gone before (or while) this one runs
+        res["raised"] = None
+    except pycomm.CommError as e:
+        res["raised"] = "CommError"
+        res["msg"] = str(e)
+    except Exception as e:  # the wrong kind of error
+        res["raised"] = type(e).__name__
+        res["msg"] = str(e)
+    res["t_error"] = time.time()
+    killed_at = float(store.get("killed_at").decode())
+    res["time_to_error"] = res["t_error"] - max(killed_at, start)
+    # Later calls raise at once instead of hanging.
+    t1 = time.time()
+    try:
+        comm.all_reduce(torch.ones(4))
+        res["later"] = None
+    except pycomm.CommError as e:
+        res["later"] = "CommError"
+        res["later_msg"] = str(e)
+    except Exception as e:
+        res["later"] = type(e).__name__
+    res["later_s"] = time.time() - t1
+    t2 = time.time()
+    comm.close()
+    res["close_s"] = time.time() - t2
+    return res
+
+
+def _shm_entries():
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+_CASES = [(op, when) for op in OPS for when in WHENS]
+_cache: dict = {}
+
+
+def _records(transport, trials):
+    """Every (op, when) case of one transport in one session of fresh hosts
+    (spawning hosts costs seconds; each trial still forks fresh ranks)."""
+    key = (transport, trials)
+    if key not in _cache:
+        shm_before = _shm_entries()
+        records = run_fault_trials(_trial, WORLD, len(_CASES) * trials, transport, _CASES,
+                                   trials, COMM_TIMEOUT_S, LARGE,
+                                   trial_timeout=COMM_TIMEOUT_S + SLACK_S + 30)
+        _cache[key] = (records, shm_before)
+    return _cache[key]
+
+
+def _run_case(transport, op, when, trials):
+    all_records, shm_before = _records(transport, trials)
+    i = _CASES.index((op, when))
+    records = all_records[i * trials:(i + 1) * trials]
+    problems, worst, survivors, raised, pids, sample = [], 0.0, 0, 0, [], ""
+    for trial, recs in enumerate(records):
+        victim = (trial + 1) % WORLD
+        for r, rec in enumerate(recs):
+            pids.append(rec["pid"])
+            where = f"trial {trial}, rank {r}"
+            if rec.get("hung"):
+                problems.append(f"{where}: hung (killed after the trial timeout)")
+                continue
+            if r == victim:
+                if rec.get("died") != -signal.SIGKILL:
+                    problems.append(f"{where}: the victim did not die by SIGKILL: {rec}")
+                continue
+            if "result" not in rec:
+                problems.append(f"{where}: survivor died: {rec}")
+                continue
+            res = rec["result"]
+            survivors += 1
+            if res["raised"] != "CommError":
+                problems.append(f"{where}: expected CommError, got {res['raised']}: "
+                                f"{res.get('msg', '')[:300]}")
+                continue
+            raised += 1
+            sample = sample or res["msg"]
+            worst = max(worst, res["time_to_error"])
+            msg = res["msg"]
+            want_op = "batch_isend_irecv" if op == "sendrecv" else op
+            for frag in (want_op, "#", transport):
+                if frag not in msg:
+                    problems.append(f"{where}: message lacks {frag!r}: {msg[:300]}")
+            if not re.search(r"(to|from) rank \d", msg):  # the peer
+                problems.append(f"{where}: message names no peer: {msg[:300]}")
+            if res["time_to_error"] > COMM_TIMEOUT_S + SLACK_S:
+                problems.append(f"{where}: raised after {res['time_to_error']:.1f} s")
+            if res["later"] != "CommError" or res["later_s"] > 1.0:
+                problems.append(f"{where}: a later call gave {res['later']} after "
+                                f"{res['later_s']:.2f} s")
+            if res["close_s"] > COMM_TIMEOUT_S + SLACK_S:
+                problems.append(f"{where}: close() took {res['close_s']:.1f} s")
+    left = [p for p in pids if os.path.exists(f"/proc/{p}")]
+    if left:
+        problems.append(f"processes left behind: {left}")
+    leaked = sorted(n for n in _shm_entries() - shm_before
+                    if any(f"-{p}-" in n for p in pids))
+    if leaked:
+        problems.append(f"left in /dev/shm: {leaked}")
+    print(f"\n[faults] transport={transport} op={op} kill={when}: trials={trials} "
+          f"survivors raised={raised}/{survivors} worst time-to-error={worst:.2f} s "
+          f"(comm timeout {COMM_TIMEOUT_S:.0f} s)\n  e.g. {sample[:400]}")
+    assert not problems, "\n".join(problems)
+    assert survivors == trials * (WORLD - 1)
+
+
+@pytest.mark.parametrize("when", WHENS)
+@pytest.mark.parametrize("op", OPS)
+def test_rank_killed(transport, op, when):
+    _run_case(transport, op, when, trials=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", WHENS)
+@pytest.mark.parametrize("op", OPS)
+def test_rank_killed_many(transport, op, when):
+    _run_case(transport, op, when, trials=10)
