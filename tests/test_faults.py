@@ -206,3 +206,64 @@ def test_rank_killed(transport, op, when):
 @pytest.mark.parametrize("op", OPS)
 def test_rank_killed_many(transport, op, when):
     _run_case(transport, op, when, trials=10)
+
+
+# ------------------------------------------------- abort from another thread
+
+def _abort_hung(rank, world, port, transport):
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import pycomm
+    from tests._dist import client_store
+
+    store = client_store(port, world)
+    comms = [pycomm.init(rank=rank, world_size=world, store=dist.PrefixStore(f"abort{i}", store),
+                         transport=transport, timeout=60, set_default=False) for i in range(2)]
+    for c in comms:
+        c.barrier()
+    if rank == 1:  # never joins the collectives: rank 0 would wait out 60 s
+        store.wait(["rank0_done"], timedelta(seconds=60))
+        for c in comms:
+            c.close()
+        return None
+    out = {}
+    for mode, comm in zip(("sync", "async"), comms):
+        # a watchdog thread aborts the communicator while the collective blocks
+        timer = threading.Timer(0.5, comm.abort, (f"watchdog ({mode})",))
+        timer.start()
+        t0 = time.time()
+        try:
+            if mode == "sync":
+                comm.all_reduce(torch.ones(1 << 20))
+            else:
+                comm.all_reduce(torch.ones(1 << 20), async_op=True).wait()
+            out[mode] = None
+        except pycomm.CommError as e:
+            out[mode] = (time.time() - t0, str(e))
+        timer.join()
+        t1 = time.time()
+        try:
+            comm.barrier()
+        except pycomm.CommError as e:
+            out[mode + " later"] = (time.time() - t1, str(e))
+        comm.close()
+    store.set("rank0_done", "1")
+    return out
+
+
+def test_abort_from_another_thread_unblocks(transport):
+    from tests._dist import spawn_ranks
+
+    res = spawn_ranks(_abort_hung, 2, transport, timeout=90)[0]
+    for mode in ("sync", "async"):
+        assert res[mode] is not None, f"{mode}: no CommError"
+        elapsed, msg = res[mode]
+        print(f"\n[faults] {transport}: abort() from a watchdog thread unblocked a {mode} "
+              f"all_reduce after {elapsed:.2f} s: {msg[:300]}")
+        assert elapsed < 10, (mode, elapsed)
+        assert "all_reduce #" in msg and transport in msg, msg
+        later_s, later = res[mode + " later"]
+        assert later_s < 1.0 and f"watchdog ({mode})" in later, later
