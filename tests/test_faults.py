@@ -84,9 +84,13 @@ def _trial(rank, world, store, index, transport, cases, trials, timeout_s, count
             call(async_op=True).wait()  # Work.wait() of a failed async op raises too
         else:
             call()
-        if when == "after":
-            start = time.time()
-            call()  # the victim is gone before (or while) this one runs
+        # "after": the victim finished this op too. "during": this rank's part
+        # may legitimately complete when everything it needed from the victim
+        # arrived before the kill (e.g. its recv of a send/recv exchange). The
+        # next op needs the dead rank and must raise.
+        res["first_completed"] = True
+        start = time.time()
+        call()
         res["raised"] = None
     except pycomm.CommError as e:
         res["raised"] = "CommError"
@@ -143,6 +147,7 @@ def _run_case(transport, op, when, trials):
     i = _CASES.index((op, when))
     records = all_records[i * trials:(i + 1) * trials]
     problems, worst, survivors, raised, pids, sample = [], 0.0, 0, 0, [], ""
+    completed = 0  # "during": survivors whose op finished before the kill mattered
     for trial, recs in enumerate(records):
         victim = (trial + 1) % WORLD
         for r, rec in enumerate(recs):
@@ -165,6 +170,7 @@ def _run_case(transport, op, when, trials):
                                 f"{res.get('msg', '')[:300]}")
                 continue
             raised += 1
+            completed += bool(res.get("first_completed")) and when == "during"
             sample = sample or res["msg"]
             worst = max(worst, res["time_to_error"])
             msg = res["msg"]
@@ -190,7 +196,9 @@ def _run_case(transport, op, when, trials):
         problems.append(f"left in /dev/shm: {leaked}")
     print(f"\n[faults] transport={transport} op={op} kill={when}: trials={trials} "
           f"survivors raised={raised}/{survivors} worst time-to-error={worst:.2f} s "
-          f"(comm timeout {COMM_TIMEOUT_S:.0f} s)\n  e.g. {sample[:400]}")
+          f"(comm timeout {COMM_TIMEOUT_S:.0f} s)"
+          + (f"; {completed} raised on the next op" if completed else "") + "\n"
+          f"  e.g. {sample[:400]}")
     assert not problems, "\n".join(problems)
     assert survivors == trials * (WORLD - 1)
 
