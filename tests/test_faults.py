@@ -178,7 +178,9 @@ def _run_case(transport, op, when, trials):
             for frag in (want_op, "#", transport):
                 if frag not in msg:
                     problems.append(f"{where}: message lacks {frag!r}: {msg[:300]}")
-            if not re.search(r"(to|from) rank \d", msg):  # the peer
+            # the peer: some rank other than this one ("recv from rank 2",
+            # "peer rank 1 (pid ...) has died", "rank 0 aborted ...")
+            if not set(re.findall(r"rank (\d+)", msg)) - {str(r)}:
                 problems.append(f"{where}: message names no peer: {msg[:300]}")
             if res["time_to_error"] > COMM_TIMEOUT_S + SLACK_S:
                 problems.append(f"{where}: raised after {res['time_to_error']:.1f} s")
@@ -275,3 +277,71 @@ def test_abort_from_another_thread_unblocks(transport):
         assert "all_reduce #" in msg and transport in msg, msg
         later_s, later = res[mode + " later"]
         assert later_s < 1.0 and f"watchdog ({mode})" in later, later
+
+
+# ------------------------------------------------- a live but stuck peer
+
+STUCK_TIMEOUT_S = 1.0
+_STUCK_OPS = {
+    "all_reduce": lambda c, t: c.all_reduce(t),
+    "broadcast (async)": lambda c, t: c.broadcast(t, src=0, async_op=True).wait(),
+    "reduce_scatter": lambda c, t: c.reduce_scatter(torch.empty(t.numel() // 2), t),
+    "all_gather": lambda c, t: c.all_gather(torch.empty(t.numel() * 2), t),
+    "barrier": lambda c, t: c.barrier(),
+    "irecv": lambda c, t: c.irecv(t, 1).wait(),
+    "isend (large)": lambda c, t: c.isend(t, 1).wait(),
+    "recv": lambda c, t: c.recv(t, 1),
+}
+
+_STUCK_OP_NAMES = {"irecv": "recv", "isend (large)": "send"}  # Work.op of user p2p
+
+
+def _stuck_peer(rank, world, port, transport):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import pycomm
+    from tests._dist import client_store
+
+    store = client_store(port, world)
+    comms = {name: pycomm.init(rank=rank, world_size=world,
+                               store=dist.PrefixStore(f"stuck/{i}", store), transport=transport,
+                               timeout=STUCK_TIMEOUT_S, set_default=False)
+             for i, name in enumerate(_STUCK_OPS)}
+    out = {}
+    if rank == 1:  # alive, connected, but never calls anything
+        store.wait(["rank0_done"], timedelta(seconds=120))
+    else:
+        for name, call in _STUCK_OPS.items():
+            t0 = time.time()
+            try:
+                call(comms[name], torch.ones(4 << 20))
+                out[name] = (None, time.time() - t0, "")
+            except pycomm.CommError as e:
+                out[name] = ("CommError", time.time() - t0, str(e))
+            except Exception as e:
+                out[name] = (type(e).__name__, time.time() - t0, str(e))
+        store.set("rank0_done", "1")
+    for c in comms.values():
+        c.close()
+    return out
+
+
+def test_stuck_peer_every_wait_times_out(transport):
+    """Every kind of blocking wait gives up after the communicator timeout
+    when the peer is alive but never takes part (no dead socket to notice)."""
+    from tests._dist import spawn_ranks
+
+    res = spawn_ranks(_stuck_peer, 2, transport, timeout=120)[0]
+    problems = []
+    for name, (kind, elapsed, msg) in res.items():
+        print(f"\n[faults] {transport}: stuck peer, {name}: {kind} after {elapsed:.2f} s "
+              f"(timeout {STUCK_TIMEOUT_S:.0f} s): {msg[:200]}")
+        if kind != "CommError":
+            problems.append(f"{name}: {kind} {msg[:200]}")
+        elif not (STUCK_TIMEOUT_S * 0.9 <= elapsed <= STUCK_TIMEOUT_S + SLACK_S):
+            problems.append(f"{name}: raised after {elapsed:.2f} s")
+        elif _STUCK_OP_NAMES.get(name, name.split()[0]) + " #" not in msg:
+            problems.append(f"{name}: message lacks the op or its number: {msg[:200]}")
+    assert not problems, "\n".join(problems)
