@@ -147,6 +147,7 @@ class Communicator:
         self._impl = impl
         self._store = store
         self._keepalive = list(keepalive)
+        self._pid = os.getpid()
 
     # -- properties ------------------------------------------------------
     @property
@@ -168,6 +169,11 @@ class Communicator:
     @property
     def closed(self) -> bool:
         return self._impl.closed
+
+    @property
+    def check(self) -> bool:
+        """Checked mode: ranks compare call fingerprints before each collective."""
+        return bool(getattr(self._impl, "check", False))
 
     def __repr__(self) -> str:
         return (
@@ -264,6 +270,11 @@ class Communicator:
         calls raise. Idempotent."""
         global _default
         self._impl.close()
+        if os.getpid() != self._pid:
+            # A forked child's copy: the transport objects (e.g. the Gloo
+            # process group) own the parent's threads and sockets; destroying
+            # them here could hang. Keep them alive until this process exits.
+            _forked_leaks.extend(self._keepalive)
         self._keepalive.clear()
         with _lock:
             if _default is self:
@@ -285,6 +296,13 @@ class Communicator:
 _lock = threading.Lock()
 _default: Communicator | None = None
 _init_count = 0
+_forked_leaks: list[Any] = []
+
+
+def _check_from(check: bool | None) -> bool:
+    if check is None:
+        return os.environ.get("PYCOMM_CHECK", "0").strip().lower() not in ("", "0", "false", "no")
+    return bool(check)
 
 
 def _timeout_from(timeout: timedelta | float | None) -> timedelta:
@@ -460,6 +478,7 @@ def init(
     timeout: timedelta | float | None = None,
     slice_bytes: int | None = None,
     set_default: bool = True,
+    check: bool | None = None,
 ) -> Communicator:
     """Creates a communicator (every rank calls it, in the same order).
 
@@ -483,6 +502,13 @@ def init(
             ``PYCOMM_SLICE_BYTES``, else 4 MiB for gloo and nccl, 512 KiB for
             shm; must match on all ranks).
         set_default: make it the communicator of the module-level functions.
+        check: checked mode (default ``PYCOMM_CHECK=1``; must be equal on all
+            ranks): before each collective the ranks all-gather a fingerprint
+            of the call (op, collective sequence number, element count, dtype,
+            reduce op, root); when they differ, every rank raises
+            ``ValueError`` listing each side's fingerprint, before any data
+            moved, and the communicator stays usable. Costs one small
+            all-gather per collective. CPU transports only.
 
     Example:
         >>> comm = pycomm.init()                  # under torchrun
@@ -490,6 +516,8 @@ def init(
         >>> comm.all_reduce(t)                    # t == sum of ranks everywhere
     """
     global _default
+    explicit_check = check is not None
+    check = _check_from(check)
     timeout = _timeout_from(timeout)
     if transport not in ("auto", "gloo", "shm", "nccl"):
         raise ValueError(f"unknown transport {transport!r}; expected 'auto', 'gloo', 'shm' or 'nccl'")
@@ -549,6 +577,12 @@ def init(
         comm = Communicator(impl, store=st, keepalive=[pg])
     else:
         raise ValueError(f"transport {transport!r} is not available in this build")
+    if check:
+        if hasattr(impl, "check"):
+            impl.check = True
+        elif explicit_check:
+            comm.close()
+            raise ValueError(f"check=True is not supported by the {comm.transport!r} transport")
     if set_default:
         with _lock:
             _default = comm

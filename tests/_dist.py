@@ -231,3 +231,90 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     if errors:
         raise RankFailure("\n".join(errors))
     return results
+
+
+# ------------------------------------------------------------ fault trials
+
+def fork_trials(rank: int, world_size: int, port: int, trial_fn: Callable[..., Any],
+                trials: int, trial_timeout: float, *args: Any) -> list[dict]:
+    """Runs ``trials`` fault trials from inside a spawn_ranks rank (the host).
+
+    Spawning a rank costs seconds (importing torch); a trial in which a rank
+    kills itself needs fresh processes. So each host forks one child per trial
+    (the host itself never creates a communicator or thread, which keeps fork
+    safe); the child connects to the test's store under a per-trial prefix,
+    runs ``trial_fn(rank, world_size, store, trial, *args)``, sends back its
+    result and leaves with ``os._exit``. A child that is still alive after
+    ``trial_timeout`` seconds is SIGKILLed and reported as hung, so no process
+    outlives the trial. Returns one dict per trial: ``pid``, and either
+    ``result`` (what trial_fn returned), ``died`` (the signal or exit status
+    of a child that ended without a result: the victim) or ``hung``.
+    """
+    import pickle
+    import select
+    import signal
+    import time
+
+    out = []
+    for trial in range(trials):
+        rfd, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the trial rank
+            os.close(rfd)
+            code = 0
+            try:
+                store = dist.PrefixStore(f"trial{trial}", client_store(port, world_size))
+                payload = ("ok", trial_fn(rank, world_size, store, trial, *args))
+            except BaseException:
+                payload = ("err", traceback.format_exc())
+                code = 1
+            try:
+                data = pickle.dumps(payload)
+                while data:
+                    data = data[os.write(wfd, data):]
+            finally:
+                os._exit(code)
+        os.close(wfd)
+        chunks, deadline, hung = [], time.monotonic() + trial_timeout, False
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                hung = True
+                break
+            ready, _, _ = select.select([rfd], [], [], left)
+            if ready:
+                b = os.read(rfd, 1 << 16)
+                if not b:
+                    break
+                chunks.append(b)
+        os.close(rfd)
+        if hung:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)  # reaps: nothing left behind
+        rec: dict = {"trial": trial, "pid": pid}
+        if hung:
+            rec["hung"] = True
+        elif chunks:
+            status_, value = pickle.loads(b"".join(chunks))
+            if status_ == "err":
+                raise RankFailure(f"rank {rank}, trial {trial} raised:\n{value}")
+            rec["result"] = value
+        else:
+            rec["died"] = (-os.WTERMSIG(status) if os.WIFSIGNALED(status)
+                           else os.WEXITSTATUS(status))
+        out.append(rec)
+    return out
+
+
+def _fork_host(rank: int, world_size: int, port: int, trial_fn: Callable[..., Any], trials: int,
+               trial_timeout: float, args: tuple) -> list[dict]:
+    return fork_trials(rank, world_size, port, trial_fn, trials, trial_timeout, *args)
+
+
+def run_fault_trials(trial_fn: Callable[..., Any], world_size: int, trials: int, *args: Any,
+                     trial_timeout: float = 60.0) -> list[list[dict]]:
+    """``spawn_ranks`` hosts that each run ``fork_trials``; returns
+    ``[trial][rank] -> record`` (see fork_trials)."""
+    per_rank = spawn_ranks(_fork_host, world_size, trial_fn, trials, trial_timeout, args,
+                           timeout=trials * (trial_timeout + 5) + 120)
+    return [[per_rank[r][t] for r in range(world_size)] for t in range(trials)]

@@ -13,6 +13,17 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running variants (run with -m slow)")
 
 
+def pytest_collection_modifyitems(config, items):
+    # The default run stays fast: slow variants run only when selected
+    # (-m slow, or any -m expression naming slow) or with PYCOMM_SLOW=1.
+    if "slow" in (config.getoption("-m") or "") or os.environ.get("PYCOMM_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow variant: run with -m slow or PYCOMM_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(params=CPU_TRANSPORTS)
 def transport(request):
     return request.param

@@ -363,6 +363,15 @@ bool ShmTransport::peer_dead(int* who) {
   return false;
 }
 
+// Throws if this rank or any peer aborted, naming the rank that did.
+void ShmTransport::check_not_aborted(const char* what) {
+  const uint32_t a = seg_->hdr->abort.load(std::memory_order_acquire);
+  if (a == 0 && !aborted_.load(std::memory_order_acquire)) return;
+  std::string who = a != 0 ? "rank " + std::to_string(a - 1) : "this rank";
+  throw CommError(std::string("shm transport: ") + what + " on rank " + std::to_string(rank_) +
+                  ": " + who + " aborted the communicator (it hit an error or was aborted)");
+}
+
 void ShmTransport::check_health(const char* what, int64_t deadline_ns) {
   if (aborted_.load(std::memory_order_acquire)) {
     throw CommError(std::string("shm transport: ") + what + " on rank " + std::to_string(rank_) +
@@ -576,10 +585,7 @@ bool ShmTransport::progress_all() {
 }
 
 Handle ShmTransport::post(const P2POp* ops, size_t n) {
-  if (aborted_.load(std::memory_order_acquire) || seg_->hdr->abort.load() != 0) {
-    throw CommError("shm transport on rank " + std::to_string(rank_) +
-                    ": the communicator was aborted");
-  }
+  check_not_aborted("post");
   const Handle h = next_++;
   size_t cnt = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -633,10 +639,7 @@ void* ShmTransport::local(int which) { return seg_->direct(rank_, which & 1); }
 const void* ShmTransport::remote(int r, int which) const { return seg_->direct(r, which & 1); }
 
 void ShmTransport::arrive_and_wait(uint64_t epoch) {
-  if (aborted_.load(std::memory_order_acquire) || seg_->hdr->abort.load() != 0) {
-    throw CommError("shm transport on rank " + std::to_string(rank_) +
-                    ": the communicator was aborted");
-  }
+  check_not_aborted("direct all-reduce");
   seg_->ranks[rank_].epoch.store(epoch, std::memory_order_release);
   for (int r = 0; r < size_; ++r) {
     if (r != rank_) notify(r);

@@ -122,6 +122,7 @@ class ShmTransport final : public Transport, public SharedBuffers {
   // moved_), spinning, yielding, then sleeping on the doorbell futex.
   template <class Poll>
   void block(Poll&& poll, const char* what);
+  void check_not_aborted(const char* what);
   void check_health(const char* what, int64_t deadline_ns);
   std::string pending_desc() const;
   bool peer_dead(int* who);

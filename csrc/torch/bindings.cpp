@@ -23,11 +23,12 @@ using pycomm::Work;
 namespace {
 
 std::unique_ptr<Comm> make_gloo_comm(c10::intrusive_ptr<c10d::Backend> backend, int64_t timeout_ms,
-                                     int64_t slice_bytes) {
+                                     int64_t slice_bytes, bool check) {
   pycomm::CommOptions opt;
   opt.timeout_ms = timeout_ms;
   opt.slice_bytes = slice_bytes;
   opt.device = "cpu";
+  opt.check = check;
   return std::make_unique<Comm>(std::make_unique<pycomm::ProcessGroupTransport>(std::move(backend)),
                                 opt);
 }
@@ -104,6 +105,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("seq", &Comm::seq)
       .def_property_readonly("closed", &Comm::closed)
       .def_property_readonly("aborted", &Comm::aborted)
+      .def_property("check", &Comm::check, &Comm::set_check)  // checked mode (core/check.h)
+      .def_property_readonly("forked", &Comm::forked)
       .def("all_reduce", &Comm::all_reduce, py::arg("tensor"), py::arg("op"), py::arg("algo"),
            py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", &Comm::reduce_scatter, py::arg("output"), py::arg("input"),
@@ -131,7 +134,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("abort", &Comm::abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>());
 
   m.def("make_gloo_comm", &make_gloo_comm, py::arg("backend"), py::arg("timeout_ms"),
-        py::arg("slice_bytes"));
+        py::arg("slice_bytes"), py::arg("check") = false);
   m.def("make_shm_comm", &make_shm_comm, py::arg("name"), py::arg("rank"), py::arg("world_size"),
         py::arg("create"), py::arg("timeout_ms"), py::arg("slice_bytes"),
         py::call_guard<py::gil_scoped_release>());

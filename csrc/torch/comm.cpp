@@ -2,6 +2,8 @@
 
 #include <pybind11/pybind11.h>
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <limits>
 #include <sstream>
@@ -54,7 +56,17 @@ std::string join_msg(std::initializer_list<std::string> parts) {
   return s;
 }
 
+bool Comm::forked() const { return static_cast<long>(::getpid()) != pid_; }
+
 void Comm::check_open(const char* op) const {
+  if (forked()) {
+    std::ostringstream msg;
+    msg << op << ": this communicator was created in process " << pid_
+        << " and cannot be used in a forked child (pid " << ::getpid()
+        << "): its threads and connections belong to the parent. Call pycomm.init() in the "
+           "child (or use the 'spawn' start method)";
+    throw std::runtime_error(msg.str());
+  }
   if (closed_) throw std::runtime_error(join_msg({op, ": the communicator is closed"}));
   if (aborted_) {
     throw CommError(join_msg({op, ": the communicator was aborted earlier (", abort_reason_,
@@ -147,7 +159,8 @@ Comm::Comm(std::unique_ptr<Transport> transport, CommOptions options)
       options_(std::move(options)),
       rank_(transport_->rank()),
       size_(transport_->world_size()),
-      transport_name_(transport_->name()) {
+      transport_name_(transport_->name()),
+      pid_(static_cast<long>(::getpid())) {
   if (options_.slice_bytes < 64) throw py::value_error("slice_bytes must be at least 64");
   if (options_.timeout_ms <= 0) throw py::value_error("timeout must be positive");
   transport_->set_timeout(std::chrono::milliseconds(options_.timeout_ms));
@@ -173,12 +186,21 @@ Comm::~Comm() {
 
 void Comm::close() {
   if (closed_.exchange(true)) return;
+  if (forked()) {
+    // The worker thread and the transport's connections exist only in the
+    // parent: joining or tearing them down here would hang or break the
+    // parent's streams. Leak this process's copies instead.
+    (void)worker_.release();
+    (void)transport_.release();
+    return;
+  }
   worker_->drain();
   worker_.reset();
   transport_.reset();
 }
 
 void Comm::abort(const std::string& why) {
+  if (forked()) return;  // the parent's transport: not ours to abort
   {
     std::lock_guard<std::mutex> lk(abort_mu_);
     if (aborted_) return;
@@ -196,6 +218,16 @@ void Comm::fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e
   work->fail(std::make_exception_ptr(CommError(msg.str())));
 }
 
+std::function<void(const Context&)> Comm::checked(Fingerprint fp,
+                                                  std::function<void(const Context&)> body) {
+  fp.seq = ++coll_seq_;
+  if (!options_.check) return body;
+  return [fp, body = std::move(body)](const Context& ctx) {
+    check_fingerprints(ctx, fp);
+    body(ctx);
+  };
+}
+
 bool Comm::poll_deferred() {
   for (auto it = deferred_.begin(); it != deferred_.end();) {
     bool done = false;
@@ -204,7 +236,8 @@ bool Comm::poll_deferred() {
       done = transport_->test(it->handle);
       if (!done && std::chrono::steady_clock::now() > it->deadline) {
         std::ostringstream msg;
-        msg << "timed out after " << options_.timeout_ms << " ms waiting for the peer";
+        msg << "timed out after " << options_.timeout_ms << " ms (" << it->peers
+            << "); is the peer alive and did it post the matching operation?";
         throw CommError(msg.str());
       }
     } catch (const std::exception& e) {
@@ -233,7 +266,12 @@ c10::intrusive_ptr<Work> Comm::run_p2p(const char* op, std::vector<at::Tensor> t
   check_open(op);
   const uint64_t seq = ++seq_;
   auto work = c10::make_intrusive<Work>(op, seq, std::move(tensors));
-  worker_->submit([this, work, ops] {
+  std::ostringstream peers;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    peers << (i ? ", " : "") << (ops[i].kind == P2POp::kSend ? "send to rank " : "recv from rank ")
+          << ops[i].peer;
+  }
+  worker_->submit([this, work, ops, peers = peers.str()] {
     if (aborted_) {
       work->fail(std::make_exception_ptr(
           CommError(work->op() + " #" + std::to_string(work->seq()) +
@@ -244,7 +282,8 @@ c10::intrusive_ptr<Work> Comm::run_p2p(const char* op, std::vector<at::Tensor> t
       const Handle h = transport_->post(ops.data(), ops.size());
       deferred_.push_back({work, h,
                            std::chrono::steady_clock::now() +
-                               std::chrono::milliseconds(options_.timeout_ms)});
+                               std::chrono::milliseconds(options_.timeout_ms),
+                           peers});
       worker_->kick();
     } catch (const std::exception& e) {
       fail_op(work, e);
@@ -269,6 +308,12 @@ c10::intrusive_ptr<Work> Comm::run(const char* op, std::vector<at::Tensor> outpu
                   static_cast<size_t>(options_.slice_bytes)};
       body(ctx);
       work->complete();
+    } catch (const UsageError& e) {
+      // Detected by every rank before any payload moved (checked mode): the
+      // communicator stays usable.
+      work->fail(std::make_exception_ptr(UsageError(
+          join_msg({op, " #", std::to_string(seq), " on rank ", std::to_string(rank_), ": ",
+                    e.what()}))));
     } catch (const std::exception& e) {
       fail_op(work, e);
     }
@@ -293,13 +338,14 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   void* data = t.data_ptr();
   const size_t count = t.numel();
   return run(kOp, {t},
-             [=](const Context& ctx) {
-               if (direct) {
-                 direct_all_reduce(ctx, data, count, dt, rop);
-               } else {
-                 ring_all_reduce(ctx, data, count, dt, rop);
-               }
-             },
+             checked({0, count, 0, int32_t(CollKind::kAllReduce), int32_t(dt), int32_t(rop)},
+                     [=](const Context& ctx) {
+                       if (direct) {
+                         direct_all_reduce(ctx, data, count, dt, rop);
+                       } else {
+                         ring_all_reduce(ctx, data, count, dt, rop);
+                       }
+                     }),
              async_op);
 }
 
@@ -327,12 +373,14 @@ c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::T
   const size_t m = out.numel();
   const int r = rank_;
   return run(kOp, {out, work_buf},
-             [=](const Context& ctx) {
+             checked({0, size_t(in.numel()), 0, int32_t(CollKind::kReduceScatter), int32_t(dt),
+                      int32_t(rop)},
+                     [=](const Context& ctx) {
                ring_reduce_scatter(ctx, work_buf.data_ptr(), Chunks{m, 0}, dt, rop);
                const size_t es = dtype_size(dt);
                ctx.reducer.copy(out.data_ptr(), static_cast<char*>(work_buf.data_ptr()) + r * m * es,
                                 m * es);
-             },
+             }),
              async_op);
 }
 
@@ -357,11 +405,13 @@ c10::intrusive_ptr<Work> Comm::all_gather(const at::Tensor& out, const at::Tenso
   const size_t m = in.numel();
   const int r = rank_;
   return run(kOp, {out, in},
-             [=](const Context& ctx) {
+             checked({0, m, 0, int32_t(CollKind::kAllGather),
+                      int32_t(to_dtype(in.scalar_type(), "input"))},
+                     [=](const Context& ctx) {
                char* dst = static_cast<char*>(out.data_ptr()) + r * m * es;
                ctx.reducer.copy(dst, in.data_ptr(), m * es);
                ring_all_gather(ctx, out.data_ptr(), Chunks{m, 0}, es);
-             },
+             }),
              async_op);
 }
 
@@ -374,7 +424,10 @@ c10::intrusive_ptr<Work> Comm::broadcast(const at::Tensor& t, int src, const std
   algo_for(algo, kOp);
   void* data = t.data_ptr();
   const size_t bytes = t.nbytes();
-  return run(kOp, {t}, [=](const Context& ctx) { chain_broadcast(ctx, data, bytes, src); },
+  return run(kOp, {t},
+             checked({0, size_t(t.numel()), 0, int32_t(CollKind::kBroadcast),
+                      int32_t(to_dtype(t.scalar_type(), "tensor")), -1, src},
+                     [=](const Context& ctx) { chain_broadcast(ctx, data, bytes, src); }),
              async_op);
 }
 
@@ -414,7 +467,10 @@ c10::intrusive_ptr<Work> Comm::batch_p2p(const std::vector<TensorP2P>& reqs) {
 }
 
 void Comm::barrier() {
-  run("barrier", {}, [](const Context& ctx) { dissemination_barrier(ctx); }, false);
+  run("barrier", {},
+      checked({0, 0, 0, int32_t(CollKind::kBarrier)},
+              [](const Context& ctx) { dissemination_barrier(ctx); }),
+      false);
 }
 
 }  // namespace pycomm

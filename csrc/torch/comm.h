@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../core/algorithms.h"
+#include "../core/check.h"
 #include "../core/transport.h"
 #include "../core/worker.h"
 
@@ -51,6 +52,9 @@ struct CommOptions {
   int64_t timeout_ms = 300000;
   int64_t slice_bytes = 512 * 1024;
   std::string device = "cpu";
+  // Checked mode: compare call fingerprints across ranks before each
+  // collective (csrc/core/check.h); a mismatch raises ValueError on all ranks.
+  bool check = false;
 };
 
 // One tensor-level p2p request of batch_isend_irecv.
@@ -73,6 +77,11 @@ class Comm {
   uint64_t seq() const { return seq_; }
   bool closed() const { return closed_; }
   bool aborted() const { return aborted_; }
+  bool check() const { return options_.check; }
+  void set_check(bool on) { options_.check = on; }  // equal on all ranks, between ops
+  // True in a child forked after the communicator was created: its worker
+  // thread and connections belong to the parent, so every call raises.
+  bool forked() const;
 
   // Each returns nullptr when async_op is false (it has waited), else a Work.
   c10::intrusive_ptr<Work> all_reduce(const at::Tensor& t, int op, const std::string& algo,
@@ -101,6 +110,10 @@ class Comm {
   // pending isend never blocks a later irecv or collective.
   c10::intrusive_ptr<Work> run_p2p(const char* op, std::vector<at::Tensor> tensors,
                                    std::vector<P2POp> ops, bool async_op);
+  // Wraps a collective's body with the checked-mode fingerprint exchange;
+  // assigns the collective sequence number (at call time, in call order).
+  std::function<void(const Context&)> checked(Fingerprint fp,
+                                              std::function<void(const Context&)> body);
   bool poll_deferred();  // on the executing thread; true while any is pending
   void fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e);
   void check_open(const char* op) const;
@@ -117,6 +130,8 @@ class Comm {
   std::string transport_name_;
   std::vector<char> scratch_;
   std::atomic<uint64_t> seq_{0};
+  std::atomic<uint64_t> coll_seq_{0};  // collectives only (checked mode)
+  long pid_;                           // creating process (fork detection)
   std::atomic<bool> closed_{false};
   std::atomic<bool> aborted_{false};
   std::mutex abort_mu_;
@@ -125,6 +140,7 @@ class Comm {
     c10::intrusive_ptr<Work> work;
     Handle handle;
     std::chrono::steady_clock::time_point deadline;
+    std::string peers;  // "send to rank 1, recv from rank 2": for the timeout message
   };
   std::deque<Deferred> deferred_;  // touched only by the executing thread
   std::unique_ptr<Worker> worker_;

@@ -14,14 +14,20 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> b
     : backend_(std::move(backend)), rank_(backend_->getRank()), size_(backend_->getSize()) {}
 
 ProcessGroupTransport::~ProcessGroupTransport() {
-  // Outstanding transfers would write into freed memory: cancel them.
+  // Outstanding transfers would write into freed memory: cancel them, and
+  // join the background waiters (woken by the aborts) before the works go.
   if (!pending_.empty()) abort();
+  for (auto& kv : pending_) {
+    if (kv.second.waiter.valid()) kv.second.waiter.wait();
+  }
+  pending_.clear();
 }
 
 Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
-  if (aborted_) throw CommError("gloo transport was aborted by an earlier error");
+  std::lock_guard<std::mutex> lk(mu_);
+  if (aborted_) throw CommError("gloo transport was aborted (by an earlier error or Communicator.abort())");
   const Handle h = next_++;
-  Pending& p = pending_[h];
+  Pending& p = pending_[h];  // references into an unordered_map stay valid
   for (size_t i = 0; i < n; ++i) {
     const P2POp& op = ops[i];
     if (op.bytes == 0) continue;
@@ -43,9 +49,13 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
 }
 
 void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (size_t i = 0; i < p.works.size(); ++i) {
     try {
-      p.works[i]->wait(timeout);
+      // One budget for the whole group, not `timeout` per op.
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      p.works[i]->wait(std::max(left, std::chrono::milliseconds(1)));
     } catch (const std::exception& e) {
       std::ostringstream msg;
       msg << "gloo " << (p.kinds[i] == P2POp::kSend ? "send to" : "recv from") << " rank "
@@ -57,32 +67,42 @@ void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeo
 }
 
 void ProcessGroupTransport::wait(Handle h) {
-  auto it = pending_.find(h);
-  if (it == pending_.end()) throw CommError("gloo transport: unknown handle");
-  if (it->second.waiter.valid()) {
-    // The waiter thread works on the map entry: join it before erasing.
-    std::exception_ptr err;
-    try {
-      it->second.waiter.get();
-    } catch (...) {
-      err = std::current_exception();
-    }
-    pending_.erase(it);
-    if (err) std::rethrow_exception(err);
-    return;
+  Pending* p;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = pending_.find(h);
+    if (it == pending_.end()) throw CommError("gloo transport: unknown handle");
+    p = &it->second;
   }
-  Pending p = std::move(it->second);
-  pending_.erase(it);
-  wait_all(p, timeout_);
+  // Wait without the lock (abort() may come from another thread), then erase.
+  std::exception_ptr err;
+  try {
+    if (p->waiter.valid()) {
+      p->waiter.get();  // the waiter thread works on the entry: join it first
+    } else {
+      wait_all(*p, timeout_);
+    }
+  } catch (...) {
+    err = std::current_exception();
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    pending_.erase(h);
+  }
+  if (err) std::rethrow_exception(err);
 }
 
 bool ProcessGroupTransport::test(Handle h) {
-  auto it = pending_.find(h);
-  if (it == pending_.end()) throw CommError("gloo transport: unknown handle");
-  Pending& p = it->second;
+  Pending* pp;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = pending_.find(h);
+    if (it == pending_.end()) throw CommError("gloo transport: unknown handle");
+    pp = &it->second;
+  }
+  Pending& p = *pp;
   if (!p.waiter.valid()) {
     // The Pending entry (and its works) stays in pending_ until consumed.
-    Pending* pp = &p;
     const auto timeout = timeout_;
     p.waiter = std::async(std::launch::async, [pp, timeout] { wait_all(*pp, timeout); });
   }
@@ -92,6 +112,9 @@ bool ProcessGroupTransport::test(Handle h) {
 }
 
 void ProcessGroupTransport::abort() {
+  // Any thread. Wakes every blocked wait (they then throw); the entries stay
+  // until their wait() or the destructor erases them.
+  std::lock_guard<std::mutex> lk(mu_);
   aborted_ = true;
   for (auto& kv : pending_) {
     for (auto& w : kv.second.works) {
@@ -101,10 +124,6 @@ void ProcessGroupTransport::abort() {
       }
     }
   }
-  for (auto& kv : pending_) {
-    if (kv.second.waiter.valid()) kv.second.waiter.wait();  // woken by the aborts above
-  }
-  pending_.clear();
 }
 
 }  // namespace pycomm

@@ -5,6 +5,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <atomic>
 #include <future>
 #include <mutex>
 #include <unordered_map>
@@ -37,14 +38,21 @@ class ProcessGroupTransport final : public Transport {
     // send/recv works report completion only through a blocking wait().
     std::future<void> waiter;
   };
-  // Blocks on every work of p (throws CommError naming the failed op).
+  // Blocks on every work of p, all within one `timeout` (throws CommError
+  // naming the failed op).
   static void wait_all(Pending& p, std::chrono::milliseconds timeout);
   c10::intrusive_ptr<c10d::Backend> backend_;
   int rank_;
   int size_;
   Handle next_ = 1;
+  // Thread safety: post/wait/test run on the communicator's executing thread;
+  // abort() may come from any thread (Communicator.abort() to unblock a hung
+  // collective). mu_ guards the map; entries stay in it while being waited
+  // for, so abort() can reach their works, and only the executing thread (or
+  // the destructor) erases them.
+  std::mutex mu_;
   std::unordered_map<Handle, Pending> pending_;
-  bool aborted_ = false;
+  std::atomic<bool> aborted_{false};
 };
 
 }  // namespace pycomm

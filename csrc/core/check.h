@@ -1,0 +1,56 @@
+// Checked mode (init(check=True) / PYCOMM_CHECK=1): before each collective the
+// ranks all-gather a small fixed-size fingerprint of the call (op, collective
+// sequence number, element count, dtype, reduce op, root) and compare every
+// entry, so that mismatched calls (different sizes, dtypes, ops, roots, or a
+// rank that skipped a collective) raise on ALL ranks with every side's
+// fingerprint instead of hanging or silently corrupting data, like
+// TORCH_DISTRIBUTED_DEBUG=DETAIL.
+//
+// The exchange is one ring_all_gather of n * sizeof(Fingerprint) bytes over
+// the communicator's own Transport (no torch, no extra connection). Every rank
+// receives the same n entries and runs the same comparison, so either all
+// ranks raise or none does. A mismatch throws UsageError (-> ValueError in
+// Python) before any payload byte was sent, so the communicator stays usable.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "algorithms.h"
+
+namespace pycomm {
+
+enum class CollKind : int32_t {
+  kAllReduce = 1,
+  kReduceScatter = 2,
+  kAllGather = 3,
+  kBroadcast = 4,
+  kBarrier = 5,
+};
+const char* coll_name(CollKind k);
+
+// Plain bytes on the wire: fixed-width fields, no padding (40 bytes).
+struct Fingerprint {
+  uint64_t seq = 0;     // collective sequence number (p2p ops do not count)
+  uint64_t count = 0;   // elements per rank (input of reduce_scatter / all_gather)
+  uint32_t magic = 0;   // kMagic: marks a checked-mode peer
+  int32_t kind = 0;     // CollKind
+  int32_t dtype = -1;   // DType, or -1 when irrelevant (barrier)
+  int32_t op = -1;      // ReduceOp, or -1 when the collective has none
+  int32_t root = -1;    // broadcast root, or -1
+  int32_t reserved = 0;
+  static constexpr uint32_t kMagic = 0x70634b31;  // "pcK1"
+
+  bool operator==(const Fingerprint& o) const;
+  bool operator!=(const Fingerprint& o) const { return !(*this == o); }
+  std::string str() const;  // "all_reduce #3 (count=8, dtype=float32, op=sum)"
+};
+static_assert(sizeof(Fingerprint) == 40, "Fingerprint must have no padding");
+
+// All-gathers `mine` (whose magic it sets) over ctx.transport and throws
+// UsageError on every rank, listing the fingerprints of the ranks that differ,
+// when they are not all equal. Throws CommError like any transfer on a
+// transport failure.
+void check_fingerprints(const Context& ctx, Fingerprint mine);
+
+}  // namespace pycomm
