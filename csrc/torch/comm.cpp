@@ -110,6 +110,22 @@ void check_peer(int peer, const char* arg, const char* op, int rank, int size, b
   }
 }
 
+void check_scatter_sizes(const at::Tensor& big, const char* big_arg, const at::Tensor& small,
+                         const char* small_arg, int world_size, const char* op) {
+  if (big.scalar_type() != small.scalar_type()) {
+    throw py::type_error(join_msg({op, ": ", big_arg, " dtype ", c10::toString(big.scalar_type()),
+                                   " differs from ", small_arg, " dtype ",
+                                   c10::toString(small.scalar_type())}));
+  }
+  if (big.numel() != small.numel() * world_size) {
+    std::ostringstream msg;
+    msg << op << ": " << big_arg << " must have world_size * " << small_arg
+        << ".numel() = " << world_size << " * " << small.numel() << " elements, got "
+        << big.numel();
+    throw py::value_error(msg.str());
+  }
+}
+
 ReduceOp to_op(int op, DType dtype, const char* opname) {
   if (op < 0 || op >= kNumReduceOps) {
     throw py::value_error(join_msg({opname, ": unknown reduce op ", std::to_string(op)}));
@@ -355,16 +371,7 @@ c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::T
   check_open(kOp);
   check_tensor(out, "output", kOp);
   check_tensor(in, "input", kOp);
-  if (out.scalar_type() != in.scalar_type()) {
-    throw py::type_error(join_msg({kOp, ": output dtype ", c10::toString(out.scalar_type()),
-                                   " differs from input dtype ", c10::toString(in.scalar_type())}));
-  }
-  if (in.numel() != out.numel() * size_) {
-    std::ostringstream msg;
-    msg << kOp << ": input must have world_size * output.numel() = " << size_ << " * "
-        << out.numel() << " elements, got " << in.numel();
-    throw py::value_error(msg.str());
-  }
+  check_scatter_sizes(in, "input", out, "output", size_, kOp);
   const DType dt = to_dtype(in.scalar_type(), "input");
   const ReduceOp rop = to_op(op, dt, kOp);
   algo_for(algo, kOp);
@@ -390,16 +397,7 @@ c10::intrusive_ptr<Work> Comm::all_gather(const at::Tensor& out, const at::Tenso
   check_open(kOp);
   check_tensor(out, "output", kOp);
   check_tensor(in, "input", kOp);
-  if (out.scalar_type() != in.scalar_type()) {
-    throw py::type_error(join_msg({kOp, ": output dtype ", c10::toString(out.scalar_type()),
-                                   " differs from input dtype ", c10::toString(in.scalar_type())}));
-  }
-  if (out.numel() != in.numel() * size_) {
-    std::ostringstream msg;
-    msg << kOp << ": output must have world_size * input.numel() = " << size_ << " * "
-        << in.numel() << " elements, got " << out.numel();
-    throw py::value_error(msg.str());
-  }
+  check_scatter_sizes(out, "output", in, "input", size_, kOp);
   algo_for(algo, kOp);
   const size_t es = in.element_size();
   const size_t m = in.numel();

@@ -159,5 +159,8 @@ std::string join_msg(std::initializer_list<std::string> parts);
 void check_tensor(const at::Tensor& t, const char* arg, const char* op, const std::string& device);
 void check_peer(int peer, const char* arg, const char* op, int rank, int size, bool allow_self);
 ReduceOp to_op(int op, DType dtype, const char* opname);
+// reduce_scatter / all_gather: equal dtypes and big = world_size x small elements.
+void check_scatter_sizes(const at::Tensor& big, const char* big_arg, const at::Tensor& small,
+                         const char* small_arg, int world_size, const char* op);
 
 }  // namespace pycomm

@@ -158,13 +158,7 @@ class CudaComm {
     check_open(kOp);
     check_cuda_tensor(out, "output", kOp);
     check_cuda_tensor(in, "input", kOp);
-    check_same_dtype(out, in, kOp);
-    if (in.numel() != out.numel() * size_) {
-      std::ostringstream msg;
-      msg << kOp << ": input must have world_size * output.numel() = " << size_ << " * "
-          << out.numel() << " elements, got " << in.numel();
-      throw py::value_error(msg.str());
-    }
+    check_scatter_sizes(in, "input", out, "output", size_, kOp);
     const DType dt = to_dtype(in.scalar_type(), "input");
     const ReduceOp rop = to_op(op, dt, kOp);
     const bool native = pick(algo, kOp, in.nbytes()) == "nccl";
@@ -200,13 +194,7 @@ class CudaComm {
     check_open(kOp);
     check_cuda_tensor(out, "output", kOp);
     check_cuda_tensor(in, "input", kOp);
-    check_same_dtype(out, in, kOp);
-    if (out.numel() != in.numel() * size_) {
-      std::ostringstream msg;
-      msg << kOp << ": output must have world_size * input.numel() = " << size_ << " * "
-          << in.numel() << " elements, got " << out.numel();
-      throw py::value_error(msg.str());
-    }
+    check_scatter_sizes(out, "output", in, "input", size_, kOp);
     const DType dt = to_dtype(in.scalar_type(), "input");
     const bool native = pick(algo, kOp, out.nbytes()) == "nccl";
     const size_t es = in.element_size(), m = in.numel();
@@ -354,14 +342,6 @@ class CudaComm {
     if (t.device().index() != device_) {
       throw py::value_error(join_msg({op, ": ", arg, " is on ", t.device().str(),
                                       " but the communicator runs on ", options_.device}));
-    }
-  }
-
-  static void check_same_dtype(const at::Tensor& out, const at::Tensor& in, const char* op) {
-    if (out.scalar_type() != in.scalar_type()) {
-      throw py::type_error(join_msg({op, ": output dtype ", c10::toString(out.scalar_type()),
-                                     " differs from input dtype ",
-                                     c10::toString(in.scalar_type())}));
     }
   }
 
