@@ -33,7 +33,7 @@ namespace pycomm {
 namespace {
 
 constexpr uint64_t kMagic = 0x316d68735f6d6370ULL;  // "pcm_shm1"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr size_t kLine = 64;
 constexpr size_t kPage = 4096;
 constexpr int64_t kHealthEveryNs = 1000000;  // liveness check period while waiting: 1 ms
@@ -104,6 +104,7 @@ struct alignas(kLine) Header {
   uint64_t slot_bytes;
   uint64_t slots;
   uint64_t direct_bytes;
+  uint64_t direct_buffers;
   uint64_t total_bytes;
   uint64_t ranks_offset;
   uint64_t chan_offset;
@@ -126,7 +127,7 @@ struct ShmSegment {
   Header* hdr;
   RankInfo* ranks;
   int n;
-  size_t slot_bytes, slots, direct_bytes;
+  size_t slot_bytes, slots, direct_bytes, direct_buffers;
 
   // One ring per (src, dst, channel), src != dst.
   size_t chan_index(int src, int dst, int ch) const {
@@ -143,7 +144,7 @@ struct ShmSegment {
   }
   char* data(int src, int dst, int ch) const { return chan(src, dst, ch) + hdr->ctrl_bytes; }
   char* direct(int r, int which) const {
-    return base + hdr->direct_offset + (static_cast<size_t>(r) * 2 + which) * direct_bytes;
+    return base + hdr->direct_offset + (static_cast<size_t>(r) * direct_buffers + which) * direct_bytes;
   }
 };
 
@@ -152,6 +153,7 @@ ShmConfig ShmConfig::from_env() {
   c.slot_bytes = env_size("PYCOMM_SHM_SLOT_BYTES", c.slot_bytes);
   c.slots = env_size("PYCOMM_SHM_SLOTS", c.slots);
   c.direct_bytes = env_size("PYCOMM_SHM_DIRECT_BYTES", c.direct_bytes);
+  c.direct_buffers = env_size("PYCOMM_SHM_DIRECT_BUFFERS", c.direct_buffers);
   c.spin = static_cast<unsigned>(env_size("PYCOMM_SHM_SPIN", c.spin));
   c.yields = static_cast<unsigned>(env_size("PYCOMM_SHM_YIELDS", c.yields));
   return c;
@@ -177,13 +179,14 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
     const size_t slot_bytes = round_up(std::max<size_t>(cfg.slot_bytes, kLine), kLine);
     const size_t slots = std::max<size_t>(cfg.slots, 2);
     const size_t direct_bytes = round_up(std::max<size_t>(cfg.direct_bytes, kLine), kLine);
+    const size_t direct_buffers = std::min<size_t>(std::max<size_t>(cfg.direct_buffers, 2), 64);
     const size_t ranks_offset = round_up(sizeof(Header), kLine);
     const size_t chan_offset = round_up(ranks_offset + n * sizeof(RankInfo), kPage);
     const size_t ctrl_bytes = round_up(sizeof(ChanCtrl) + 2 * slots * sizeof(uint64_t), kPage);
     const size_t chan_stride = round_up(ctrl_bytes + slots * slot_bytes, kPage);
     const size_t nchan = static_cast<size_t>(n) * (n - 1) * kNumChannels;
     const size_t direct_offset = chan_offset + nchan * chan_stride;
-    total = direct_offset + static_cast<size_t>(n) * 2 * direct_bytes;
+    total = direct_offset + static_cast<size_t>(n) * direct_buffers * direct_bytes;
 
     fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) {
@@ -214,6 +217,7 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
     h->slot_bytes = slot_bytes;
     h->slots = slots;
     h->direct_bytes = direct_bytes;
+    h->direct_buffers = direct_buffers;
     h->total_bytes = total;
     h->ranks_offset = ranks_offset;
     h->chan_offset = chan_offset;
@@ -270,7 +274,8 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
                         n,
                         static_cast<size_t>(h->slot_bytes),
                         static_cast<size_t>(h->slots),
-                        static_cast<size_t>(h->direct_bytes)};
+                        static_cast<size_t>(h->direct_bytes),
+                        static_cast<size_t>(h->direct_buffers)};
   seg_->ranks[rank_].pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
 
   sendq_.resize(n * kNumChannels);
@@ -634,9 +639,11 @@ bool ShmTransport::test(Handle h) {
 
 size_t ShmTransport::capacity() const { return seg_->direct_bytes; }
 
-void* ShmTransport::local(int which) { return seg_->direct(rank_, which & 1); }
+int ShmTransport::num_buffers() const { return static_cast<int>(seg_->direct_buffers); }
 
-const void* ShmTransport::remote(int r, int which) const { return seg_->direct(r, which & 1); }
+void* ShmTransport::local(int which) { return seg_->direct(rank_, which); }
+
+const void* ShmTransport::remote(int r, int which) const { return seg_->direct(r, which); }
 
 void ShmTransport::arrive_and_wait(uint64_t epoch) {
   check_not_aborted("direct all-reduce");

@@ -43,20 +43,23 @@ struct P2POp {
 using Handle = uint64_t;
 
 // Optional capability of transports whose ranks share memory (shm): every
-// rank owns two buffers of capacity() bytes that every rank can read, plus a
-// monotonically increasing "epoch" flag. The direct algorithms
+// rank owns num_buffers() (>= 2) buffers of capacity() bytes that every rank
+// can read, plus a monotonically increasing "epoch" flag. The direct algorithms
 // (algorithms.h) build on it: b = next_buffer(); copy into local(b);
 // arrive_and_wait(next_epoch()); then read remote(r, b) of every rank.
 //
 // Reuse rule: a rank arrives at the first epoch of a piece only after it has
 // finished every read of the previous piece, so double buffering by piece
 // (next_buffer) needs one flag per rank and no extra barrier per operation.
+// Rotating through more than two buffers only makes reuse later.
 class SharedBuffers {
  public:
   virtual ~SharedBuffers() = default;
   // Bytes of each buffer (equal on every rank).
   virtual size_t capacity() const = 0;
-  // This rank's buffer `which` (0 or 1), writable.
+  // Buffers per rank (at least 2).
+  virtual int num_buffers() const = 0;
+  // This rank's buffer `which` (0 .. num_buffers()-1), writable.
   virtual void* local(int which) = 0;
   // Rank r's buffer `which`, readable (r may be this rank).
   virtual const void* remote(int r, int which) const = 0;
@@ -66,11 +69,11 @@ class SharedBuffers {
   // Epochs are counted per communicator; all ranks call next_epoch() the same
   // number of times because they run the same collectives in the same order.
   uint64_t next_epoch() { return ++epoch_; }
-  // Buffers alternate per piece of work (a piece may span several epochs):
-  // piece k's buffer is written again by piece k+2, which starts only after
-  // the first arrive_and_wait of piece k+1, i.e. when every rank has finished
-  // piece k.
-  int next_buffer() { return static_cast<int>(pieces_++ & 1); }
+  // Buffers rotate per piece of work (a piece may span several epochs):
+  // piece k's buffer is written again by piece k+B (B = num_buffers() >= 2),
+  // which starts after the first arrive_and_wait of piece k+1, i.e. when
+  // every rank has finished piece k.
+  int next_buffer() { return static_cast<int>(pieces_++ % static_cast<uint64_t>(num_buffers())); }
 
  private:
   uint64_t epoch_ = 0;

@@ -2,18 +2,23 @@
 every algo interleaved per size, time, check, gather the numbers on rank 0
 and print the table there.
 
-Timing, per (size, placement, algo):
+Timing, per (size, placement, algo), after nccl-tests:
 
-1. ``reset()`` the buffers (restore the input, poison the output): untimed.
-2. Wait for the device, then a barrier on the control group, so every rank
-   starts the iteration together.
-3. CPU: ``perf_counter`` around the one call (ops are synchronous).
-   GPU: CUDA events recorded on the current stream around the call.
-4. Drop ``warmup`` iterations; each rank takes the median of the rest; the
-   reported time is the max over ranks of those medians (the slowest rank
-   finishes the collective).
-5. ``#wrong`` checks the last iteration's result on every rank against
-   :func:`collectives.expected_result` and sums over ranks.
+1. Check (untimed, when ``-c 1``): ``reset()`` the buffers (restore the
+   input, poison the output), barrier, one call, compare with
+   :func:`collectives.expected_result`; ``#wrong`` sums the mismatches over
+   ranks.
+2. ``reset()``, barrier, ``warmup`` calls back to back.
+3. ``iters`` calls back to back, each timed on its own (CPU:
+   ``perf_counter``; GPU: CUDA events recorded on the current stream between
+   consecutive calls, read after one synchronize). No barrier between calls:
+   a barrier per call would put the control group's exit skew into every
+   small-message time; back to back, the ranks settle into the collective's
+   own pace, as in nccl-tests. In-place inputs are not restored between
+   timed calls (values drift, as in nccl-tests; CPU and GPU arithmetic speed
+   does not depend on them).
+4. Each rank takes the median of its timed calls; the reported time is the
+   max over ranks of those medians.
 """
 
 from __future__ import annotations
@@ -64,27 +69,42 @@ def measure_memcpy(device: torch.device, nbytes: int, reps: int = 5) -> float:
     return src.nbytes / statistics.median(times) / 1e9
 
 
+def _check_once(run: Any, bufs: C.Buffers, expected: Any, device: torch.device,
+                barrier: Any) -> int:
+    """Elements of one untimed call's result that differ from ``expected``."""
+    bufs.reset()
+    _sync(device)
+    barrier()
+    run()
+    _sync(device)
+    return C.count_wrong(bufs.result, expected)
+
+
 def _time_loop(run: Any, bufs: C.Buffers, iters: int, warmup: int, device: torch.device,
                barrier: Any) -> list[float]:
-    """Seconds of each timed iteration on this rank (see the module doc)."""
+    """Seconds of each of ``iters`` back-to-back calls on this rank (see the
+    module doc)."""
+    bufs.reset()
+    _sync(device)
+    barrier()
+    for _ in range(warmup):
+        run()
     times = []
-    for it in range(warmup + iters):
-        bufs.reset()
-        _sync(device)
-        barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+    if device.type == "cuda":
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        events[0].record()
+        for i in range(iters):
             run()
-            end.record()
-            end.synchronize()
-            dt = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
+            events[i + 1].record()
+        events[-1].synchronize()
+        times = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(iters)]
+    else:
+        t = time.perf_counter()
+        for _ in range(iters):
             run()
-            dt = time.perf_counter() - t0
-        if it >= warmup:
-            times.append(dt)
+            t2 = time.perf_counter()
+            times.append(t2 - t)
+            t = t2
     return times
 
 
@@ -171,7 +191,7 @@ def run_benchmark(args: Any) -> int:
         print(f"# transports: pycomm {pc_transport}, torch {torch_backend}; host {socket.gethostname()}, "
               f"torch {torch.__version__}", file=out)
         print(f"# memcpy bandwidth (rank 0, {format_size(memcpy_bytes)}): {memcpy:.2f} GB/s", file=out)
-        print("# time: max over ranks of each rank's median; out-of-place: "
+        print("# time: calls back to back, max over ranks of each rank's median; out-of-place: "
               + ("measured" if False in spec.placements else
                  "N/A (pycomm's op is in place; not emulated with an extra copy)"), file=out)
         for a, why in skipped.items():
@@ -195,8 +215,9 @@ def run_benchmark(args: Any) -> int:
                 bar.draw(f"{format_size(size)} {algo} {'in-place' if in_place else 'out-of-place'}")
                 run = C.make_runner(spec.name, algo, bufs, comm=comm, rank=rank, world_size=n,
                                     op=args.op, root=max(root, 0))
+                wrong = (_check_once(run, bufs, expected, device, barrier)
+                         if expected is not None else 0)
                 times = _time_loop(run, bufs, args.iters, args.warmup_iters, device, barrier)
-                wrong = C.count_wrong(bufs.result, expected) if expected is not None else 0
                 t_med, total_wrong = agree([statistics.median(times), 0.0], "MAX")[0], \
                     agree([float(wrong)], "SUM")[0]
                 t_us = t_med * 1e6
@@ -230,7 +251,8 @@ def run_benchmark(args: Any) -> int:
             "host": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-            "timing": "max over ranks of per-rank median; CPU perf_counter, GPU CUDA events",
+            "timing": ("back-to-back calls after a barrier and warmup; max over ranks of "
+                       "per-rank median; CPU perf_counter, GPU CUDA events"),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         if args.json:
