@@ -208,6 +208,12 @@ def test_table_format():
     summary = report.format_summary([_row(), _row(algo="torch", busbw=0.3, wrong=2)], ["ring", "torch"])
     assert "# Out of bounds values : 2 FAILED" in summary
     assert "# Avg bus bandwidth" in summary
+    # ratios: ring 10 us vs torch 40 us at 1 KiB, busbw 2 of a 4 GB/s memcpy at 4 KiB
+    rows = [_row(time_us=10.0), _row(algo="torch", time_us=40.0),
+            _row(size=4096, time_us=20.0, busbw=2.0), _row(algo="torch", size=4096, time_us=30.0, busbw=1.0)]
+    summary = report.format_summary(rows, ["ring", "torch"], memcpy_gbps=4.0)
+    assert "# Speedup over torch (time ratio): 1K: ring 4.0x; 4K: ring 1.5x" in summary
+    assert "# busbw / memcpy bandwidth at 4K: ring 50%, torch 25%" in summary
 
 
 def test_json_schema_roundtrip(tmp_path):

@@ -31,6 +31,30 @@ def test_direct_all_reduce_every_op_dtype_size(world_size):
         assert per_rank[r] == per_rank[0], f"rank {r} differs from rank 0"
 
 
+def _direct_odd_geometry(rank, world_size, port):
+    # 64 KiB pieces (the smallest that take the two-shot path on 3 ranks; the
+    # large cases span over a hundred) and 3 buffers in rotation (not a power
+    # of two): the buffer-reuse rule must hold for any rotation length. The
+    # creator's geometry travels in the segment header.
+    import pycomm
+
+    os.environ.update(PYCOMM_SHM_DIRECT_BYTES="65536", PYCOMM_SHM_DIRECT_BUFFERS="3")
+    store = client_store(port, world_size)
+    comm = pycomm.init(rank=rank, world_size=world_size, store=store, transport="shm",
+                       timeout=COMM_TIMEOUT)
+    try:
+        return _all_reduce_cases(comm, "direct", True)
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_direct_all_reduce_many_pieces_three_buffers(world_size):
+    per_rank = spawn_ranks(_direct_odd_geometry, world_size)
+    for r in range(1, world_size):
+        assert per_rank[r] == per_rank[0], f"rank {r} differs from rank 0"
+
+
 def _algo_mix(comm):
     # auto switches between direct and ring by size; ring/direct interleave
     # on one communicator, sync and async.

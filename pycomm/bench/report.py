@@ -75,9 +75,13 @@ def avg_busbw(rows: Iterable[dict[str, Any]]) -> float:
     return sum(vals) / len(vals) if vals else 0.0
 
 
-def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str]) -> str:
+def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str],
+                   memcpy_gbps: float | None = None, baseline: str = "torch") -> str:
     """The closing lines: out-of-bounds count, overall and per-algo average
-    bus bandwidth."""
+    bus bandwidth; then, with several algos, each algo's speedup over
+    ``baseline`` (its time / the algo's time) at the smallest and largest
+    size, and with ``memcpy_gbps`` each algo's busbw at the largest size as a
+    fraction of that memcpy bandwidth."""
     wrong = sum(r["wrong"] or 0 for r in rows)
     lines = [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
              f"# Avg bus bandwidth    : {avg_busbw(rows):g}"]
@@ -86,6 +90,25 @@ def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str]) -> str:
             mine = [r for r in rows if r["algo"] == a]
             if mine:
                 lines.append(f"#   {a:<8}           : {avg_busbw(mine):g}")
+    # Ratios compare rows of one placement (the first one measured).
+    first = [r for r in rows if r["in_place"] == rows[0]["in_place"]] if rows else []
+    by = {(r["algo"], r["size"]): r for r in first}
+    sizes = sorted({r["size"] for r in first})
+    others = [a for a in algos if a != baseline]
+    if baseline in algos and others and sizes:
+        parts = []
+        for size in dict.fromkeys((sizes[0], sizes[-1])):
+            base = by.get((baseline, size))
+            got = [f"{a} {base['time_us'] / by[(a, size)]['time_us']:.1f}x" for a in others
+                   if base and (a, size) in by and by[(a, size)]["time_us"] > 0]
+            if got:
+                parts.append(f"{format_size(size)}: " + ", ".join(got))
+        if parts:
+            lines.append(f"# Speedup over {baseline} (time ratio): " + "; ".join(parts))
+    if memcpy_gbps and sizes:
+        got = [f"{a} {by[(a, sizes[-1])]['busbw'] / memcpy_gbps:.0%}" for a in algos
+               if (a, sizes[-1]) in by]
+        lines.append(f"# busbw / memcpy bandwidth at {format_size(sizes[-1])}: " + ", ".join(got))
     lines.append("#")
     return "\n".join(lines)
 

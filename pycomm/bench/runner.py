@@ -241,7 +241,7 @@ def run_benchmark(args: Any) -> int:
 
     wrong_total = sum(r["wrong"] or 0 for r in rows)
     if rank == 0:
-        print(format_summary(rows, active), file=out, flush=True)
+        print(format_summary(rows, active, memcpy), file=out, flush=True)
         meta = {
             "collective": spec.name, "world_size": n, "device": device.type, "dtype": args.dtype,
             "op": op, "root": root, "iters": args.iters, "warmup": args.warmup_iters,
