@@ -37,6 +37,9 @@ constexpr uint32_t kVersion = 2;
 constexpr size_t kLine = 64;
 constexpr size_t kPage = 4096;
 constexpr int64_t kHealthEveryNs = 1000000;  // liveness check period while waiting: 1 ms
+// slot_bytes = 0: the automatic slot size (see ShmConfig).
+constexpr size_t kAutoSlotMin = 64 * 1024, kAutoSlotMax = 256 * 1024;
+constexpr size_t kAutoRingBudget = 32u << 20;
 constexpr int64_t kSleepSliceNs = 2000000;   // futex sleeps at most 2 ms between checks
 constexpr int kNumChannels = 2;              // kCollective, kUser (transport.h)
 
@@ -176,15 +179,20 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
   int fd = -1;
   size_t total = 0;
   if (create) {
-    const size_t slot_bytes = round_up(std::max<size_t>(cfg.slot_bytes, kLine), kLine);
     const size_t slots = std::max<size_t>(cfg.slots, 2);
+    const size_t nchan = static_cast<size_t>(n) * (n - 1) * kNumChannels;
+    size_t want = cfg.slot_bytes;
+    if (want == 0) {
+      want = kAutoSlotMax;
+      while (want > kAutoSlotMin && nchan * slots * want > kAutoRingBudget) want /= 2;
+    }
+    const size_t slot_bytes = round_up(std::max<size_t>(want, kLine), kLine);
     const size_t direct_bytes = round_up(std::max<size_t>(cfg.direct_bytes, kLine), kLine);
     const size_t direct_buffers = std::min<size_t>(std::max<size_t>(cfg.direct_buffers, 2), 64);
     const size_t ranks_offset = round_up(sizeof(Header), kLine);
     const size_t chan_offset = round_up(ranks_offset + n * sizeof(RankInfo), kPage);
     const size_t ctrl_bytes = round_up(sizeof(ChanCtrl) + 2 * slots * sizeof(uint64_t), kPage);
     const size_t chan_stride = round_up(ctrl_bytes + slots * slot_bytes, kPage);
-    const size_t nchan = static_cast<size_t>(n) * (n - 1) * kNumChannels;
     const size_t direct_offset = chan_offset + nchan * chan_stride;
     total = direct_offset + static_cast<size_t>(n) * direct_buffers * direct_bytes;
 
@@ -199,6 +207,17 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
       shm_unlink(name.c_str());
       throw CommError("shm transport: cannot size " + name + " to " + std::to_string(total) +
                       " bytes: " + errno_str(e) + " (is /dev/shm large enough?)");
+    }
+    // Reserve the pages now: tmpfs accepts a sparse size beyond its limit and
+    // would SIGBUS on first touch; this turns a small /dev/shm into an error.
+    const int fe = posix_fallocate(fd, 0, static_cast<off_t>(total));
+    if (fe != 0 && fe != EOPNOTSUPP && fe != EINVAL) {
+      close(fd);
+      shm_unlink(name.c_str());
+      throw CommError("shm transport: cannot reserve " + std::to_string(total) + " bytes for " +
+                      name + ": " + errno_str(fe) +
+                      " (/dev/shm too small? enlarge it, e.g. docker --shm-size, lower "
+                      "PYCOMM_SHM_SLOT_BYTES / PYCOMM_SHM_SLOTS, or use transport='gloo')");
     }
     void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     const int e = errno;
@@ -633,6 +652,30 @@ bool ShmTransport::test(Handle h) {
   // Abort and dead peers raise here too; the caller (Comm) owns the deadline.
   check_health("test", std::numeric_limits<int64_t>::max());
   return false;
+}
+
+bool ShmTransport::idle_wait(int64_t max_ns) {
+  // block()'s sleeping protocol: announce `sleeping`, then look (progress)
+  // once more, so a peer that publishes after that look rings our doorbell.
+  // interrupt() sets the flag before it rings, so one that comes before we
+  // read the doorbell is seen below, and one that comes after changes it.
+  RankInfo& me = seg_->ranks[rank_];
+  const uint32_t v = me.doorbell.load(std::memory_order_acquire);
+  me.sleeping.store(1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const bool moved = progress_all();
+  if (!moved && !interrupted_.exchange(false) && !aborted_.load(std::memory_order_acquire)) {
+    futex_wait(&me.doorbell, v, std::max<int64_t>(1000, std::min(max_ns, kSleepSliceNs)));
+  }
+  me.sleeping.store(0, std::memory_order_relaxed);
+  return true;
+}
+
+void ShmTransport::interrupt() {
+  interrupted_.store(true, std::memory_order_release);
+  if (!seg_) return;
+  seg_->ranks[rank_].doorbell.fetch_add(1);
+  futex_wake(&seg_->ranks[rank_].doorbell);
 }
 
 // ------------------------------------------------------------ SharedBuffers

@@ -108,6 +108,19 @@ class Transport {
     return true;
   }
 
+  // Idle waiting for the worker's poll of deferred groups (worker thread
+  // only, like post/wait/test): blocks up to max_ns, returning early once a
+  // peer may have made progress for this rank or interrupt() was called.
+  // Progresses pending ops first and returns at once if that moved anything.
+  // Returns false, at once, when the transport cannot wait on its peers (the
+  // caller then naps on its own).
+  virtual bool idle_wait(int64_t max_ns) {
+    (void)max_ns;
+    return false;
+  }
+  // Ends an idle_wait in progress, or the next one, promptly. Thread-safe.
+  virtual void interrupt() {}
+
   // Bounds every blocking wait from now on.
   virtual void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
   std::chrono::milliseconds timeout() const { return timeout_; }

@@ -17,11 +17,14 @@ Worker::~Worker() {
 }
 
 void Worker::submit(std::function<void()> task) {
+  bool waiting;
   {
     std::lock_guard<std::mutex> lk(mu_);
     queue_.push_back(std::move(task));
+    waiting = in_idle_wait_;
   }
   cv_.notify_all();
+  if (waiting) wake_();
 }
 
 bool Worker::try_run_inline(const std::function<void()>& task) {
@@ -80,8 +83,20 @@ void Worker::loop() {
           std::this_thread::yield();
           lk.lock();
         } else {
-          const auto nap = std::chrono::microseconds(std::min(200, 10 * (idle_rounds - 15)));
-          cv_.wait_for(lk, nap, [this] { return !queue_.empty(); });
+          const int nap_us = std::min(200, 10 * (idle_rounds - 15));
+          bool waited = false;
+          if (idle_wait_) {
+            // Sleep until a peer moves (shm doorbell) or a task arrives.
+            busy_ = in_idle_wait_ = true;
+            lk.unlock();
+            waited = idle_wait_(static_cast<int64_t>(nap_us) * 1000);
+            lk.lock();
+            busy_ = in_idle_wait_ = false;
+            cv_.notify_all();
+          }
+          if (!waited) {
+            cv_.wait_for(lk, std::chrono::microseconds(nap_us), [this] { return !queue_.empty(); });
+          }
         }
       }
       continue;

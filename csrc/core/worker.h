@@ -33,11 +33,21 @@ class Worker {
   // `poll` runs on the worker whenever no task is queued, after kick(), until
   // it returns false ("nothing pending"). It completes operations a task left
   // in flight (user isend/irecv) without holding up later tasks. Between
-  // polls the worker backs off (yield, then sleeps up to 200 us) and wakes at
-  // once for a new task. Set it before the first kick().
+  // polls the worker backs off (yield, then an idle wait, below, or sleeps up
+  // to 200 us) and wakes at once for a new task. Set it before the first
+  // kick().
   void set_idle_poll(std::function<bool()> poll) { poll_ = std::move(poll); }
   // Called by a task (on the executing thread) that left work in flight.
   void kick() { poll_pending_ = true; }
+
+  // Optional: after a few idle yields the worker calls wait(max_ns) (owning
+  // the executing role, like a task) instead of napping on its own; wait
+  // returns false if it cannot wait (the worker then naps). submit() calls
+  // wake() to end such a wait early. Transport::idle_wait / interrupt fit.
+  void set_idle_wait(std::function<bool(int64_t)> wait, std::function<void()> wake) {
+    idle_wait_ = std::move(wait);
+    wake_ = std::move(wake);
+  }
 
  private:
   void loop();
@@ -48,6 +58,9 @@ class Worker {
   bool busy_ = false;
   bool poll_pending_ = false;  // guarded by busy_ ownership, read under mu_
   std::function<bool()> poll_;
+  std::function<bool(int64_t)> idle_wait_;
+  std::function<void()> wake_;
+  bool in_idle_wait_ = false;  // guarded by mu_
   bool stop_ = false;
   std::thread thread_;
 };

@@ -191,6 +191,8 @@ Comm::Comm(std::unique_ptr<Transport> transport, CommOptions options)
   }
   worker_ = std::make_unique<Worker>();
   worker_->set_idle_poll([this] { return poll_deferred(); });
+  worker_->set_idle_wait([this](int64_t ns) { return transport_->idle_wait(ns); },
+                         [this] { transport_->interrupt(); });
 }
 
 Comm::~Comm() {
