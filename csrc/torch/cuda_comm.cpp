@@ -466,7 +466,11 @@ class CudaComm {
           }
         }
       } catch (const std::exception& e) {
-        err = e.what();  // check_async has aborted already
+        // check_async aborts before it throws; a CUDA error from event_done
+        // does not, so abort here too (idempotent): the Works fail and the
+        // communicator must not look healthy with NCCL kernels still queued.
+        err = e.what();
+        nccl_->abort(err);
       }
       if (!err.empty()) {
         fail_all(err);
