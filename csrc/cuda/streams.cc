@@ -43,11 +43,18 @@ CudaStreams::CudaStreams(int device) : device_(device) {
 }
 
 CudaStreams::~CudaStreams() {
-  // Destroying a stream or an event with work pending is allowed: CUDA
-  // releases them once the work is done.
+  // Destroying an event with work pending is allowed: CUDA releases it once
+  // the work is done.
   for (cudaEvent_t ev : all_) (void)cudaEventDestroy(ev);
-  if (red_) (void)cudaStreamDestroy(red_);
-  if (comm_) (void)cudaStreamDestroy(comm_);
+  // The two streams are deliberately never destroyed. The binding records
+  // user tensors on them (CUDACachingAllocator::recordStream), and the
+  // allocator calls cudaEventRecord on every recorded stream when such a
+  // tensor is freed, which may be long after the communicator is closed
+  // (e.g. a tensor all-reduced before close() and dropped after it): on a
+  // destroyed stream that record fails inside the allocator's deleter (or
+  // hits a reused handle). ProcessGroupNCCL avoids this the same way (its
+  // streams come from c10's never-destroyed pool). Two streams per
+  // communicator stay allocated until the process exits.
 }
 
 cudaEvent_t CudaStreams::acquire() {

@@ -52,7 +52,7 @@ class DeviceScope {
 class CudaStreams {
  public:
   explicit CudaStreams(int device);
-  ~CudaStreams();
+  ~CudaStreams();  // destroys the events, never the streams (see streams.cc)
   CudaStreams(const CudaStreams&) = delete;
   CudaStreams& operator=(const CudaStreams&) = delete;
 

@@ -109,8 +109,15 @@ class CudaComm {
     streams_ = std::make_unique<cuda::CudaStreams>(device);
     reducer_ = std::make_unique<cuda::CudaReducer>(*streams_);
     transport_ = std::make_unique<cuda::NcclTransport>(*nccl_, *streams_);
-    scratch_ = at::empty({2 * options_.slice_bytes + 64},
-                         at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+    {
+      // Allocated for the reduction stream (like reduce_scatter's buffer): on
+      // the caller's stream the allocator could hand out a block whose last
+      // user there is still pending, and our non-blocking streams would not
+      // be ordered after it.
+      c10::cuda::CUDAStreamGuard g(reduction_stream());
+      scratch_ = at::empty({2 * options_.slice_bytes + 64},
+                           at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+    }
     record_on_streams(scratch_);
     watchdog_ = std::thread([this] { watchdog_loop(); });
   }
@@ -459,7 +466,11 @@ class CudaComm {
           }
         }
       } catch (const std::exception& e) {
-        err = e.what();  // check_async has aborted already
+        // check_async aborts before it throws; a CUDA error from event_done
+        // does not, so abort here too (idempotent): the Works fail and the
+        // communicator must not look healthy with NCCL kernels still queued.
+        err = e.what();
+        nccl_->abort(err);
       }
       if (!err.empty()) {
         fail_all(err);
