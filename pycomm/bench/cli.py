@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add SIZE each step when no -f is given")
     p.add_argument("-n", "--iters", type=_positive_int, default=20, help="timed iterations per size")
     p.add_argument("-w", "--warmup_iters", type=_nonneg_int, default=5, help="untimed warm-up iterations")
+    p.add_argument("--rounds", type=_positive_int, default=4,
+                   help="split the timed iterations of each size into this many rounds that take "
+                        "turns between the algos, so a slow spell on a shared machine hits all "
+                        "algos alike (1: each algo's iterations in one block, like nccl-tests)")
     p.add_argument("-d", "--datatype", default="float", help="element type: " + ", ".join(sorted(DTYPES)))
     p.add_argument("-o", "--op", default="sum", help="reduction: sum, prod, max, min, avg")
     p.add_argument("-r", "--root", type=_nonneg_int, default=0, help="root rank of broadcast")

@@ -8,8 +8,12 @@ Timing, per (size, placement, algo), after nccl-tests:
    input, poison the output), barrier, one call, compare with
    :func:`collectives.expected_result`; ``#wrong`` sums the mismatches over
    ranks.
-2. ``reset()``, barrier, ``warmup`` calls back to back.
-3. ``iters`` calls back to back, each timed on its own (CPU:
+2. In each of ``--rounds`` rounds, every algo in turn: ``reset()``,
+   barrier, warm-up calls (``warmup`` in the first round, at most 1 after), then its
+   share of the ``iters`` timed calls. Rounds spread every algo over the same
+   stretch of time, so a slow spell on a shared machine does not land on one
+   algo alone.
+3. The timed calls run back to back, each timed on its own (CPU:
    ``perf_counter``; GPU: CUDA events recorded on the current stream between
    consecutive calls, read after one synchronize). No barrier between calls:
    a barrier per call would put the control group's exit skew into every
@@ -187,7 +191,7 @@ def run_benchmark(args: Any) -> int:
     if rank == 0:
         print(f"# pycomm.bench {spec.name} ({spec.title}): world_size {n}, device {device}, "
               f"dtype {args.dtype}, op {op}, iters {args.iters}, warmup {args.warmup_iters}, "
-              f"check {args.check}", file=out)
+              f"rounds {args.rounds}, check {args.check}", file=out)
         print(f"# transports: pycomm {pc_transport}, torch {torch_backend}; host {socket.gethostname()}, "
               f"torch {torch.__version__}", file=out)
         print(f"# memcpy bandwidth (rank 0, {format_size(memcpy_bytes)}): {memcpy:.2f} GB/s", file=out)
@@ -210,15 +214,25 @@ def run_benchmark(args: Any) -> int:
                     if args.check else None)
         line: list[dict[str, Any] | None] = []
         for in_place in spec.placements:
+            bar.draw(f"{format_size(size)} {'in-place' if in_place else 'out-of-place'}")
             bufs = C.make_buffers(spec.name, in_place, rank, n, count, dtype, args.op, device)
+            runs = {algo: C.make_runner(spec.name, algo, bufs, comm=comm, rank=rank, world_size=n,
+                                        op=args.op, root=max(root, 0)) for algo in active}
+            wrongs = {algo: (_check_once(runs[algo], bufs, expected, device, barrier)
+                             if expected is not None else 0) for algo in active}
+            # Rounds take turns between the algos (see --rounds); warm-up
+            # calls precede each algo's first round only.
+            times: dict[str, list[float]] = {algo: [] for algo in active}
+            rounds = min(args.rounds, args.iters)
+            for k in range(rounds):
+                per = args.iters // rounds + (1 if k < args.iters % rounds else 0)
+                for algo in active:
+                    times[algo] += _time_loop(runs[algo], bufs, per,
+                                              args.warmup_iters if k == 0 else min(1, args.warmup_iters),
+                                              device, barrier)
             for algo in active:
-                bar.draw(f"{format_size(size)} {algo} {'in-place' if in_place else 'out-of-place'}")
-                run = C.make_runner(spec.name, algo, bufs, comm=comm, rank=rank, world_size=n,
-                                    op=args.op, root=max(root, 0))
-                wrong = (_check_once(run, bufs, expected, device, barrier)
-                         if expected is not None else 0)
-                times = _time_loop(run, bufs, args.iters, args.warmup_iters, device, barrier)
-                t_med, total_wrong = agree([statistics.median(times), 0.0], "MAX")[0], \
+                wrong = wrongs[algo]
+                t_med, total_wrong = agree([statistics.median(times[algo]), 0.0], "MAX")[0], \
                     agree([float(wrong)], "SUM")[0]
                 t_us = t_med * 1e6
                 algbw = size / t_med / 1e9 if t_med > 0 else 0.0
@@ -245,6 +259,7 @@ def run_benchmark(args: Any) -> int:
         meta = {
             "collective": spec.name, "world_size": n, "device": device.type, "dtype": args.dtype,
             "op": op, "root": root, "iters": args.iters, "warmup": args.warmup_iters,
+            "rounds": args.rounds,
             "check": args.check, "algos": active, "skipped": skipped,
             "transport": pc_transport, "torch_backend": torch_backend,
             "memcpy_GBps": memcpy, "memcpy_bytes": memcpy_bytes,
