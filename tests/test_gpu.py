@@ -358,6 +358,50 @@ def test_p2p_and_batch(world):
     run_ranks(world, _p2p)
 
 
+def _user_p2p_beside_collective(comm, store):
+    # The pipeline-parallel pattern: rank 0 posts irecv(from 1), then an
+    # all_reduce; rank 1 runs the all_reduce and only then sends to 0 (after
+    # rank 0 has seen its all_reduce complete). User p2p has an NCCL
+    # communicator and stream of its own: NCCL must not pair rank 1's ring
+    # send with rank 0's user recv, and the pending irecv must hold up neither
+    # rank 0's all_reduce nor its Work.
+    r, world = comm.rank, comm.world_size
+    n, m = (1 << 18) + 3, (1 << 17) + 7  # m: unlike any ring message
+    expect = world * (world + 1) / 2
+    # NCCL connects a pair of ranks lazily on its first transfer, which blocks
+    # the host until the peer posts its side: connect both communicators first
+    # (the collectives both ways, the user one from 1 to 0, same sizes).
+    for algo in ("ring", "nccl"):
+        comm.all_reduce(torch.ones(n, device="cuda"), algo=algo)
+    buf = torch.zeros(m, device="cuda")
+    if r == 0:
+        comm.recv(buf, 1)
+    else:
+        comm.send(buf, 0)
+    torch.cuda.synchronize()
+
+    for i, algo in enumerate(("ring", "nccl")):
+        t = torch.full((n,), float(r + 1), device="cuda")
+        if r == 0:
+            got = torch.zeros(m, device="cuda")
+            w = comm.irecv(got, 1)
+            comm.all_reduce(t, algo=algo, async_op=True).get_future().wait()
+            assert not w.is_completed()  # rank 1 has not sent yet
+            store.set(f"all_reduced/{i}", "1")
+            w.wait()
+            assert torch.all(got == 100.0 + i).item(), algo
+        else:
+            comm.all_reduce(t, algo=algo)
+            store.wait([f"all_reduced/{i}"])
+            comm.send(torch.full((m,), 100.0 + i, device="cuda"), 0)
+        assert torch.all(t == expect).item(), algo
+    comm.barrier()
+
+
+def test_user_p2p_is_independent_of_collectives():
+    run_ranks(2, _user_p2p_beside_collective)
+
+
 def _async_and_streams(comm, store):
     world, r = comm.world_size, comm.rank
     n = 1 << 20

@@ -27,7 +27,10 @@ namespace pycomm {
 
 // Independent message streams between a pair of ranks. Collectives use
 // kCollective; user-level isend/irecv use kUser, so a pending user message can
-// never be matched by a collective's receive (or the other way round).
+// never be matched by a collective's receive (or the other way round), and a
+// pending user receive never holds up later collectives. CPU transports keep
+// per-channel queues (shm) or tags (gloo); on GPU each channel has an NCCL
+// communicator and streams of its own (nccl_transport.h, cuda_comm.cpp).
 enum Channel : int { kCollective = 0, kUser = 1 };
 
 struct P2POp {

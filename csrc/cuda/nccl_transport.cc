@@ -86,6 +86,74 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int d
   wait_ready("ncclCommInitRankConfig");  // aborts and throws on error/timeout
 }
 
+NcclComm::NcclComm(NcclComm& parent, const char* name)
+    : rank_(parent.rank_), size_(parent.size_), device_(parent.device_),
+      timeout_(parent.timeout_) {
+  DeviceScope scope(device_);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;    // like the parent: we poll (and can abort)
+  config.splitShare = 0;  // resources of its own (NCCL_COMM_SPLIT_SHARE_RESOURCES overrides)
+  config.commName = name;
+  // A nonblocking split returns ncclInProgress at once; NCCL's init thread
+  // stores the new handle into *slot when the split has run (successfully or
+  // not), nullptr until then. On the heap: on a failure below it may outlive
+  // this object (see split_failed).
+  auto* slot = new ncclComm_t(nullptr);
+  auto split_failed = [&](const std::string& msg) {
+    // ncclCommAbort on the parent also ends the split (NCCL joins the init
+    // job linked to the parent), after which *slot is settled.
+    parent.abort(msg);
+    ncclComm_t child = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    if (child != nullptr) {
+      (void)ncclCommAbort(child);
+      delete slot;
+    }  // else deliberately leaked: NCCL might still write to it
+    throw CommError(msg);
+  };
+  try {
+    parent.call([&](ncclComm_t p) {
+      PYCOMM_NCCL_CHECK(ncclCommSplit(p, /*color=*/0, /*key=*/rank_, slot, &config), p);
+    });
+  } catch (const std::exception& e) {
+    split_failed(e.what());  // call() has aborted the parent already
+  }
+  // Poll like wait_ready, on the new communicator once NCCL has published it.
+  const auto deadline = Clock::now() + timeout_;
+  int spins = 0;
+  for (;;) {
+    std::string err;
+    ncclComm_t child = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    if (child != nullptr) {
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t r = ncclCommGetAsyncError(child, &state);
+      if (r != ncclSuccess) {
+        err = nccl_error_message(r, "ncclCommGetAsyncError", __FILE__, __LINE__, child);
+      } else if (state != ncclSuccess && state != ncclInProgress) {
+        err = nccl_error_message(state, "ncclCommSplit", __FILE__, __LINE__, child);
+      } else if (state == ncclSuccess) {
+        break;
+      }
+    }
+    if (err.empty() && Clock::now() > deadline) {
+      err = "ncclCommSplit did not finish within the timeout of " + ms_str(timeout_) +
+            " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+            "; a peer may be dead or not creating the communicator)";
+    }
+    if (!err.empty()) split_failed(err);
+    backoff(spins);
+  }
+  comm_ = *slot;
+  delete slot;
+  // The split was an operation of the parent too: it must report ncclSuccess
+  // (NCCL may have put the split's result there) before it is used again.
+  try {
+    parent.wait_ready("ncclCommSplit");
+  } catch (const std::exception& e) {
+    abort(e.what());  // a throwing constructor runs no destructor
+    throw;
+  }
+}
+
 NcclComm::~NcclComm() {
   try {
     destroy();
@@ -201,8 +269,8 @@ void NcclComm::destroy() {
 
 // ---------------------------------------------------------------- transport
 
-NcclTransport::NcclTransport(NcclComm& comm, CudaStreams& streams)
-    : comm_(comm), streams_(streams) {
+NcclTransport::NcclTransport(NcclComm& comm, CudaStreams& streams, Channel channel)
+    : comm_(comm), streams_(streams), channel_(channel) {
   Transport::set_timeout(comm.timeout());
 }
 
@@ -215,7 +283,13 @@ Handle NcclTransport::post(const P2POp* ops, size_t n) {
   // Zero-byte ops complete at once and are not sent: both ends of a ring step
   // compute the same slice sizes, so they skip the same messages.
   size_t live = 0;
-  for (size_t i = 0; i < n; ++i) live += ops[i].bytes != 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (ops[i].channel != channel_) {
+      throw UsageError("nccl transport of channel " + std::to_string(channel_) +
+                       " was given an op of channel " + std::to_string(ops[i].channel));
+    }
+    live += ops[i].bytes != 0;
+  }
   // The comm stream first waits for the reductions enqueued so far: a send may
   // read what they write, a receive may overwrite what they read.
   streams_.comm_after_reductions();

@@ -17,6 +17,14 @@
 // way, so a dead peer surfaces as a CommError within the timeout instead of a
 // hang. abort() may be called from any thread; a lock keeps the ncclComm_t
 // from being used after ncclCommAbort has freed it.
+//
+// Channels (transport.h). The binding keeps user point-to-point traffic
+// (kUser) off the collectives' communicator: it splits a second NcclComm from
+// the first (ncclCommSplit, same ranks in the same order) and gives it its own
+// streams and NcclTransport. NCCL matches sends and receives per communicator,
+// so a user's isend can never pair with a ring step's receive, and a pending
+// user receive sits on its own stream instead of in front of later
+// collectives. Each NcclTransport carries exactly one channel.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -41,6 +49,14 @@ class NcclComm {
   // ncclCommInitRankConfig(nonblocking) on `device`, waiting at most `timeout`.
   NcclComm(const std::string& unique_id, int rank, int world_size, int device,
            std::chrono::milliseconds timeout);
+  // ncclCommSplit(parent, color 0, key rank): the same ranks in the same order
+  // on a communicator of its own (nonblocking like the parent, splitShare = 0:
+  // own channels, connections and proxy, so its operations never queue behind
+  // the parent's). Collective over the parent: every rank must call it at the
+  // same point of the parent's operation sequence. Waits at most
+  // parent.timeout(); on an error or a timeout aborts the parent (which also
+  // stops the split) and throws CommError. `name` must outlive the call.
+  NcclComm(NcclComm& parent, const char* name);
   ~NcclComm();  // destroys (or aborts, if pending work cannot be flushed)
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
@@ -110,7 +126,9 @@ class NcclComm {
 // ncclGroupEnd finish its setup). See streams.h for why this overlaps.
 class NcclTransport final : public Transport {
  public:
-  NcclTransport(NcclComm& comm, CudaStreams& streams);
+  // Every op posted must be on `channel` (UsageError otherwise): the binding
+  // runs each channel on its own communicator and streams.
+  NcclTransport(NcclComm& comm, CudaStreams& streams, Channel channel = kCollective);
 
   int rank() const override { return comm_.rank(); }
   int world_size() const override { return comm_.world_size(); }
@@ -136,6 +154,7 @@ class NcclTransport final : public Transport {
 
   NcclComm& comm_;
   CudaStreams& streams_;
+  Channel channel_;
 };
 
 ncclDataType_t to_nccl(DType t);

@@ -54,7 +54,8 @@ CudaStreams::~CudaStreams() {
   // destroyed stream that record fails inside the allocator's deleter (or
   // hits a reused handle). ProcessGroupNCCL avoids this the same way (its
   // streams come from c10's never-destroyed pool). Two streams per
-  // communicator stay allocated until the process exits.
+  // CudaStreams (a GPU communicator has two: collectives and user p2p, see
+  // cuda_comm.cpp) stay allocated until the process exits.
 }
 
 cudaEvent_t CudaStreams::acquire() {

@@ -1,4 +1,6 @@
 // The two streams a GPU communicator enqueues on, and the events between them.
+// (The binding has one CudaStreams per lane: the collectives' and the user
+// p2p one, whose reduction stream only joins its NCCL groups; cuda_comm.cpp.)
 //
 //   reduction stream  reduction kernels and copies (CudaReducer) and, through
 //                     Transport::wait(h), the completion of every transfer

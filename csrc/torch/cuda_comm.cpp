@@ -16,10 +16,27 @@
 //      async op: Work.wait() does that. Work.get_future() completes on the
 //      host once `done` has (a watchdog thread polls the events in order).
 //
-// Timeouts / dead peers. The watchdog also checks ncclCommGetAsyncError while
-// work is pending and enforces the communicator's timeout per operation; on an
-// error or timeout it aborts the NCCL communicator (kernels exit, streams
-// drain) and fails every pending Work with CommError; later calls raise.
+// User point-to-point (send/recv/isend/irecv/batch_isend_irecv, channel
+// kUser) runs on a lane of its own, like ProcessGroupNCCL's p2p: a second NCCL
+// communicator split from the first at construction (every rank constructs
+// its CudaComm at the same point, so the collective split is matched), with
+// its own CudaStreams (the NCCL group on its comm stream, joined into its
+// reduction stream, which carries no kernels) and NcclTransport. Steps 1-4
+// above are the same, on the lane's streams. So NCCL can never pair a user
+// send with a ring step's receive, and a pending irecv blocks neither the
+// GPU work nor the Works of later collectives. The ring algorithms' own
+// transfers (kCollective) stay on the first communicator. The two lanes are
+// ordered only through the caller's stream. One lock serialises enqueueing
+// on both communicators (NCCL forbids concurrent calls on communicators of
+// one device). As with ProcessGroupNCCL, NCCL connects a pair of ranks lazily
+// on its first transfer, which needs the peer to post its side too: until
+// then the enqueue waits on the host (bounded by the timeout).
+//
+// Timeouts / dead peers. The watchdog also checks ncclCommGetAsyncError on
+// both communicators while work is pending and enforces the timeout per
+// operation; on an error or timeout it aborts both NCCL communicators
+// (kernels exit, streams drain) and fails every pending Work with CommError;
+// later calls raise. Works complete in order per lane.
 //
 // CUDA graph capture. Capturing a collective should work but is untested:
 // begin() forks both internal streams off the capturing stream by an event and
@@ -106,9 +123,15 @@ class CudaComm {
     const auto timeout = std::chrono::milliseconds(options_.timeout_ms);
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     nccl_ = std::make_unique<cuda::NcclComm>(unique_id, rank, world_size, device, timeout);
+    // The user p2p lane (see the top). Split now, not lazily on the first
+    // p2p: the split is collective, and this point is the same on all ranks.
+    p2p_nccl_ = std::make_unique<cuda::NcclComm>(*nccl_, "pycomm-p2p");
     streams_ = std::make_unique<cuda::CudaStreams>(device);
     reducer_ = std::make_unique<cuda::CudaReducer>(*streams_);
-    transport_ = std::make_unique<cuda::NcclTransport>(*nccl_, *streams_);
+    transport_ = std::make_unique<cuda::NcclTransport>(*nccl_, *streams_, kCollective);
+    p2p_streams_ = std::make_unique<cuda::CudaStreams>(device);
+    p2p_reducer_ = std::make_unique<cuda::CudaReducer>(*p2p_streams_);
+    p2p_transport_ = std::make_unique<cuda::NcclTransport>(*p2p_nccl_, *p2p_streams_, kUser);
     {
       // Allocated for the reduction stream (like reduce_scatter's buffer): on
       // the caller's stream the allocator could hand out a block whose last
@@ -118,7 +141,7 @@ class CudaComm {
       scratch_ = at::empty({2 * options_.slice_bytes + 64},
                            at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
     }
-    record_on_streams(scratch_);
+    record_on_streams(scratch_, *streams_);
     watchdog_ = std::thread([this] { watchdog_loop(); });
   }
 
@@ -136,7 +159,9 @@ class CudaComm {
   int64_t slice_bytes() const { return options_.slice_bytes; }
   uint64_t seq() const { return seq_; }
   bool closed() const { return closed_; }
-  bool aborted() const { return nccl_ && nccl_->aborted(); }
+  bool aborted() const {
+    return (nccl_ && nccl_->aborted()) || (p2p_nccl_ && p2p_nccl_->aborted());
+  }
 
   c10::intrusive_ptr<Work> all_reduce(const at::Tensor& t, int op, const std::string& algo,
                                       bool async_op) {
@@ -255,14 +280,14 @@ class CudaComm {
       check_cuda_tensor(q.tensor, "tensor", kOp);
       check_peer(q.peer, "peer", kOp, rank_, size_, /*allow_self=*/false);
       ops.push_back({q.send ? P2POp::kSend : P2POp::kRecv, q.tensor.data_ptr(),
-                     static_cast<size_t>(q.tensor.nbytes()), q.peer});
+                     static_cast<size_t>(q.tensor.nbytes()), q.peer, kUser});
       tensors.push_back(q.tensor);
     }
     return launch(kOp, tensors, {},
                   [ops](const Context&, cuda::NcclTransport& tr) {
                     tr.exchange(ops.data(), ops.size());
                   },
-                  /*async_op=*/true);
+                  /*async_op=*/true, kUser);
   }
 
   // Blocks the host until every rank has entered (like ProcessGroupNCCL).
@@ -278,7 +303,7 @@ class CudaComm {
   }
 
   // Waits for pending work (bounded by the timeout: the watchdog aborts),
-  // then flushes and destroys the NCCL communicator. Idempotent.
+  // then flushes and destroys both NCCL communicators. Idempotent.
   void close() {
     if (closed_.exchange(true)) return;
     {
@@ -289,20 +314,30 @@ class CudaComm {
     if (watchdog_.joinable()) watchdog_.join();
     std::lock_guard<std::mutex> lk(enqueue_mu_);
     scratch_.reset();  // after recordStream: freed once our streams pass this point
+    // The split-off communicator first, on every rank in the same order (a
+    // destroy may synchronise the ranks of a host). A failure (which has
+    // aborted that communicator) does not keep the other from closing.
     std::exception_ptr err;
-    try {
-      if (nccl_) nccl_->destroy();
-    } catch (...) {
-      err = std::current_exception();
+    for (cuda::NcclComm* c : {p2p_nccl_.get(), nccl_.get()}) {
+      try {
+        if (c) c->destroy();
+      } catch (...) {
+        if (!err) err = std::current_exception();
+      }
     }
     transport_.reset();
+    p2p_transport_.reset();
     reducer_.reset();
+    p2p_reducer_.reset();
     streams_.reset();
+    p2p_streams_.reset();
     if (err) std::rethrow_exception(err);
   }
 
+  // Aborts both communicators (idempotent, any thread).
   void abort(const std::string& why) {
     if (nccl_) nccl_->abort(why);
+    if (p2p_nccl_) p2p_nccl_->abort(why);
     wd_cv_.notify_all();
   }
 
@@ -313,14 +348,18 @@ class CudaComm {
     c10::intrusive_ptr<CudaWork> work;
     Clock::time_point start;
   };
+  static constexpr int kNumLanes = 2;  // indexed by Channel: kCollective, kUser
 
-  c10::cuda::CUDAStream reduction_stream() const {
-    return c10::cuda::getStreamFromExternal(streams_->reduction(),
-                                            static_cast<c10::DeviceIndex>(device_));
+  c10::cuda::CUDAStream torch_stream(cudaStream_t s) const {
+    return c10::cuda::getStreamFromExternal(s, static_cast<c10::DeviceIndex>(device_));
   }
-  c10::cuda::CUDAStream comm_stream() const {
-    return c10::cuda::getStreamFromExternal(streams_->comm(),
-                                            static_cast<c10::DeviceIndex>(device_));
+  c10::cuda::CUDAStream reduction_stream() const { return torch_stream(streams_->reduction()); }
+
+  // Why the communicator was aborted (the first of the two to be aborted).
+  std::string abort_reason() const {
+    if (nccl_ && nccl_->aborted()) return nccl_->abort_reason();
+    if (p2p_nccl_ && p2p_nccl_->aborted()) return p2p_nccl_->abort_reason();
+    return "";
   }
 
   bool capturing() const {
@@ -330,17 +369,19 @@ class CudaComm {
     return st != cudaStreamCaptureStatusNone;
   }
 
-  void record_on_streams(const at::Tensor& t) {
+  void record_on_streams(const at::Tensor& t, const cuda::CudaStreams& streams) {
     if (!t.defined() || !t.has_storage() || t.storage().data_ptr().get() == nullptr) return;
-    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), reduction_stream());
-    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), comm_stream());
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
+                                                  torch_stream(streams.reduction()));
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
+                                                  torch_stream(streams.comm()));
   }
 
   void check_open(const char* op) const {
     if (closed_) throw std::runtime_error(join_msg({op, ": the communicator is closed"}));
     if (aborted()) {
-      throw CommError(join_msg({op, ": the communicator was aborted earlier (",
-                                nccl_->abort_reason(), "); create a new one with pycomm.init()"}));
+      throw CommError(join_msg({op, ": the communicator was aborted earlier (", abort_reason(),
+                                "); create a new one with pycomm.init()"}));
     }
   }
 
@@ -372,15 +413,18 @@ class CudaComm {
     check_open(op);
     check_cuda_tensor(t, "tensor", op);
     check_peer(peer, arg, op, rank_, size_, /*allow_self=*/false);
-    const P2POp p{kind, t.data_ptr(), static_cast<size_t>(t.nbytes()), peer};
+    const P2POp p{kind, t.data_ptr(), static_cast<size_t>(t.nbytes()), peer, kUser};
     return launch(op, {t}, {},
                   [p](const Context&, cuda::NcclTransport& tr) { tr.exchange(&p, 1); },
-                  async_op);
+                  async_op, kUser);
   }
 
+  // Enqueues body on the lane of `channel`: kCollective (the collectives'
+  // communicator, streams and scratch) or kUser (the user p2p lane: its
+  // transport and streams only; no scratch).
   c10::intrusive_ptr<Work> launch(const char* op, std::vector<at::Tensor> outputs,
                                   std::vector<at::Tensor> inputs, const Body& body,
-                                  bool async_op) {
+                                  bool async_op, Channel channel = kCollective) {
     std::lock_guard<std::mutex> lk(enqueue_mu_);  // one operation enqueues at a time
     check_open(op);
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
@@ -389,13 +433,17 @@ class CudaComm {
     const bool in_capture = capturing();
     const uint64_t seq = ++seq_;
     auto work = c10::make_intrusive<CudaWork>(op, seq, outputs, device_);
+    const bool p2p = channel == kUser;
+    cuda::CudaStreams& streams = p2p ? *p2p_streams_ : *streams_;
+    cuda::NcclTransport& transport = p2p ? *p2p_transport_ : *transport_;
     try {
-      streams_->begin(user);
-      Context ctx{*transport_, *reducer_, scratch_.data_ptr(),
-                  static_cast<size_t>(scratch_.nbytes()),
+      streams.begin(user);
+      Context ctx{transport, p2p ? *p2p_reducer_ : *reducer_,
+                  p2p ? nullptr : scratch_.data_ptr(),
+                  p2p ? 0 : static_cast<size_t>(scratch_.nbytes()),
                   static_cast<size_t>(options_.slice_bytes)};
-      body(ctx, *transport_);
-      streams_->record_done(work->done());
+      body(ctx, transport);
+      streams.record_done(work->done());
     } catch (const std::exception& e) {
       std::ostringstream msg;
       msg << op << " #" << seq << " on rank " << rank_ << " (nccl transport, world_size "
@@ -403,15 +451,15 @@ class CudaComm {
       abort(msg.str());
       throw CommError(msg.str());
     }
-    for (const auto& t : outputs) record_on_streams(t);
-    for (const auto& t : inputs) record_on_streams(t);
+    for (const auto& t : outputs) record_on_streams(t, streams);
+    for (const auto& t : inputs) record_on_streams(t, streams);
     if (!async_op) PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(user, work->done(), 0));
     if (in_capture) {
       work->complete();  // no host-side tracking of captured work (see the top)
     } else {
       {
         std::lock_guard<std::mutex> wl(wd_mu_);
-        pending_.push_back({work, Clock::now()});
+        pending_[channel].push_back({work, Clock::now()});
       }
       wd_cv_.notify_one();
     }
@@ -423,7 +471,10 @@ class CudaComm {
     std::deque<Pending> failed;
     {
       std::lock_guard<std::mutex> lk(wd_mu_);
-      failed.swap(pending_);
+      for (auto& lane : pending_) {
+        failed.insert(failed.end(), lane.begin(), lane.end());
+        lane.clear();
+      }
     }
     for (auto& p : failed) {
       std::ostringstream msg;
@@ -432,56 +483,73 @@ class CudaComm {
     }
   }
 
-  // Completes Works in order as their `done` events pass; enforces the
-  // timeout and surfaces NCCL's asynchronous errors.
+  // Completes each lane's Works in order as their `done` events pass (the
+  // lanes independently: a pending irecv does not hold up the Works of later
+  // collectives); enforces the timeout and surfaces NCCL's asynchronous
+  // errors of both communicators.
   void watchdog_loop() {
     (void)cudaSetDevice(device_);
     const auto timeout = std::chrono::milliseconds(options_.timeout_ms);
     int idle_spins = 0;
     for (;;) {
-      Pending front;
+      Pending front[kNumLanes];  // front[l].work is null when lane l is idle
       {
         std::unique_lock<std::mutex> lk(wd_mu_);
-        wd_cv_.wait(lk, [&] { return wd_stop_ || !pending_.empty(); });
-        if (pending_.empty()) return;  // stop requested and drained
-        front = pending_.front();
+        auto idle = [&] { return pending_[kCollective].empty() && pending_[kUser].empty(); };
+        wd_cv_.wait(lk, [&] { return wd_stop_ || !idle(); });
+        if (idle()) return;  // stop requested and drained
+        for (int l = 0; l < kNumLanes; ++l) {
+          if (!pending_[l].empty()) front[l] = pending_[l].front();
+        }
       }
       if (aborted()) {
-        fail_all("the communicator was aborted (" + nccl_->abort_reason() + ")");
+        fail_all("the communicator was aborted (" + abort_reason() + ")");
         continue;
       }
       std::string err;
-      bool done = false;
+      bool progress = false;
+      const Pending* waiting = nullptr;  // the first front still running
       try {
-        done = cuda::event_done(front.work->done());
-        if (!done) {
-          nccl_->check_async(front.work->op().c_str());
-          if (Clock::now() - front.start > timeout) {
+        for (int l = 0; l < kNumLanes && err.empty(); ++l) {
+          const Pending& f = front[l];
+          if (!f.work) continue;
+          if (cuda::event_done(f.work->done())) {
+            {
+              std::lock_guard<std::mutex> lk(wd_mu_);
+              pending_[l].pop_front();  // only this thread pops: f is still the front
+            }
+            f.work->complete();
+            progress = true;
+            continue;
+          }
+          if (waiting == nullptr) waiting = &f;
+          if (Clock::now() - f.start > timeout) {
             std::ostringstream msg;
             msg << "timed out after " << options_.timeout_ms
                 << " ms waiting for the GPU (a peer may be dead or not calling the same "
                    "operation); the communicator was aborted";
             err = msg.str();
-            nccl_->abort(front.work->op() + " #" + std::to_string(front.work->seq()) + ": " + err);
+            abort(f.work->op() + " #" + std::to_string(f.work->seq()) + ": " + err);
           }
         }
+        if (err.empty() && waiting != nullptr) {
+          const char* what = waiting->work->op().c_str();
+          nccl_->check_async(what);
+          p2p_nccl_->check_async(what);
+        }
       } catch (const std::exception& e) {
-        // check_async aborts before it throws; a CUDA error from event_done
-        // does not, so abort here too (idempotent): the Works fail and the
-        // communicator must not look healthy with NCCL kernels still queued.
+        // check_async aborts its communicator before it throws; a CUDA error
+        // from event_done does not; abort both here (idempotent): the Works
+        // fail and the communicator must not look healthy with NCCL kernels
+        // still queued.
         err = e.what();
-        nccl_->abort(err);
+        abort(err);
       }
       if (!err.empty()) {
         fail_all(err);
         continue;
       }
-      if (done) {
-        {
-          std::lock_guard<std::mutex> lk(wd_mu_);
-          pending_.pop_front();
-        }
-        front.work->complete();
+      if (progress) {
         idle_spins = 0;
         continue;
       }
@@ -496,10 +564,16 @@ class CudaComm {
   CommOptions options_;
   int rank_, size_, device_;
   AutoTable table_;
+  // The collectives' lane (kCollective) ...
   std::unique_ptr<cuda::NcclComm> nccl_;
   std::unique_ptr<cuda::CudaStreams> streams_;
   std::unique_ptr<cuda::CudaReducer> reducer_;
   std::unique_ptr<cuda::NcclTransport> transport_;
+  // ... and the user p2p lane (kUser); its reducer only makes a Context.
+  std::unique_ptr<cuda::NcclComm> p2p_nccl_;
+  std::unique_ptr<cuda::CudaStreams> p2p_streams_;
+  std::unique_ptr<cuda::CudaReducer> p2p_reducer_;
+  std::unique_ptr<cuda::NcclTransport> p2p_transport_;
   at::Tensor scratch_;
   std::mutex enqueue_mu_;
   std::atomic<uint64_t> seq_{0};
@@ -507,7 +581,7 @@ class CudaComm {
 
   std::mutex wd_mu_;
   std::condition_variable wd_cv_;
-  std::deque<Pending> pending_;
+  std::deque<Pending> pending_[kNumLanes];  // per Channel
   bool wd_stop_ = false;
   std::thread watchdog_;
 };
