@@ -210,6 +210,108 @@ def test_async_ops_waited_out_of_order(transport, world_size):
     run_ranks(_async_out_of_order, world_size, transport)
 
 
+# ---------------------------------------------------------------- ops from Future callbacks
+#
+# A then() callback runs on the communicator's worker thread when the op it
+# hangs on completes there (DDP comm hooks such as PowerSGD chain collectives
+# this way). The files below fix the interleaving that used to go wrong:
+# without them the tests would pass or fail by timing.
+
+def _wait_for(path, what):
+    import os
+    import time
+
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: {path} never appeared")
+        time.sleep(0.001)
+
+
+def _callback_op_keeps_rank_order(comm, tmp):
+    """Ranks < n-1 queue `c` before `a` completes; the last rank issues `c`
+    after `a`'s callback issued `b`. Every rank must run a, b, c (an op from
+    a callback runs right after the op that triggered it), checked or not."""
+    import os
+
+    n, r = comm.world_size, comm.rank
+    for check in (False, True):
+        comm._impl.check = check
+        tag = os.path.join(tmp, f"check{int(check)}")
+        a = torch.full((1000,), r + 1.0)
+        b = torch.full((7,), 10.0 * (r + 1))
+        c = torch.full((5000,), 100.0 * (r + 1))
+        if r == n - 1:
+            for q in range(n - 1):
+                _wait_for(f"{tag}-queued{q}", "rank waiting for the others to queue c")
+        wa = comm.all_reduce(a, async_op=True)
+        fb = wa.get_future().then(lambda f: comm.all_reduce(b, async_op=True))
+        if r < n - 1:
+            wc = comm.all_reduce(c, async_op=True)
+            open(f"{tag}-queued{r}", "w").close()
+        else:
+            fb.wait()  # a done and b issued before c
+            wc = comm.all_reduce(c, async_op=True)
+        fb.wait().wait()
+        wc.wait()
+        total = n * (n + 1) / 2
+        assert torch.all(a == total) and torch.all(b == 10 * total), (check, a[:3], b[:3])
+        assert torch.all(c == 100 * total), (check, c[:3])
+    comm._impl.check = False
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_op_issued_from_callback_runs_in_the_same_place_on_every_rank(transport, world_size,
+                                                                       tmp_path):
+    run_ranks(_callback_op_keeps_rank_order, world_size, transport, str(tmp_path))
+
+
+def _blocking_calls_in_callback(comm, tmp):
+    """On the worker thread, a synchronous op runs in place (it used to hang
+    forever); waiting for a later op, or close(), raises instead of hanging."""
+    import threading
+
+    n, r = comm.world_size, comm.rank
+    a, b, c = torch.ones(10), torch.full((3,), r + 1.0), torch.ones(20)
+    seen = {}
+
+    def sync_op(f):
+        seen["thread"] = threading.current_thread() is threading.main_thread()
+        comm.all_reduce(b)  # synchronous, on the worker thread
+        return b.clone()
+
+    def wait_later(f):
+        wc.wait()
+
+    def close_comm(f):
+        comm.close()
+
+    if r != 0:
+        _wait_for(f"{tmp}/registered", "callbacks registered on rank 0")
+    wa = comm.all_reduce(a, async_op=True)
+    fb = wa.get_future().then(sync_op)
+    wc = comm.all_reduce(c, async_op=True)
+    if r == 0:
+        f_wait = wa.get_future().then(wait_later)
+        f_close = wa.get_future().then(close_comm)
+        open(f"{tmp}/registered", "w").close()
+    assert torch.all(fb.wait() == n * (n + 1) / 2)
+    wc.wait()
+    assert torch.all(a == n) and torch.all(c == n)
+    if r == 0:
+        assert seen["thread"] is False  # the callback did run on the worker
+        with pytest.raises(RuntimeError, match="worker thread.*deadlock"):
+            f_wait.wait()
+        with pytest.raises(RuntimeError, match="close.*worker thread"):
+            f_close.wait()
+    comm.barrier()  # still usable
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_blocking_calls_inside_callbacks(transport, world_size, tmp_path):
+    run_ranks(_blocking_calls_in_callback, world_size, transport, str(tmp_path))
+
+
 def _barrier_and_module_level(comm):
     import pycomm
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <stdexcept>
 
 namespace pycomm {
 
@@ -20,7 +21,7 @@ void Worker::submit(std::function<void()> task) {
   bool waiting;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    queue_.push_back(std::move(task));
+    (is_current() ? urgent_ : queue_).push_back(std::move(task));
     waiting = in_idle_wait_;
   }
   cv_.notify_all();
@@ -30,7 +31,7 @@ void Worker::submit(std::function<void()> task) {
 bool Worker::try_run_inline(const std::function<void()>& task) {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (busy_ || !queue_.empty()) return false;
+    if (busy_ || has_task()) return false;
     busy_ = true;
   }
   struct Release {
@@ -48,17 +49,19 @@ bool Worker::try_run_inline(const std::function<void()>& task) {
 }
 
 void Worker::drain() {
+  if (is_current()) throw std::logic_error("Worker::drain() called on the worker thread");
   std::unique_lock<std::mutex> lk(mu_);
-  cv_.wait(lk, [this] { return queue_.empty() && !busy_ && !poll_pending_; });
+  cv_.wait(lk, [this] { return !has_task() && !busy_ && !poll_pending_; });
 }
 
 void Worker::loop() {
   std::unique_lock<std::mutex> lk(mu_);
   int idle_rounds = 0;
   for (;;) {
-    if (!queue_.empty() && !busy_) {
-      std::function<void()> task = std::move(queue_.front());
-      queue_.pop_front();
+    if (has_task() && !busy_) {
+      auto& q = urgent_.empty() ? queue_ : urgent_;
+      std::function<void()> task = std::move(q.front());
+      q.pop_front();
       busy_ = true;
       lk.unlock();
       task();  // tasks catch their own exceptions (they complete a Work)
@@ -76,7 +79,7 @@ void Worker::loop() {
       busy_ = false;
       poll_pending_ = more;
       cv_.notify_all();
-      if (more && queue_.empty()) {
+      if (more && !has_task()) {
         // back off: a few yields, then short sleeps that a new task interrupts
         if (++idle_rounds < 16) {
           lk.unlock();
@@ -95,17 +98,17 @@ void Worker::loop() {
             cv_.notify_all();
           }
           if (!waited) {
-            cv_.wait_for(lk, std::chrono::microseconds(nap_us), [this] { return !queue_.empty(); });
+            cv_.wait_for(lk, std::chrono::microseconds(nap_us), [this] { return has_task(); });
           }
         }
       }
       continue;
     }
-    if (stop_ && queue_.empty() && !busy_ && !poll_pending_) return;
+    if (stop_ && !has_task() && !busy_ && !poll_pending_) return;
     idle_rounds = 0;
     cv_.wait(lk, [this] {
-      return (!queue_.empty() && !busy_) || (poll_pending_ && !busy_) ||
-             (stop_ && queue_.empty() && !busy_);
+      return (has_task() && !busy_) || (poll_pending_ && !busy_) ||
+             (stop_ && !has_task() && !busy_);
     });
   }
 }

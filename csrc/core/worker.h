@@ -18,8 +18,16 @@ class Worker {
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
-  // Queues `task` behind everything submitted before.
+  // Queues `task` behind everything submitted before. Called on the worker
+  // thread itself (from a task, typically a Future callback run when a task
+  // completes its Work), it queues `task` ahead of everything submitted from
+  // other threads, behind earlier such tasks: an op issued by a callback then
+  // runs right after the op that triggered it on every rank, however the
+  // caller's own submissions interleave with completions on each rank.
   void submit(std::function<void()> task);
+
+  // True on the worker thread (inside a task or the idle poll).
+  bool is_current() const { return std::this_thread::get_id() == thread_.get_id(); }
 
   // Runs `task` on the calling thread if nothing is queued or running (the
   // common case of a synchronous collective), saving two thread hand-offs.
@@ -27,7 +35,8 @@ class Worker {
   bool try_run_inline(const std::function<void()>& task);
 
   // Blocks until every task submitted so far has finished and the idle poll
-  // (below) reports nothing pending.
+  // (below) reports nothing pending. Not on the worker thread (it would wait
+  // for itself): throws std::logic_error there.
   void drain();
 
   // `poll` runs on the worker whenever no task is queued, after kick(), until
@@ -54,7 +63,10 @@ class Worker {
 
   std::mutex mu_;
   std::condition_variable cv_;
+  bool has_task() const { return !queue_.empty() || !urgent_.empty(); }
+
   std::deque<std::function<void()>> queue_;
+  std::deque<std::function<void()>> urgent_;  // submitted on the worker thread; run first
   bool busy_ = false;
   bool poll_pending_ = false;  // guarded by busy_ ownership, read under mu_
   std::function<bool()> poll_;

@@ -22,6 +22,15 @@ Work::Work(std::string op, uint64_t seq, std::vector<at::Tensor> outputs)
           c10::ListType::create(c10::TensorType::get()))) {}
 
 void Work::wait() {
+  if (worker_ && worker_->is_current() && !future_->completed()) {
+    // A Future callback runs on the worker that completes ops: waiting there
+    // for a later op would wait for ourselves, forever.
+    throw std::runtime_error(
+        op_ + " #" + std::to_string(seq_) +
+        ": wait() called on the communicator's worker thread (inside a Future callback) "
+        "before the op completed; it would deadlock. Return the op's future from the "
+        "callback, or chain with then(), instead of waiting inside it");
+  }
   future_->wait();
   if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
 }
@@ -203,6 +212,11 @@ Comm::~Comm() {
 }
 
 void Comm::close() {
+  if (worker_ && !forked() && worker_->is_current()) {
+    throw std::runtime_error(
+        "close(): called on the communicator's worker thread (inside a Future callback); "
+        "it would wait for itself. Close the communicator from the caller's thread");
+  }
   if (closed_.exchange(true)) return;
   if (forked()) {
     // The worker thread and the transport's connections exist only in the
@@ -238,9 +252,9 @@ void Comm::fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e
 
 std::function<void(const Context&)> Comm::checked(Fingerprint fp,
                                                   std::function<void(const Context&)> body) {
-  fp.seq = ++coll_seq_;
   if (!options_.check) return body;
-  return [fp, body = std::move(body)](const Context& ctx) {
+  return [this, fp, body = std::move(body)](const Context& ctx) mutable {
+    fp.seq = ++coll_seq_;  // ops run one at a time: execution order
     check_fingerprints(ctx, fp);
     body(ctx);
   };
@@ -284,6 +298,7 @@ c10::intrusive_ptr<Work> Comm::run_p2p(const char* op, std::vector<at::Tensor> t
   check_open(op);
   const uint64_t seq = ++seq_;
   auto work = c10::make_intrusive<Work>(op, seq, std::move(tensors));
+  work->set_worker(worker_.get());
   std::ostringstream peers;
   for (size_t i = 0; i < ops.size(); ++i) {
     peers << (i ? ", " : "") << (ops[i].kind == P2POp::kSend ? "send to rank " : "recv from rank ")
@@ -315,6 +330,7 @@ c10::intrusive_ptr<Work> Comm::run(const char* op, std::vector<at::Tensor> outpu
   check_open(op);
   const uint64_t seq = ++seq_;
   auto work = c10::make_intrusive<Work>(op, seq, std::move(outputs));
+  work->set_worker(worker_.get());
   std::function<void()> task = [this, work, body = std::move(body), op, seq]() {
     if (aborted_) {
       work->fail(std::make_exception_ptr(CommError(join_msg(
@@ -337,10 +353,18 @@ c10::intrusive_ptr<Work> Comm::run(const char* op, std::vector<at::Tensor> outpu
     }
   };
   if (async_op) {
-    worker_->submit(std::move(task));
+    worker_->submit(std::move(task));  // on the worker thread: ahead of the caller's queue
     return work;
   }
-  if (!worker_->try_run_inline(task)) worker_->submit(std::move(task));
+  if (worker_->is_current()) {
+    // A synchronous op from a Future callback, which runs on the worker as
+    // an op completes: run it right here, between that op and the next one
+    // (queueing it and waiting would wait for ourselves). Every rank runs it
+    // at the same point of its op sequence.
+    task();
+  } else if (!worker_->try_run_inline(task)) {
+    worker_->submit(std::move(task));
+  }
   work->wait();
   return {};
 }

@@ -40,12 +40,16 @@ class Work : public c10::intrusive_ptr_target {
 
   void complete();
   void fail(std::exception_ptr e);
+  // The worker that runs this op: wait() on that thread before completion
+  // (from a Future callback) would wait for itself, so it throws instead.
+  void set_worker(const Worker* w) { worker_ = w; }
 
  private:
   std::string op_;
   uint64_t seq_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  const Worker* worker_ = nullptr;
 };
 
 struct CommOptions {
@@ -111,7 +115,8 @@ class Comm {
   c10::intrusive_ptr<Work> run_p2p(const char* op, std::vector<at::Tensor> tensors,
                                    std::vector<P2POp> ops, bool async_op);
   // Wraps a collective's body with the checked-mode fingerprint exchange;
-  // assigns the collective sequence number (at call time, in call order).
+  // assigns the collective sequence number when the body runs (execution
+  // order, which is what pairs ops across ranks).
   std::function<void(const Context&)> checked(Fingerprint fp,
                                               std::function<void(const Context&)> body);
   bool poll_deferred();  // on the executing thread; true while any is pending
