@@ -191,9 +191,10 @@ Comm::Comm(std::unique_ptr<Transport> transport, CommOptions options)
   transport_->set_timeout(std::chrono::milliseconds(options_.timeout_ms));
   scratch_.resize(2 * static_cast<size_t>(options_.slice_bytes) + 64);
   has_shared_buffers_ = transport_->shared_buffers() != nullptr;
-  // Measured (benchmarks/allreduce_cpu/shm_vs_gloo.py, 2-4 ranks on 2 cores):
-  // direct beats the ring over shm at every size from 4 KiB to 64 MiB, so
-  // auto always takes it on shm; the ring stays available as algo="ring".
+  // Measured (benchmarks/allreduce/table_cpu_{2,3,4}ranks.txt, 2 cores):
+  // direct beats the ring over shm from 1 KiB to 64 MiB, but for a tie at
+  // 3 ranks and 4 MiB (1290 vs 1233 us, within noise), so auto always takes
+  // it on shm; the ring stays available as algo="ring".
   direct_max_bytes_ = std::numeric_limits<size_t>::max();
   if (const char* v = std::getenv("PYCOMM_DIRECT_MAX_BYTES")) {
     direct_max_bytes_ = static_cast<size_t>(std::strtoull(v, nullptr, 10));

@@ -150,9 +150,9 @@ class Comm {
   std::deque<Deferred> deferred_;  // touched only by the executing thread
   std::unique_ptr<Worker> worker_;
   bool has_shared_buffers_ = false;
-  // algo="auto" runs direct_all_reduce up to this many bytes (when the
-  // transport shares memory); PYCOMM_DIRECT_MAX_BYTES overrides.
-  size_t direct_max_bytes_ = 256 * 1024;
+  // algo="auto" runs direct_all_reduce up to this many bytes when the
+  // transport shares memory: no limit unless PYCOMM_DIRECT_MAX_BYTES (ctor).
+  size_t direct_max_bytes_ = 0;
 };
 
 // at::ScalarType -> DType; throws TypeError-mapped exception for the rest.
