@@ -288,6 +288,21 @@ bool Comm::poll_deferred() {
   return !deferred_.empty();
 }
 
+c10::intrusive_ptr<Work> Comm::new_work(const char* op, std::vector<at::Tensor> tensors) {
+  check_open(op);
+  auto work = c10::make_intrusive<Work>(op, ++seq_, std::move(tensors));
+  work->set_worker(worker_.get());
+  return work;
+}
+
+bool Comm::fail_if_aborted(const c10::intrusive_ptr<Work>& work) {
+  if (!aborted_) return false;
+  work->fail(std::make_exception_ptr(
+      CommError(join_msg({work->op(), " #", std::to_string(work->seq()),
+                          ": communicator aborted earlier (", abort_reason_, ")"}))));
+  return true;
+}
+
 c10::intrusive_ptr<Work> Comm::run_p2p(const char* op, std::vector<at::Tensor> tensors,
                                        std::vector<P2POp> ops, bool async_op) {
   for (auto& o : ops) o.channel = kUser;
@@ -296,22 +311,14 @@ c10::intrusive_ptr<Work> Comm::run_p2p(const char* op, std::vector<at::Tensor> t
                [ops](const Context& ctx) { ctx.transport.exchange(ops.data(), ops.size()); },
                false);
   }
-  check_open(op);
-  const uint64_t seq = ++seq_;
-  auto work = c10::make_intrusive<Work>(op, seq, std::move(tensors));
-  work->set_worker(worker_.get());
+  auto work = new_work(op, std::move(tensors));
   std::ostringstream peers;
   for (size_t i = 0; i < ops.size(); ++i) {
     peers << (i ? ", " : "") << (ops[i].kind == P2POp::kSend ? "send to rank " : "recv from rank ")
           << ops[i].peer;
   }
   worker_->submit([this, work, ops, peers = peers.str()] {
-    if (aborted_) {
-      work->fail(std::make_exception_ptr(
-          CommError(work->op() + " #" + std::to_string(work->seq()) +
-                    ": communicator aborted earlier (" + abort_reason_ + ")")));
-      return;
-    }
+    if (fail_if_aborted(work)) return;
     try {
       const Handle h = transport_->post(ops.data(), ops.size());
       deferred_.push_back({work, h,
@@ -328,16 +335,9 @@ c10::intrusive_ptr<Work> Comm::run_p2p(const char* op, std::vector<at::Tensor> t
 
 c10::intrusive_ptr<Work> Comm::run(const char* op, std::vector<at::Tensor> outputs,
                                    std::function<void(const Context&)> body, bool async_op) {
-  check_open(op);
-  const uint64_t seq = ++seq_;
-  auto work = c10::make_intrusive<Work>(op, seq, std::move(outputs));
-  work->set_worker(worker_.get());
-  std::function<void()> task = [this, work, body = std::move(body), op, seq]() {
-    if (aborted_) {
-      work->fail(std::make_exception_ptr(CommError(join_msg(
-          {op, " #", std::to_string(seq), ": communicator aborted earlier (", abort_reason_, ")"}))));
-      return;
-    }
+  auto work = new_work(op, std::move(outputs));
+  std::function<void()> task = [this, work, body = std::move(body), op]() {
+    if (fail_if_aborted(work)) return;
     try {
       Context ctx{*transport_, reducer_, scratch_.data(), scratch_.size(),
                   static_cast<size_t>(options_.slice_bytes)};
@@ -347,7 +347,7 @@ c10::intrusive_ptr<Work> Comm::run(const char* op, std::vector<at::Tensor> outpu
       // Detected by every rank before any payload moved (checked mode): the
       // communicator stays usable.
       work->fail(std::make_exception_ptr(UsageError(
-          join_msg({op, " #", std::to_string(seq), " on rank ", std::to_string(rank_), ": ",
+          join_msg({op, " #", std::to_string(work->seq()), " on rank ", std::to_string(rank_), ": ",
                     e.what()}))));
     } catch (const std::exception& e) {
       fail_op(work, e);

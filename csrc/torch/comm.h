@@ -109,6 +109,10 @@ class Comm {
  private:
   c10::intrusive_ptr<Work> run(const char* op, std::vector<at::Tensor> outputs,
                                std::function<void(const Context&)> body, bool async_op);
+  // A Work for the next op (sequence number, worker) after check_open(op).
+  c10::intrusive_ptr<Work> new_work(const char* op, std::vector<at::Tensor> tensors);
+  // On the worker: fails `work` if an earlier op aborted the communicator.
+  bool fail_if_aborted(const c10::intrusive_ptr<Work>& work);
   // User p2p: sync -> post and wait like run(); async -> the task only posts
   // (channel kUser) and the worker's idle poll completes the Work, so a
   // pending isend never blocks a later irecv or collective.

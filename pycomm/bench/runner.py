@@ -73,12 +73,17 @@ def measure_memcpy(device: torch.device, nbytes: int, reps: int = 5) -> float:
     return src.nbytes / statistics.median(times) / 1e9
 
 
-def _check_once(run: Any, bufs: C.Buffers, expected: Any, device: torch.device,
-                barrier: Any) -> int:
-    """Elements of one untimed call's result that differ from ``expected``."""
+def _fresh_start(bufs: C.Buffers, device: torch.device, barrier: Any) -> None:
+    """Restore the buffers, let the device finish, and line the ranks up."""
     bufs.reset()
     _sync(device)
     barrier()
+
+
+def _check_once(run: Any, bufs: C.Buffers, expected: Any, device: torch.device,
+                barrier: Any) -> int:
+    """Elements of one untimed call's result that differ from ``expected``."""
+    _fresh_start(bufs, device, barrier)
     run()
     _sync(device)
     return C.count_wrong(bufs.result, expected)
@@ -88,9 +93,7 @@ def _time_loop(run: Any, bufs: C.Buffers, iters: int, warmup: int, device: torch
                barrier: Any) -> list[float]:
     """Seconds of each of ``iters`` back-to-back calls on this rank (see the
     module doc)."""
-    bufs.reset()
-    _sync(device)
-    barrier()
+    _fresh_start(bufs, device, barrier)
     for _ in range(warmup):
         run()
     times = []
