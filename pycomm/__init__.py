@@ -8,6 +8,10 @@ torch.distributed-style API::
     comm = pycomm.init()                 # under torchrun
     comm.all_reduce(t)                   # in place, SUM
     work = comm.all_reduce(t, op="avg", async_op=True); work.wait()
+
+and, after ``import pycomm``, as a torch.distributed backend::
+
+    torch.distributed.init_process_group(backend="pycomm")
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ from .comm import (
     init,
     is_initialized,
 )
+from . import backend
+
+# torch.distributed.init_process_group(backend="pycomm") works after `import pycomm`.
+backend.register()
 
 __all__ = [
     "CommError",

@@ -376,7 +376,7 @@ def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes:
     """
     global _shm_count
     _shm_count += 1
-    key = f"shm/{_shm_count}"
+    key = "shm"  # `st` is already this communicator's own prefix
     impl, err = None, ""
     if rank == 0:
         # Unique per job (rank 0's pid + random) and per communicator.
@@ -479,6 +479,7 @@ def init(
     slice_bytes: int | None = None,
     set_default: bool = True,
     check: bool | None = None,
+    key_prefix: str | None = None,
 ) -> Communicator:
     """Creates a communicator (every rank calls it, in the same order).
 
@@ -509,6 +510,10 @@ def init(
             ``ValueError`` listing each side's fingerprint, before any data
             moved, and the communicator stays usable. Costs one small
             all-gather per collective. CPU transports only.
+        key_prefix: put this communicator's rendezvous keys under this prefix
+            of the store (every rank passes the same; unique per store)
+            instead of one numbered by a per-process count of ``init`` calls,
+            which differs between ranks that created different groups.
 
     Example:
         >>> comm = pycomm.init()                  # under torchrun
@@ -553,6 +558,8 @@ def init(
         return int(os.environ.get("PYCOMM_SLICE_BYTES", default))
 
     st, r, n, prefix = _rendezvous(rank, world_size, store, group, timeout)
+    if key_prefix is not None:
+        prefix = key_prefix
     _validate_world(r, n)
     st = dist.PrefixStore(prefix, st)
     timeout_ms = int(timeout.total_seconds() * 1000)

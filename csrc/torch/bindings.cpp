@@ -12,6 +12,9 @@
 #include "pg_transport.h"
 
 namespace py = pybind11;
+namespace pycomm {
+void bind_backend(py::module_& m);  // the torch.distributed backend (backend.cpp)
+}
 #ifdef PYCOMM_WITH_CUDA
 namespace pycomm {
 void bind_cuda(py::module_& m);  // CudaComm, make_nccl_comm, ... (cuda_comm.cpp)
@@ -96,7 +99,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("op", &Work::op)
       .def_property_readonly("seq", &Work::seq);
 
-  py::class_<Comm>(m, "Comm")
+  // smart_holder: the torch.distributed backend shares the communicator
+  // (std::shared_ptr) with the Python object that created it.
+  py::class_<Comm, py::smart_holder>(m, "Comm")
       .def_property_readonly("rank", &Comm::rank)
       .def_property_readonly("world_size", &Comm::world_size)
       .def_property_readonly("transport", &Comm::transport_name)
@@ -129,7 +134,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return c.batch_p2p(ops);
           },
           py::arg("ops"))
-      .def("barrier", &Comm::barrier, py::call_guard<py::gil_scoped_release>())
+      .def("barrier", &Comm::barrier, py::arg("async_op") = false,
+           py::call_guard<py::gil_scoped_release>())
       .def("close", &Comm::close, py::call_guard<py::gil_scoped_release>())
       .def("abort", &Comm::abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>());
 
@@ -145,6 +151,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("float_to_half", [](float f) { return pycomm::float_to_half(f); });
   m.def("bf16_to_float", [](uint16_t h) { return pycomm::bf16_to_float(h); });
   m.def("float_to_bf16", [](float f) { return pycomm::float_to_bf16(f); });
+  pycomm::bind_backend(m);
 #ifdef PYCOMM_WITH_CUDA
   pycomm::bind_cuda(m);  // sets WITH_CUDA = True
 #endif

@@ -491,11 +491,11 @@ c10::intrusive_ptr<Work> Comm::batch_p2p(const std::vector<TensorP2P>& reqs) {
   return run_p2p(kOp, tensors, ops, /*async_op=*/true);
 }
 
-void Comm::barrier() {
-  run("barrier", {},
-      checked({0, 0, 0, int32_t(CollKind::kBarrier)},
-              [](const Context& ctx) { dissemination_barrier(ctx); }),
-      false);
+c10::intrusive_ptr<Work> Comm::barrier(bool async_op) {
+  return run("barrier", {},
+             checked({0, 0, 0, int32_t(CollKind::kBarrier)},
+                     [](const Context& ctx) { dissemination_barrier(ctx); }),
+             async_op);
 }
 
 }  // namespace pycomm

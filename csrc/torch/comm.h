@@ -99,7 +99,8 @@ class Comm {
   c10::intrusive_ptr<Work> send(const at::Tensor& t, int dst, bool async_op);
   c10::intrusive_ptr<Work> recv(const at::Tensor& t, int src, bool async_op);
   c10::intrusive_ptr<Work> batch_p2p(const std::vector<TensorP2P>& ops);
-  void barrier();
+  // Synchronous unless async_op (then a Work, like the other ops).
+  c10::intrusive_ptr<Work> barrier(bool async_op = false);
 
   // Waits for queued work, then releases the transport. Idempotent.
   void close();
