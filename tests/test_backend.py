@@ -1,0 +1,370 @@
+"""pycomm as a torch.distributed backend (backend="pycomm"): every supported op
+through the torch.distributed API against float64 references, async Works and
+futures, new_group, errors, torch DDP and torch.distributed.pipelining against
+one process on the full batch, and the example under torchrun. Every rank is a
+fresh spawned process that calls init_process_group(backend="pycomm")."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._dist import client_store, spawn_ranks
+from tests.reference import assert_matches, rank_input, reference
+
+ROOT = Path(__file__).resolve().parent.parent
+COUNTS = [0, 1, 13, 1031]  # 13 and 1031: primes, not divisible by 2 or 3
+DTYPES = [torch.float32, torch.float64, torch.int32]
+OPS = ["sum", "avg", "max", "min", "product"]
+
+
+def _init(rank: int, world_size: int, port: int, pg_options=None) -> None:
+    import torch.distributed as dist
+
+    import pycomm  # noqa: F401  (registers the backend)
+
+    dist.init_process_group("pycomm", store=client_store(port, world_size), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=60),
+                            pg_options=pg_options)
+
+
+def _torch_op(op: str):
+    import torch.distributed as dist
+
+    return getattr(dist.ReduceOp, op.upper())
+
+
+def _cases():
+    for count in COUNTS:
+        for dtype in DTYPES:
+            for op in OPS:
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                yield count, dtype, op
+
+
+# ---------------------------------------------------------------- collectives
+
+def _reductions(rank: int, n: int) -> int:
+    """all_reduce (sync, async + future, coalesced), reduce_scatter_tensor and
+    reduce_scatter (list) for every count x dtype x op."""
+    import torch.distributed as dist
+
+    checked = 0
+    for count, dtype, op in _cases():
+        what = f"{op} {dtype} count={count}"
+        inputs = [rank_input(r, count, dtype, op) for r in range(n)]
+        ref = reference(inputs, op)
+        t = inputs[rank].clone()
+        assert dist.all_reduce(t, op=_torch_op(op)) is None
+        assert_matches(t, ref, f"all_reduce {what}")
+
+        t = inputs[rank].clone()
+        work = dist.all_reduce(t, op=_torch_op(op), async_op=True)
+        value = work.get_future().wait()
+        assert value[0] is t or value[0].data_ptr() == t.data_ptr()
+        assert work.wait() and work.is_completed() and work.is_success()
+        assert_matches(t, ref, f"async all_reduce {what}")
+
+        # reduce-scatter: rank r's input holds n blocks; block j goes to rank j.
+        big = [rank_input(r, n * count, dtype, op, seed=1) for r in range(n)]
+        full = reference(big, op)
+        mine = full[rank * count:(rank + 1) * count]
+        out = torch.empty(count, dtype=dtype)
+        dist.reduce_scatter_tensor(out, big[rank].clone(), op=_torch_op(op))
+        assert_matches(out, mine, f"reduce_scatter_tensor {what}")
+        out = torch.full((count,), 7, dtype=dtype)
+        work = dist.reduce_scatter(out, list(big[rank].clone().chunk(n)) if count else
+                                   [torch.empty(0, dtype=dtype) for _ in range(n)],
+                                   op=_torch_op(op), async_op=True)
+        work.wait()
+        assert_matches(out, mine, f"reduce_scatter (list) {what}")
+        checked += 4
+
+    # all_reduce_coalesced: several tensors, one flat all-reduce.
+    xs = [rank_input(rank, c, torch.float64, "sum", seed=2) for c in COUNTS]
+    refs = [reference([rank_input(r, c, torch.float64, "sum", seed=2) for r in range(n)], "sum")
+            for c in COUNTS]
+    dist.all_reduce_coalesced(xs)
+    for x, ref, c in zip(xs, refs, COUNTS):
+        assert_matches(x, ref, f"all_reduce_coalesced count={c}")
+    return checked + 1
+
+
+def _gathers_and_broadcast(rank: int, n: int) -> int:
+    """all_gather (list), all_gather_into_tensor and broadcast from every root."""
+    import torch.distributed as dist
+
+    checked = 0
+    for count in COUNTS:
+        for dtype in DTYPES:
+            inputs = [rank_input(r, count, dtype, "sum", seed=3) for r in range(n)]
+            outs = [torch.full((count,), 5, dtype=dtype) for _ in range(n)]
+            dist.all_gather(outs, inputs[rank].clone())
+            for r in range(n):
+                assert torch.equal(outs[r], inputs[r]), f"all_gather {dtype} count={count} r={r}"
+            flat = torch.empty(n * count, dtype=dtype)
+            dist.all_gather_into_tensor(flat, inputs[rank].clone(), async_op=True).wait()
+            assert torch.equal(flat, torch.cat(inputs)), f"all_gather_into_tensor {dtype} {count}"
+            for src in range(n):
+                t = inputs[rank].clone()
+                dist.broadcast(t, src=src)
+                assert torch.equal(t, inputs[src]), f"broadcast {dtype} count={count} src={src}"
+            checked += 2 + n
+    return checked
+
+
+def _p2p_and_layouts(rank: int, n: int) -> int:
+    """send/recv, isend/irecv, batch_isend_irecv around the ring, barrier, and
+    non-contiguous tensors (staged through a contiguous copy)."""
+    import torch.distributed as dist
+
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    if rank == 0:
+        dist.send(torch.arange(1031, dtype=torch.float64), 1)
+    elif rank == 1:
+        got = torch.empty(1031, dtype=torch.float64)
+        dist.recv(got, 0)
+        assert torch.equal(got, torch.arange(1031, dtype=torch.float64))
+    for count in COUNTS:
+        got = torch.empty(count)
+        works = [dist.isend(torch.full((count,), float(rank)), nxt), dist.irecv(got, prv)]
+        for w in works:
+            w.wait()
+        assert torch.equal(got, torch.full((count,), float(prv))), f"isend/irecv count={count}"
+        got = torch.empty(count, dtype=torch.int64)
+        ops = [dist.P2POp(dist.isend, torch.full((count,), rank), nxt),
+               dist.P2POp(dist.irecv, got, prv)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        assert torch.equal(got, torch.full((count,), prv)), f"batch_isend_irecv count={count}"
+    dist.barrier()
+    dist.barrier(async_op=True).wait()
+
+    # Non-contiguous tensors: the strided column is updated, the rest is not.
+    base = torch.stack([torch.full((13,), float(rank + 1)), torch.full((13,), -1.0)], dim=1)
+    col = base[:, 0]
+    assert not col.is_contiguous()
+    dist.all_reduce(col)
+    assert torch.equal(base[:, 0], torch.full((13,), n * (n + 1) / 2))
+    assert torch.equal(base[:, 1], torch.full((13,), -1.0))
+    bcast = torch.full((4, 6), float(rank)).t()
+    dist.broadcast(bcast, src=n - 1)
+    assert torch.equal(bcast, torch.full((6, 4), float(n - 1)))
+    strided = torch.zeros(2, 13)[:, ::2]
+    if rank == 0:
+        dist.send(torch.ones(2, 7), 1)
+    elif rank == 1:
+        dist.recv(strided, 0)
+        assert torch.equal(strided, torch.ones(2, 7))
+    return 5
+
+
+def _collectives(rank: int, world_size: int, port: int) -> int:
+    import torch.distributed as dist
+
+    import pycomm
+
+    _init(rank, world_size, port)
+    try:
+        assert dist.get_backend() == "pycomm"
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        assert backend.name() == "pycomm"
+        comm = pycomm.backend.get_communicator()
+        assert (comm.rank, comm.world_size) == (rank, world_size)
+        return (_reductions(rank, world_size) + _gathers_and_broadcast(rank, world_size)
+                + _p2p_and_layouts(rank, world_size))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_op_matches_reference(world_size):
+    counts = spawn_ranks(_collectives, world_size, timeout=300)
+    assert counts[0] > 100 and len(set(counts)) == 1
+
+
+# ---------------------------------------------------------------- groups, options, errors
+
+def _raises(exc: type, pattern: str, fn, *args, **kwargs) -> None:
+    with pytest.raises(exc, match=pattern):
+        fn(*args, **kwargs)
+
+
+def _groups_options_errors(rank: int, world_size: int, port: int) -> list:
+    import torch.distributed as dist
+
+    import pycomm
+
+    _init(rank, world_size, port, pg_options=pycomm.backend.Options(transport="gloo", algo="ring"))
+    try:
+        assert pycomm.backend.get_communicator().transport == "gloo"
+        # A subgroup inherits the default group's options; a second subgroup
+        # that every rank creates must rendezvous even though rank 2 created no
+        # communicator for the first one.
+        sub = dist.new_group([0, 1])
+        if rank < 2:
+            assert dist.get_backend(sub) == "pycomm"
+            assert pycomm.backend.get_communicator(sub).transport == "gloo"
+            x = torch.full((5,), float(rank + 1))
+            dist.all_reduce(x, group=sub)
+            assert torch.equal(x, torch.full((5,), 3.0))
+        everyone = dist.new_group([2, 0, 1], pg_options=pycomm.backend.Options(transport="shm"))
+        assert pycomm.backend.get_communicator(everyone).transport == "shm"
+        y = torch.full((3,), float(rank))
+        dist.all_reduce(y, group=everyone, op=dist.ReduceOp.MAX)
+        assert torch.equal(y, torch.full((3,), 2.0))
+
+        t = torch.ones(4)
+        # Ops pycomm does not implement: an error naming the op, nothing runs.
+        _raises(RuntimeError, "pycomm does not support reduce", dist.reduce, t, dst=0)
+        _raises(RuntimeError, "pycomm does not support gather", dist.gather, t,
+                [torch.empty(4) for _ in range(world_size)] if rank == 0 else None, dst=0)
+        _raises(RuntimeError, "pycomm does not support alltoall", dist.all_to_all_single,
+                torch.empty(6), torch.ones(6))
+        _raises(NotImplementedError, "ReduceOp.BAND is not supported", dist.all_reduce,
+                torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BAND)
+        _raises(NotImplementedError, "tag=3 is not supported", dist.isend, t, (rank + 1) % 3,
+                tag=3)
+        # Bad input: a Python exception naming the problem, the group stays usable.
+        _raises(ValueError, "must hold world_size = 3 tensors", dist.all_gather,
+                [torch.empty(4)], t)
+        _raises(ValueError, r"output_tensor_list\[1\] has 5 elements but input has 4",
+                dist.all_gather, [torch.empty(4), torch.empty(5), torch.empty(4)], t)
+        _raises(ValueError, "world_size", dist.all_gather_into_tensor, torch.empty(5), t)
+        _raises(ValueError, "AVG needs a floating dtype", dist.all_reduce,
+                torch.ones(4, dtype=torch.int64), op=dist.ReduceOp.AVG)
+        _raises(TypeError, "unsupported dtype", dist.all_reduce,
+                torch.ones(4, dtype=torch.bool))
+        _raises(ValueError, "out of range", dist.send, t, 5)
+        z = torch.full((2,), float(rank))
+        dist.all_reduce(z)
+        assert torch.equal(z, torch.full((2,), 3.0))
+        return ["ok"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_groups_options_and_errors():
+    assert spawn_ranks(_groups_options_errors, 3, timeout=240) == [["ok"]] * 3
+
+
+# ---------------------------------------------------------------- torch DDP
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                               torch.nn.Tanh(), torch.nn.Linear(64, 4))
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(24, 16, generator=g), torch.randn(24, 4, generator=g)
+
+
+def _train(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _ddp_rank(rank: int, world_size: int, port: int, steps: int) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _init(rank, world_size, port)
+    try:
+        model = _mlp()
+        # ~16 KiB buckets: the five-layer MLP's 6 parameters go out in several.
+        ddp = DDP(model, bucket_cap_mb=0.016)
+        x, y = _batch()
+        shard = slice(rank * len(x) // world_size, (rank + 1) * len(x) // world_size)
+        _train(ddp, x[shard], y[shard], steps)
+        buckets = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+        return {"params": [p.detach().clone() for p in model.parameters()],
+                "buckets": len(str(buckets).split(", ")), "backend": ddp.process_group.name()}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_ddp_equals_one_process():
+    steps = 4
+    ranks = spawn_ranks(_ddp_rank, 2, steps, timeout=240)
+    ref = _mlp()
+    _train(ref, *_batch(), steps)
+    for r, out in enumerate(ranks):
+        assert out["backend"] == "pycomm"
+        assert out["buckets"] >= 3, out["buckets"]
+        for p, q in zip(out["params"], ref.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, r=r: f"rank {r}: {m}")
+
+
+# ---------------------------------------------------------------- pipelining
+
+def _pipeline_rank(rank: int, world_size: int, port: int, schedule_name: str,
+                   steps: int) -> list:
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    _init(rank, world_size, port)
+    try:
+        full = _mlp()
+        part = full[:2] if rank == 0 else full[2:]
+        stage = pipelining.PipelineStage(part, rank, world_size, torch.device("cpu"))
+        schedule = getattr(pipelining, schedule_name)(
+            stage, n_microbatches=4, loss_fn=torch.nn.functional.mse_loss)
+        opt = torch.optim.SGD(part.parameters(), lr=0.1, momentum=0.9)
+        x, y = _batch()
+        for _ in range(steps):
+            opt.zero_grad()
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y)
+            opt.step()
+        return [p.detach().clone() for p in part.parameters()]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
+def test_torch_pipelining_equals_one_process(schedule):
+    steps = 3
+    ranks = spawn_ranks(_pipeline_rank, 2, schedule, steps, timeout=240)
+    ref = _mlp()
+    _train(ref, *_batch(), steps)  # equal microbatches: mean of means = full-batch mean
+    got = ranks[0] + ranks[1]
+    want = [p.detach() for p in ref.parameters()]
+    assert len(got) == len(want)
+    for p, q in zip(got, want):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- example
+
+def test_example_under_torchrun():
+    with socket.socket() as sk:  # torchrun's static rendezvous needs a concrete port
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(port),
+         str(ROOT / "examples" / "torch_backend.py")],
+        env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(re.findall(r"rank (\d)/2 backend=pycomm .* OK", proc.stdout)) == ["0", "1"], \
+        proc.stdout
+    assert "WRONG" not in proc.stdout
