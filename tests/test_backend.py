@@ -259,15 +259,25 @@ def test_groups_options_and_errors():
 
 # ---------------------------------------------------------------- torch DDP
 
-def _mlp() -> torch.nn.Module:
+def _mlp(hidden: int = 64, depth: int = 2) -> torch.nn.Module:
+    """16 -> hidden (-> hidden) x (depth - 1) -> 4, tanh between; seeded."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
-                               torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    layers: list[torch.nn.Module] = [torch.nn.Linear(16, hidden)]
+    for _ in range(depth - 1):
+        layers += [torch.nn.Tanh(), torch.nn.Linear(hidden, hidden)]
+    layers += [torch.nn.Tanh(), torch.nn.Linear(hidden, 4)]
+    return torch.nn.Sequential(*layers)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randn(24, 16, generator=g), torch.randn(24, 4, generator=g)
+
+
+def _to_parent(params) -> list:
+    """Parameters as numpy arrays: torch tensors cross the result pipe as
+    shared-memory handles that die with the rank process."""
+    return [p.detach().numpy().copy() for p in params]
 
 
 def _train(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
@@ -278,21 +288,26 @@ def _train(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int)
         opt.step()
 
 
+DDP_MLP = {"hidden": 64, "depth": 3}  # 16-64-64-64-4: 9.7 K parameters
+
+
 def _ddp_rank(rank: int, world_size: int, port: int, steps: int) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     _init(rank, world_size, port)
     try:
-        model = _mlp()
-        # ~16 KiB buckets: the five-layer MLP's 6 parameters go out in several.
-        ddp = DDP(model, bucket_cap_mb=0.016)
+        model = _mlp(**DDP_MLP)
+        # 8 KiB buckets: from the second iteration on (DDP rebuilds its
+        # buckets in gradient-ready order) the 8 parameters go out in several.
+        ddp = DDP(model, bucket_cap_mb=8 / 1024)
         x, y = _batch()
         shard = slice(rank * len(x) // world_size, (rank + 1) * len(x) // world_size)
         _train(ddp, x[shard], y[shard], steps)
-        buckets = ddp._get_ddp_logging_data().get("bucket_sizes", "")
-        return {"params": [p.detach().clone() for p in model.parameters()],
-                "buckets": len(str(buckets).split(", ")), "backend": ddp.process_group.name()}
+        buckets = [b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets()]
+        backend = ddp.process_group._get_backend(torch.device("cpu")).name()
+        return {"params": _to_parent(model.parameters()), "buckets": buckets,
+                "backend": (dist.get_backend(ddp.process_group), backend)}
     finally:
         dist.destroy_process_group()
 
@@ -300,13 +315,13 @@ def _ddp_rank(rank: int, world_size: int, port: int, steps: int) -> dict:
 def test_torch_ddp_equals_one_process():
     steps = 4
     ranks = spawn_ranks(_ddp_rank, 2, steps, timeout=240)
-    ref = _mlp()
+    ref = _mlp(**DDP_MLP)
     _train(ref, *_batch(), steps)
     for r, out in enumerate(ranks):
-        assert out["backend"] == "pycomm"
-        assert out["buckets"] >= 3, out["buckets"]
+        assert out["backend"] == ("pycomm", "pycomm")
+        assert len(out["buckets"]) >= 3, out["buckets"]
         for p, q in zip(out["params"], ref.parameters()):
-            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6,
+            torch.testing.assert_close(torch.from_numpy(p), q.detach(), rtol=1e-5, atol=1e-6,
                                        msg=lambda m, r=r: f"rank {r}: {m}")
 
 
@@ -333,7 +348,7 @@ def _pipeline_rank(rank: int, world_size: int, port: int, schedule_name: str,
             else:
                 schedule.step(target=y)
             opt.step()
-        return [p.detach().clone() for p in part.parameters()]
+        return _to_parent(part.parameters())
     finally:
         dist.destroy_process_group()
 
@@ -348,7 +363,7 @@ def test_torch_pipelining_equals_one_process(schedule):
     want = [p.detach() for p in ref.parameters()]
     assert len(got) == len(want)
     for p, q in zip(got, want):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.from_numpy(p), q, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- example
