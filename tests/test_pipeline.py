@@ -330,3 +330,45 @@ def _unsupported_dtype_rank0_only(comm):
         with pytest.raises(TypeError, match="complex64"):
             meta_of((torch.ones(2, dtype=torch.complex64),), "stage 0's output")
     return True
+
+
+# ---------------------------------------------------------------- pipeline x data parallel
+
+def _pipeline_x_dp(comm, m: int, rows: int):
+    import pycomm.pipeline as pp
+
+    pipe, dp = pp.pipeline_data_groups(comm, 2)
+    parts = pp.split_sequential(_model(2), 2, balance=[2, 2])
+    stage = pp.PipelineStage(parts[pipe.rank], pipe.rank, 2, pipe)
+    sched = pp.Schedule1F1B(stage, m, _loss, dp_comm=dp)
+    x, y = _batch(rows)
+    replica = comm.rank // 2
+    x, y = x.chunk(2)[replica], y.chunk(2)[replica]  # each replica its half
+    if stage.is_first:
+        sched.step(x)
+    else:
+        sched.step(target=y)
+    grads = [p.grad.clone() for p in stage.submod.parameters()]
+    pipe.close()
+    dp.close()
+    return stage.stage_index, grads
+
+
+@pytest.mark.skipif(not hasattr(__import__("pycomm").Communicator, "split"),
+                    reason="needs Communicator.split (the groups branch)")
+def test_pipeline_x_data_parallel_matches_one_process():
+    m, rows = 4, 16
+    per_rank = run_ranks(_pipeline_x_dp, 4, TRANSPORT, m, rows)
+    # one process: the mean over both replicas' microbatches (4 + 4 of 2 rows)
+    from pycomm.pipeline import split_sequential
+
+    model = _model(2)
+    x, y = _batch(rows)
+    losses = [_loss(model(a), b) for half_x, half_y in zip(x.chunk(2), y.chunk(2))
+              for a, b in zip(half_x.chunk(m), half_y.chunk(m))]
+    torch.stack(losses).mean().backward()
+    ref = [[p.grad for p in s.parameters()] for s in split_sequential(model, 2, balance=[2, 2])]
+    for r, (stage, grads) in enumerate(per_rank):
+        assert stage == r % 2
+        for g, want in zip(grads, ref[stage]):
+            torch.testing.assert_close(g, want, **TOL, msg=f"rank {r} stage {stage}")

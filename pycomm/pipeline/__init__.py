@@ -24,6 +24,7 @@ from .schedules import (
     ScheduleInterleaved1F1B,
     split_microbatches,
 )
+from .mesh import pipeline_data_groups
 from .split import balance_by_time, split_sequential
 from .stage import PipelineStage
 
@@ -34,6 +35,7 @@ __all__ = [
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
     "balance_by_time",
+    "pipeline_data_groups",
     "split_microbatches",
     "split_sequential",
 ]
