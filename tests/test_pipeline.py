@@ -399,3 +399,9 @@ def test_example_pipeline_train_under_torchrun():
     assert len(losses) == 4 and losses[-1] < 0.5 * losses[0], proc.stdout
     held = dict(re.findall(r"rank (\d): stage \d held at most (\d+) microbatches", proc.stdout))
     assert held == {"0": "2", "1": "1"}, proc.stdout
+
+
+def test_interleaved_on_one_rank_hands_over_in_memory():
+    # all three stages on rank 0: no transfer, only the in-memory hand-over
+    per_rank = run_ranks(_pipeline_cases, 1, TRANSPORT, "interleaved", 3, SPLITS)
+    _check_against_reference(per_rank, 1, 3, SPLITS)

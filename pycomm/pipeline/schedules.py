@@ -247,13 +247,13 @@ class _Run:
             key = (a.stage, a.microbatch)
             if a.kind is Kind.SEND_F:
                 outs = self.acts.pop(key)
-                h = encode_header(self.out_metas[key], f"stage {a.stage}'s output")
+                h = encode_header(self.out_metas[key], f"stage {a.stage}'s output").to(comm.device)
                 headers.append(P2POp("isend", h, a.peer))
                 wire = [to_wire(t) for t in outs]
                 payload_sends += [P2POp("isend", t, a.peer) for t in wire]
                 keep += [h, *wire]
             elif a.kind is Kind.RECV_F:
-                h = torch.empty(HEADER_LEN, dtype=torch.int64)
+                h = torch.empty(HEADER_LEN, dtype=torch.int64, device=comm.device)
                 headers.append(P2POp("irecv", h, a.peer))
                 header_recvs.append((a, h))
             elif a.kind is Kind.SEND_B:
@@ -287,6 +287,13 @@ class _Run:
     def _post(self, ops: list[P2POp], keep: list[torch.Tensor]) -> Work | None:
         if not ops:
             return None
+        # Drop finished sends, so that a sent activation is freed with its
+        # backward rather than at the end of the step (wait() raises a
+        # transfer's error, if any).
+        done = [w for w, _ in self.in_flight if w.is_completed()]
+        for w in done:
+            w.wait()
+        self.in_flight = [(w, k) for w, k in self.in_flight if not w.is_completed()]
         work = self.s.comm.batch_isend_irecv(ops)[0]
         self.in_flight.append((work, keep))
         return work
@@ -303,15 +310,21 @@ class _Run:
 
 def _average_gradients(modules: list[torch.nn.Module], dp_comm: Communicator) -> None:
     """Averages the gradients of `modules` over `dp_comm` (one flat all-reduce)."""
-    grads = [p.grad for mod in modules for p in mod.parameters() if p.grad is not None]
-    if not grads or dp_comm.world_size == 1:
+    if dp_comm.world_size == 1:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dp_comm.all_reduce(flat, op=ReduceOp.AVG)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for mod in modules:
+        for p in mod.parameters():
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for dtype in sorted(by_dtype, key=str):  # the same order on every replica
+        grads = by_dtype[dtype]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dp_comm.all_reduce(flat, op=ReduceOp.AVG)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 # ------------------------------------------------------------------ the schedules

@@ -153,8 +153,7 @@ class PipelineStage:
                 state.cuda_rng_state = torch.cuda.get_rng_state(self.device)
             state.target = target
             with torch.no_grad():
-                out = self.submod(*leaves)
-                loss = loss_fn(out, target) if self.is_last else None
+                out, loss = self._run(leaves, loss_fn, target)
             state.saved_bytes = sum(x.numel() * x.element_size() for x in leaves)
         else:
             def count(t: torch.Tensor) -> torch.Tensor:
