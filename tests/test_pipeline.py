@@ -211,7 +211,8 @@ def _tuple_steps(comm, schedule: str, m: int):
             assert ret.shape == y.shape
         else:
             sched.step()
-        out.append(([float(v) for v in losses], [q.grad.clone() for q in stage.submod.parameters()]))
+        grads = [q.grad.clone() for q in stage.submod.parameters()]
+        out.append(([float(v) for v in losses], grads))
     return out
 
 

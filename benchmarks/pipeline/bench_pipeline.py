@@ -95,7 +95,8 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> No
         for name in SCHEDULES:
             mod = _stage_module(args, rank)
             ours = pp.PipelineStage(copy.deepcopy(mod), rank, world, comm)
-            ours_sched = (pp.ScheduleGPipe if name == "gpipe" else pp.Schedule1F1B)(ours, m, loss_fn)
+            ours_cls = pp.ScheduleGPipe if name == "gpipe" else pp.Schedule1F1B
+            ours_sched = ours_cls(ours, m, loss_fn)
             theirs_sched = None
             if name == "gpipe" or m >= world:  # torch's 1F1B needs m >= stages
                 theirs = tp.PipelineStage(copy.deepcopy(mod), rank, world, torch.device("cpu"))
@@ -149,7 +150,8 @@ def _print_row(r: dict) -> None:
     torch_part = (f"torch {r['torch_step_s'] * 1e3:8.2f} ms  bubble {r['torch_bubble']:.3f}  "
                   f"speedup {r['speedup_vs_torch']:.2f}x" if "torch_step_s" in r
                   else "torch  (1F1B needs m >= stages)")
-    print(f"{r['schedule']:>5} p={r['ranks']} m={r['microbatches']:3d}  theory {r['bubble_theory']:.3f}"
+    print(f"{r['schedule']:>5} p={r['ranks']} m={r['microbatches']:3d}  "
+          f"theory {r['bubble_theory']:.3f}"
           f"  pycomm {r['pycomm_step_s'] * 1e3:8.2f} ms  bubble {r['pycomm_bubble']:.3f}  "
           + torch_part, flush=True)
 

@@ -256,7 +256,10 @@ def rank_actions(times: dict[Compute, int], num_stages: int, world_size: int,
         rn = _stage_rank(nxt, world_size)
         if rn == r:
             continue  # same rank: handed over in memory
-        send, recv = (Kind.SEND_F, Kind.RECV_F) if kind is Kind.FORWARD else (Kind.SEND_B, Kind.RECV_B)
+        if kind is Kind.FORWARD:
+            send, recv = Kind.SEND_F, Kind.RECV_F
+        else:
+            send, recv = Kind.SEND_B, Kind.RECV_B
         if r == rank:
             comm.setdefault(t, []).append(Action(send, s, i, t, rn))
         if rn == rank:
@@ -279,7 +282,8 @@ def format_grid(actions: list[list[Action]], label_stage: bool = False) -> str:
         row = ["."] * ticks
         for a in acts:
             if a.is_compute:
-                row[a.tick] = f"{a.kind.value}{a.microbatch}" + (f"s{a.stage}" if label_stage else "")
+                suffix = f"s{a.stage}" if label_stage else ""
+                row[a.tick] = f"{a.kind.value}{a.microbatch}{suffix}"
         cells.append(row)
     width = max([len(c) for row in cells for c in row] + [2])
     lines = []

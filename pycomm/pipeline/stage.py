@@ -136,7 +136,8 @@ class PipelineStage:
 
     def forward_microbatch(self, mb: int, inputs: tuple[torch.Tensor, ...], n_microbatches: int,
                            loss_fn: Callable[..., torch.Tensor] | None = None,
-                           target: Any = None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+                           target: Any = None
+                           ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
         """Runs the forward of microbatch `mb`. Returns the outputs (detached,
         as a tuple) and, on the last stage, the loss (detached)."""
         if mb in self._mbs:
