@@ -355,8 +355,6 @@ def _pipeline_x_dp(comm, m: int, rows: int):
     return stage.stage_index, grads
 
 
-@pytest.mark.skipif(not hasattr(__import__("pycomm").Communicator, "split"),
-                    reason="needs Communicator.split (the groups branch)")
 def test_pipeline_x_data_parallel_matches_one_process():
     m, rows = 4, 16
     per_rank = run_ranks(_pipeline_x_dp, 4, TRANSPORT, m, rows)
