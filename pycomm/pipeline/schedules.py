@@ -191,10 +191,9 @@ class _Run:
                 j += 1
             self.phase(actions[k:j])
             k = j
-        for work, _ in self.in_flight:
+        for work, _ in self.in_flight:  # sends (every receive was consumed)
             work.wait()
-        for work, _, _ in self.recv_acts.values():
-            work.wait()
+        self.in_flight.clear()
 
     # -- computations -----------------------------------------------------------
     def forward(self, a: Action) -> None:
@@ -290,10 +289,13 @@ class _Run:
         # Drop finished sends, so that a sent activation is freed with its
         # backward rather than at the end of the step (wait() raises a
         # transfer's error, if any).
-        done = [w for w, _ in self.in_flight if w.is_completed()]
-        for w in done:
-            w.wait()
-        self.in_flight = [(w, k) for w, k in self.in_flight if not w.is_completed()]
+        still = []
+        for w, k in self.in_flight:
+            if w.is_completed():
+                w.wait()
+            else:
+                still.append((w, k))
+        self.in_flight = still
         work = self.s.comm.batch_isend_irecv(ops)[0]
         self.in_flight.append((work, keep))
         return work
