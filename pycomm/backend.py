@@ -104,6 +104,9 @@ class Options:
 # The default group's options: a new_group without pg_options inherits them.
 _world_options: Options | None = None
 _registered = False
+# The Communicator of each group's backend, by id() of its C++ communicator
+# (pybind11 hands back the same Python object for it while it is alive here).
+_communicators: dict[int, Communicator] = {}
 
 
 def _create_backend(dist_opts: Any, pg_options: Any) -> Any:
@@ -140,6 +143,7 @@ def _create_backend(dist_opts: Any, pg_options: Any) -> Any:
     if not dist.is_initialized():
         # Creating the default group: its options become new groups' default.
         _world_options = opts
+    _communicators[id(comm._impl)] = comm
     return _C.make_backend(comm._impl, opts.algo)
 
 
@@ -177,4 +181,5 @@ def get_communicator(group: Any = None) -> Communicator:
         >>> comm.all_reduce(t, algo="ring")
     """
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    return Communicator(_C.backend_comm(pg._get_backend(torch.device("cpu"))))
+    impl = _C.backend_comm(pg._get_backend(torch.device("cpu")))
+    return _communicators[id(impl)]
