@@ -12,8 +12,9 @@ machine state; each round times ``--steps`` SGD steps after ``--warmup``.
 Step time = the slowest rank's time per step in that round; the table gives
 the median over rounds and the ratio gloo / variant (> 1: faster than gloo).
 ``--variants`` adds pycomm groups with other options (algo="ring", pycomm's
-ring over the gloo transport). All models train on the same data for the same number of steps, so their
-final parameters must agree (max |diff| is printed: a correctness check).
+ring over the gloo transport). All models train on the same data for the same
+number of steps, so their final parameters must agree (max |diff| is printed:
+a correctness check).
 
 Writes JSON (config, per-round times, git commit) and a PNG bar chart.
 """

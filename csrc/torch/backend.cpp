@@ -150,7 +150,9 @@ bool BackendWork::wait(std::chrono::milliseconds timeout) {
 // ---------------------------------------------------------------- ProcessGroupPycomm
 
 ProcessGroupPycomm::ProcessGroupPycomm(std::shared_ptr<Comm> comm, std::string algo)
-    : c10d::Backend(comm->rank(), comm->world_size()), comm_(std::move(comm)), algo_(std::move(algo)) {
+    : c10d::Backend(comm->rank(), comm->world_size()),
+      comm_(std::move(comm)),
+      algo_(std::move(algo)) {
   TORCH_CHECK_VALUE(comm_->device() == "cpu",
                     "the pycomm backend needs a CPU communicator, got one on ", comm_->device());
   init();
@@ -223,7 +225,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
   Finish finish;
   if (!buf.is_same(t)) finish = [t, buf] { copy_back(t, buf); };
   return launch(c10d::OpType::ALLREDUCE, kOp, opts.asyncOp, {t},
-                [this, buf, rop](bool async_op) { return comm_->all_reduce(buf, rop, algo_, async_op); },
+                [this, buf, rop](bool async_op) {
+                  return comm_->all_reduce(buf, rop, algo_, async_op);
+                },
                 std::move(finish));
 }
 
@@ -242,7 +246,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
   at::Tensor flat = flatten(tensors);
   std::vector<at::Tensor> list = tensors;
   return launch(c10d::OpType::ALLREDUCE_COALESCED, kOp, opts.asyncOp, list,
-                [this, flat, rop](bool async_op) { return comm_->all_reduce(flat, rop, algo_, async_op); },
+                [this, flat, rop](bool async_op) {
+                  return comm_->all_reduce(flat, rop, algo_, async_op);
+                },
                 [list, flat] { unflatten(list, flat); });
 }
 
@@ -258,7 +264,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(std::vector<at::Ten
   if (!buf.is_same(t)) finish = [t, buf] { copy_back(t, buf); };
   const int src = static_cast<int>(opts.rootRank);
   return launch(c10d::OpType::BROADCAST, kOp, opts.asyncOp, {t},
-                [this, buf, src](bool async_op) { return comm_->broadcast(buf, src, "auto", async_op); },
+                [this, buf, src](bool async_op) {
+                  return comm_->broadcast(buf, src, "auto", async_op);
+                },
                 std::move(finish));
 }
 
@@ -277,7 +285,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
   at::Tensor flat = at::empty({in.numel() * size_}, in.options());
   at::Tensor src = contiguous_buffer(in);
   return launch(c10d::OpType::ALLGATHER, kOp, opts.asyncOp, outs,
-                [this, flat, src](bool async_op) { return comm_->all_gather(flat, src, "auto", async_op); },
+                [this, flat, src](bool async_op) {
+                  return comm_->all_gather(flat, src, "auto", async_op);
+                },
                 [outs, flat] { unflatten(outs, flat); });
 }
 
@@ -292,7 +302,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
   Finish finish;
   if (!buf.is_same(out)) finish = [out, buf] { copy_back(out, buf); };
   return launch(c10d::OpType::_ALLGATHER_BASE, kOp, opts.asyncOp, {out},
-                [this, buf, src](bool async_op) { return comm_->all_gather(buf, src, "auto", async_op); },
+                [this, buf, src](bool async_op) {
+                  return comm_->all_gather(buf, src, "auto", async_op);
+                },
                 std::move(finish));
 }
 
@@ -362,14 +374,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::p2p(c10d::OpType type, const 
     check_peer(peer, is_send ? "dst" : "src", op, rank_, size_, /*allow_self=*/false);
     auto future = c10::make_intrusive<c10::ivalue::Future>(tensor_list_type());
     coalesced_.push_back({TensorP2P{is_send, buf, peer}, is_send ? at::Tensor() : t, future});
-    return c10::make_intrusive<BackendWork>(rank_, type, nullptr, future, std::vector<at::Tensor>{t});
+    return c10::make_intrusive<BackendWork>(rank_, type, nullptr, future,
+                                            std::vector<at::Tensor>{t});
   }
   Finish finish;
   if (!is_send && !buf.is_same(t)) finish = [t, buf] { copy_back(t, buf); };
   // Always asynchronous: the send/recv of c10d returns a Work to wait on.
   return launch(type, op, /*async_op=*/true, {t},
                 [this, buf, peer, is_send](bool async_op) {
-                  return is_send ? comm_->send(buf, peer, async_op) : comm_->recv(buf, peer, async_op);
+                  return is_send ? comm_->send(buf, peer, async_op)
+                                 : comm_->recv(buf, peer, async_op);
                 },
                 std::move(finish));
 }
