@@ -108,7 +108,8 @@ def _gathers_and_broadcast(rank: int, n: int) -> int:
         for dtype in DTYPES:
             inputs = [rank_input(r, count, dtype, "sum", seed=3) for r in range(n)]
             outs = [torch.full((count,), 5, dtype=dtype) for _ in range(n)]
-            dist.all_gather(outs, inputs[rank].clone())
+            # The staged list is filled before the future completes.
+            dist.all_gather(outs, inputs[rank].clone(), async_op=True).get_future().wait()
             for r in range(n):
                 assert torch.equal(outs[r], inputs[r]), f"all_gather {dtype} count={count} r={r}"
             flat = torch.empty(n * count, dtype=dtype)
@@ -148,6 +149,19 @@ def _p2p_and_layouts(rank: int, n: int) -> int:
         assert torch.equal(got, torch.full((count,), prv)), f"batch_isend_irecv count={count}"
     dist.barrier()
     dist.barrier(async_op=True).wait()
+    # Work.wait(timeout) raises when the op is still pending, and the op
+    # completes later all the same.
+    late = torch.zeros(3)
+    if rank == 0:
+        work = dist.irecv(late, 1)
+        with pytest.raises(RuntimeError, match="did not complete within 200 ms"):
+            work.wait(timeout=timedelta(milliseconds=200))
+    dist.barrier()
+    if rank == 1:
+        dist.send(torch.ones(3), 0)
+    elif rank == 0:
+        work.wait()
+        assert torch.equal(late, torch.ones(3))
 
     # Non-contiguous tensors: the strided column is updated, the rest is not.
     base = torch.stack([torch.full((13,), float(rank + 1)), torch.full((13,), -1.0)], dim=1)
