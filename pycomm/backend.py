@@ -143,6 +143,8 @@ def _create_backend(dist_opts: Any, pg_options: Any) -> Any:
     if not dist.is_initialized():
         # Creating the default group: its options become new groups' default.
         _world_options = opts
+    for key in [k for k, c in _communicators.items() if c.closed]:
+        del _communicators[key]  # groups destroyed since (shutdown closed them)
     _communicators[id(comm._impl)] = comm
     return _C.make_backend(comm._impl, opts.algo)
 
