@@ -159,6 +159,7 @@ ShmConfig ShmConfig::from_env() {
   c.direct_buffers = env_size("PYCOMM_SHM_DIRECT_BUFFERS", c.direct_buffers);
   c.spin = static_cast<unsigned>(env_size("PYCOMM_SHM_SPIN", c.spin));
   c.yields = static_cast<unsigned>(env_size("PYCOMM_SHM_YIELDS", c.yields));
+  c.yield_us = static_cast<unsigned>(env_size("PYCOMM_SHM_YIELD_US", c.yield_us));
   return c;
 }
 
@@ -453,6 +454,7 @@ void ShmTransport::block(Poll&& poll, const char* what) {
   const int64_t deadline = now_ns() + static_cast<int64_t>(timeout_.count()) * 1000000;
   RankInfo& me = seg_->ranks[rank_];
   unsigned idle = 0;
+  int64_t yield_start = 0;  // when the current yield phase began
   for (;;) {
     moved_ = false;
     if (poll()) return;
@@ -467,7 +469,9 @@ void ShmTransport::block(Poll&& poll, const char* what) {
       continue;
     }
     check_health(what, deadline);
-    if (idle <= cfg_.spin + cfg_.yields) {
+    if (idle == cfg_.spin + 1) yield_start = now_ns();
+    if (idle <= cfg_.spin + cfg_.yields &&
+        now_ns() - yield_start < static_cast<int64_t>(cfg_.yield_us) * 1000) {
       sched_yield();
       continue;
     }
