@@ -149,7 +149,8 @@ class DistributedDataParallel(nn.Module):
         first_bucket_mb: size limit of the first bucket (the gradients ready
             first), so the first all-reduce starts early.
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics)
-            to every rank at the start of each forward, as torch does.
+            to every rank in the constructor and at the start of each
+            forward, as torch does; ``False`` keeps them rank-local.
         find_unused_parameters: walk the autograd graph from the forward's
             outputs and treat parameters it does not reach as ready at once;
             parameters that get no gradient on any rank keep their ``.grad``.
@@ -225,7 +226,9 @@ class DistributedDataParallel(nn.Module):
                               str(local_error) if local_error else None)
         if local_error is not None:
             raise local_error
-        broadcast_coalesced(comm, self._params + self._module_buffers, src=0)
+        # As torch: broadcast_buffers=False keeps rank-local buffers, at init too.
+        synced = self._params + (self._module_buffers if self.broadcast_buffers else [])
+        broadcast_coalesced(comm, synced, src=0)
 
         n = len(self._params)
         self._comm_hook: CommHook | None = None
@@ -423,7 +426,7 @@ class DistributedDataParallel(nn.Module):
             grad_bucket = GradBucket(index, buffer, views, params,
                                      index == len(self._buckets) - 1)
             fut = self._comm_hook(self._hook_state, grad_bucket)
-            if not isinstance(fut, torch.futures.Future):
+            if not isinstance(fut, torch._C.Future):  # torch.futures.Future's base
                 raise TypeError(f"the comm hook must return a torch.futures.Future, got "
                                 f"{type(fut).__name__} (bucket {index})")
             record.future = fut
