@@ -152,10 +152,10 @@ class DDPStats:
                          f"{it.hidden_fraction:>6.0%} {it.wait_s * 1e3:>8.2f} "
                          f"{it.bytes_reduced / 2**20:>8.2f}")
         if self.iterations:
-            lines.append(f"hidden behind backward: {self.hidden_fraction():.0%} of "
-                         f"{self.comm_s * 1e3:.1f} ms communication over "
-                         f"{len(self.iterations)} iterations "
-                         f"({self.bytes_reduced / 2**20:.1f} MiB reduced)")
+            lines.append(f"{len(self.iterations)} iterations, "
+                         f"{self.bytes_reduced / 2**20:.1f} MiB reduced, "
+                         f"{self.comm_s * 1e3:.1f} ms communication; hidden behind backward: "
+                         f"{self.hidden_fraction():.0%} (first iteration excluded)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
