@@ -12,6 +12,7 @@ torch.distributed-style API::
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
@@ -44,9 +45,11 @@ __all__ = [
     "irecv",
     "is_initialized",
     "isend",
+    "new_group",
     "recv",
     "reduce_scatter",
     "send",
+    "split",
 ]
 
 __version__ = "0.1.0"
@@ -100,6 +103,18 @@ def irecv(tensor: torch.Tensor, src: int) -> Work:
 def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:
     """:meth:`Communicator.batch_isend_irecv` on the default communicator."""
     return get_default().batch_isend_irecv(ops)
+
+
+def new_group(ranks: Sequence[int], *,
+              timeout: timedelta | float | None = None) -> Communicator | None:
+    """:meth:`Communicator.new_group` on the default communicator."""
+    return get_default().new_group(ranks, timeout=timeout)
+
+
+def split(color: int | None, key: int | None = None, *,
+          timeout: timedelta | float | None = None) -> Communicator | None:
+    """:meth:`Communicator.split` on the default communicator."""
+    return get_default().split(color, key, timeout=timeout)
 
 
 def barrier() -> None:

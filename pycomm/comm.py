@@ -8,11 +8,13 @@ and runs the C++ algorithms (csrc/core).
 from __future__ import annotations
 
 import enum
+import hashlib
+import numbers
 import os
 import socket
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Callable, Sequence, Union
 
@@ -134,20 +136,40 @@ class P2POp:
         raise ValueError(f"P2POp.op must be 'isend' or 'irecv', got {self.op!r}")
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """How a communicator was built; its groups are built the same way."""
+
+    transport: str  # resolved: "shm", "gloo" or "nccl"
+    device: torch.device
+    timeout: timedelta
+    slice_bytes: int
+    check: bool
+
+
 class Communicator:
     """A group of ranks and the transport between them.
 
-    Create one with :func:`pycomm.init`. All ranks must call collectives in the
-    same order. Operations are in place, like ``torch.distributed``; with
-    ``async_op=True`` they return a :class:`Work` and run on a background
-    thread (CPU) in submission order. Usable as a context manager (closes).
+    Create one with :func:`pycomm.init`, or over a subset of an existing
+    communicator's ranks with :meth:`new_group` / :meth:`split`. All ranks
+    must call collectives in the same order. Operations are in place, like
+    ``torch.distributed``; with ``async_op=True`` they return a :class:`Work`
+    and run on a background thread (CPU) in submission order. Usable as a
+    context manager (closes).
     """
 
-    def __init__(self, impl: Any, *, store: Any = None, keepalive: Sequence[Any] = ()) -> None:
+    def __init__(self, impl: Any, *, store: Any, settings: _Settings,
+                 keepalive: Sequence[Any] = ()) -> None:
         self._impl = impl
+        # This communicator's own prefixed store: groups rendezvous under it.
         self._store = store
+        self._settings = settings
         self._keepalive = list(keepalive)
         self._pid = os.getpid()
+        # Groups created per member list (see _create_group): the rendezvous
+        # key of a group counts only the groups with the same members, so a
+        # group that other ranks never create cannot shift theirs.
+        self._group_counts: dict[tuple[int, ...], int] = {}
 
     # -- properties ------------------------------------------------------
     @property
@@ -264,6 +286,112 @@ class Communicator:
         work = self._impl.batch_p2p([(o.is_send(), o.tensor, o.peer) for o in ops])
         return [work] * len(ops)
 
+    # -- groups -----------------------------------------------------------
+    def new_group(
+        self, ranks: Sequence[int], *, timeout: timedelta | float | None = None
+    ) -> "Communicator | None":
+        """A communicator over ``ranks`` of this one, renumbered in the given
+        order (``ranks[i]`` becomes rank ``i``), on the same transport, device,
+        slice size and checked mode.
+
+        Only the members rendezvous (through this communicator's store, under
+        a key made from the member list and how many groups with these members
+        this rank created before), so every member must create its groups with
+        these members in the same order, while other ranks may call it (it
+        returns None there at once) or skip it: that never shifts the groups
+        created later. The group has its own transport: closing it leaves this
+        communicator usable, and closing this one leaves the group usable.
+
+        Args:
+            ranks: distinct ranks of this communicator, in the group's order.
+            timeout: the group's timeout (default: this communicator's).
+
+        Returns:
+            The group's :class:`Communicator` on its members, None elsewhere.
+
+        Raises:
+            ValueError: ``ranks`` is empty, has duplicates or a rank out of
+                range. TypeError: a rank is not an int.
+            RuntimeError: this communicator is closed or was forked.
+            CommError: the group's transport could not be set up.
+
+        Example::
+
+            >>> # 4 ranks: two data-parallel pairs
+            >>> pair = comm.new_group([0, 1]) if comm.rank < 2 else comm.new_group([2, 3])
+            >>> pair.all_reduce(t)                # sums over the pair only
+        """
+        self._check_usable("new_group")
+        return self._create_group(_group_members(ranks, self.world_size), timeout)
+
+    def split(
+        self, color: int | None, key: int | None = None, *,
+        timeout: timedelta | float | None = None,
+    ) -> "Communicator | None":
+        """Partitions the ranks by ``color``, like ``MPI_Comm_split``.
+
+        A collective of this communicator: every rank calls it, in the same
+        order as its other collectives. The ranks that pass the same color
+        form one group, ranked by ``(key, rank in this communicator)``.
+
+        Args:
+            color: the group to join; None or a negative int joins none.
+            key: orders the ranks within the group (default: this rank).
+            timeout: the group's timeout (default: this communicator's).
+
+        Returns:
+            This rank's group as a :class:`Communicator` (same transport as
+            this one), or None when ``color`` is None or negative.
+
+        Raises:
+            TypeError: color or key is not an int.
+            ValueError: color or key does not fit in 64 bits.
+            RuntimeError: this communicator is closed or was forked.
+            CommError: the exchange of colors or the group's setup failed.
+
+        Example::
+
+            >>> row = comm.split(comm.rank // 2)          # ranks {0,1}, {2,3}
+            >>> col = comm.split(comm.rank % 2, key=-comm.rank)  # {3,1}, {2,0}
+        """
+        self._check_usable("split")
+        color = -1 if color is None else _as_int64(color, "color")
+        key = self.rank if key is None else _as_int64(key, "key")
+        # Every rank learns every (color, key) through this communicator.
+        mine = torch.tensor([max(color, -1), key], dtype=torch.int64, device=self.device)
+        table = torch.empty(2 * self.world_size, dtype=torch.int64, device=self.device)
+        self.all_gather(table, mine)
+        pairs = table.view(self.world_size, 2).tolist()
+        if color < 0:
+            return None
+        members = sorted((k, r) for r, (c, k) in enumerate(pairs) if c == color)
+        return self._create_group(tuple(r for _, r in members), timeout)
+
+    def _check_usable(self, op: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{op}: the communicator is closed")
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"{op}: this communicator belongs to process {self._pid} and "
+                               f"cannot be used in a forked child (pid {os.getpid()})")
+
+    def _create_group(self, members: tuple[int, ...],
+                      timeout: timedelta | float | None) -> "Communicator | None":
+        """Builds the group ``members`` (ordered ranks of this communicator)
+        on the members; None elsewhere. The rendezvous prefix names the
+        member list and this rank's count of groups with that member list."""
+        if self.rank not in members:
+            return None
+        count = self._group_counts.get(members, 0) + 1
+        self._group_counts[members] = count
+        ident = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:16]
+        store = dist.PrefixStore(f"group/{ident}/{count}", self._store)
+        settings = self._settings
+        if timeout is not None:
+            settings = replace(settings, timeout=_timeout_from(timeout))
+        return _build(store, members.index(self.rank), len(members), settings.transport,
+                      settings.device, settings.timeout, settings.slice_bytes, settings.check,
+                      explicit_check=settings.check)
+
     # -- lifetime ---------------------------------------------------------
     def close(self) -> None:
         """Waits for queued operations, then releases the transport. Later
@@ -376,7 +504,7 @@ def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes:
     """
     global _shm_count
     _shm_count += 1
-    key = f"shm/{_shm_count}"
+    key = "shm"  # ``st`` is this communicator's own prefixed store
     impl, err = None, ""
     if rank == 0:
         # Unique per job (rank 0's pid + random) and per communicator.
@@ -460,6 +588,35 @@ def _make_nccl(st: Any, r: int, n: int, dev: torch.device, timeout: timedelta,
     return _C.make_nccl_comm(uid, r, n, dev.index, timeout_ms, slice_bytes, _auto_table())
 
 
+def _group_members(ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
+    """``ranks`` of new_group as a tuple, validated against ``world_size``."""
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise TypeError(f"new_group: ranks must be a sequence of ints, got {ranks!r}")
+    members = tuple(ranks)
+    for r in members:
+        if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+            raise TypeError(f"new_group: ranks must be ints, got {r!r} ({type(r).__name__})")
+    members = tuple(int(r) for r in members)
+    if not members:
+        raise ValueError("new_group: ranks is empty; a group needs at least one rank")
+    bad = [r for r in members if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"new_group: ranks {bad} are out of range for world_size {world_size}")
+    if len(set(members)) != len(members):
+        dups = sorted({r for r in members if members.count(r) > 1})
+        raise ValueError(f"new_group: ranks {dups} appear more than once in {list(members)}")
+    return members
+
+
+def _as_int64(value: Any, name: str) -> int:
+    """split's color/key: an int that fits in int64 (they travel as int64)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"split: {name} must be an int or None, got {value!r}")
+    if not -(1 << 63) <= int(value) < (1 << 63):
+        raise ValueError(f"split: {name}={value} does not fit in 64 bits")
+    return int(value)
+
+
 def _validate_world(rank: int, world_size: int) -> None:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -519,6 +676,22 @@ def init(
     explicit_check = check is not None
     check = _check_from(check)
     timeout = _timeout_from(timeout)
+    transport, req = _resolve_transport(transport, device)
+    st, r, n, prefix = _rendezvous(rank, world_size, store, group, timeout)
+    _validate_world(r, n)
+    comm = _build(dist.PrefixStore(prefix, st), r, n, transport, req, timeout, slice_bytes, check,
+                  explicit_check)
+    if set_default:
+        with _lock:
+            _default = comm
+    return comm
+
+
+def _resolve_transport(
+    transport: str, device: str | torch.device | None
+) -> tuple[str, torch.device | None]:
+    """Validates init's transport and device; returns ("nccl" | "shm" | "gloo"
+    | "auto" (a CPU transport picked at rendezvous), the requested device)."""
     if transport not in ("auto", "gloo", "shm", "nccl"):
         raise ValueError(f"unknown transport {transport!r}; expected 'auto', 'gloo', 'shm' or 'nccl'")
     with_cuda = bool(getattr(_C, "WITH_CUDA", False))
@@ -540,53 +713,62 @@ def init(
             raise ValueError(f"transport {transport!r} runs on CPU tensors; CUDA needs 'nccl'")
         if req is not None and req.type != "cuda":
             raise ValueError(f"transport 'nccl' needs a CUDA device, got device={req}")
-        transport = "nccl"
-    elif req is not None and req.type != "cpu":
+        return "nccl", req
+    if req is not None and req.type != "cpu":
         raise ValueError(f"unsupported device {req}; pycomm runs on 'cpu' or CUDA devices")
+    return transport, req
 
-    def slice_for(kind: str) -> int:
-        """The explicit slice size, else PYCOMM_SLICE_BYTES, else the transport's."""
-        if slice_bytes is not None:
-            return int(slice_bytes)
-        default = {"nccl": DEFAULT_CUDA_SLICE_BYTES, "gloo": DEFAULT_GLOO_SLICE_BYTES}.get(
-            kind, DEFAULT_SLICE_BYTES)
-        return int(os.environ.get("PYCOMM_SLICE_BYTES", default))
 
-    st, r, n, prefix = _rendezvous(rank, world_size, store, group, timeout)
-    _validate_world(r, n)
-    st = dist.PrefixStore(prefix, st)
+def _slice_bytes(slice_bytes: int | None, transport: str) -> int:
+    """The explicit slice size, else PYCOMM_SLICE_BYTES, else the transport's."""
+    if slice_bytes is not None:
+        return int(slice_bytes)
+    default = {"nccl": DEFAULT_CUDA_SLICE_BYTES, "gloo": DEFAULT_GLOO_SLICE_BYTES}.get(
+        transport, DEFAULT_SLICE_BYTES)
+    return int(os.environ.get("PYCOMM_SLICE_BYTES", default))
+
+
+def _build(st: Any, r: int, n: int, transport: str, device: torch.device | None,
+           timeout: timedelta, slice_bytes: int | None, check: bool,
+           explicit_check: bool) -> Communicator:
+    """Builds the transport and the communicator of rank ``r`` of ``n`` that
+    rendezvous through ``st`` (a store prefixed for this communicator alone).
+    init() and groups (Communicator._create_group) share it.
+
+    ``transport`` is "nccl", "shm", "gloo" or "auto" (CPU: shm when every rank
+    runs on this host and shared memory can be set up, else gloo).
+    """
     timeout_ms = int(timeout.total_seconds() * 1000)
     impl = None
+    keepalive: list[Any] = []
     if transport == "auto":
-        # CPU: shared memory when every rank runs on this host, else gloo.
         transport = "shm" if _same_host(st, "auto", r, n) else "gloo"
         if transport == "shm":
-            impl = _init_shm(st, r, n, timeout_ms, slice_for("shm"), fallback_ok=True)
+            impl = _init_shm(st, r, n, timeout_ms, _slice_bytes(slice_bytes, "shm"),
+                             fallback_ok=True)
             if impl is None:
                 transport = "gloo"
     elif transport == "shm":
-        impl = _init_shm(st, r, n, timeout_ms, slice_for("shm"), fallback_ok=False)
+        impl = _init_shm(st, r, n, timeout_ms, _slice_bytes(slice_bytes, "shm"), fallback_ok=False)
     if transport == "nccl":
-        impl = _make_nccl(st, r, n, _cuda_device(req), timeout, slice_for("nccl"))
-        comm = Communicator(impl, store=st)
-    elif transport == "shm":
-        comm = Communicator(impl, store=st)
+        impl = _make_nccl(st, r, n, _cuda_device(device), timeout,
+                          _slice_bytes(slice_bytes, "nccl"))
     elif transport == "gloo":
         pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, timeout)
-        impl = _C.make_gloo_comm(pg, timeout_ms, slice_for("gloo"))
-        comm = Communicator(impl, store=st, keepalive=[pg])
-    else:
+        impl = _C.make_gloo_comm(pg, timeout_ms, _slice_bytes(slice_bytes, "gloo"))
+        keepalive.append(pg)
+    elif transport != "shm":
         raise ValueError(f"transport {transport!r} is not available in this build")
     if check:
         if hasattr(impl, "check"):
             impl.check = True
         elif explicit_check:
-            comm.close()
-            raise ValueError(f"check=True is not supported by the {comm.transport!r} transport")
-    if set_default:
-        with _lock:
-            _default = comm
-    return comm
+            impl.close()
+            raise ValueError(f"check=True is not supported by the {transport!r} transport")
+    settings = _Settings(transport=transport, device=torch.device(impl.device), timeout=timeout,
+                         slice_bytes=int(impl.slice_bytes),
+                         check=bool(getattr(impl, "check", False)))
+    return Communicator(impl, store=st, settings=settings, keepalive=keepalive)
 
 
 def get_default() -> Communicator:

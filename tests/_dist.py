@@ -318,3 +318,25 @@ def run_fault_trials(trial_fn: Callable[..., Any], world_size: int, trials: int,
     per_rank = spawn_ranks(_fork_host, world_size, trial_fn, trials, trial_timeout, args,
                            timeout=trials * (trial_timeout + 5) + 120)
     return [[per_rank[r][t] for r in range(world_size)] for t in range(trials)]
+
+
+# ------------------------------------------------------------ torchrun
+
+def run_torchrun(script: str, nproc: int, timeout: float = 120) -> "subprocess.CompletedProcess[str]":
+    """Runs ``script`` (a path) under ``torchrun --nproc-per-node nproc`` on a
+    free port with this checkout on PYTHONPATH; returns the finished process
+    (the caller checks returncode and stdout)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as sk:  # torchrun's static rendezvous needs a concrete port
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+         "--master-addr", "127.0.0.1", "--master-port", str(port), str(root / script)],
+        env=env, capture_output=True, text=True, timeout=timeout)
