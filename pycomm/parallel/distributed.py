@@ -162,6 +162,25 @@ class DistributedDataParallel(nn.Module):
             does); later iterations skip the graph walk and the used-flags
             all-reduce.
 
+    Differences from torch's DDP: buckets are real from the first iteration
+    (torch uses one bucket until the rebuild unless find_unused_parameters;
+    here every rank launches in bucket index order whatever its ready order,
+    so an early order mismatch costs overlap, never correctness); the rebuild
+    also happens with find_unused_parameters; an unused parameter raises at
+    the end of the backward that missed it, on every rank (torch raises in
+    the next forward and can hang when only some ranks miss it), at the cost
+    of one small all-reduce per iteration (``static_graph=True`` drops it
+    after the first). Not supported: ``device_ids``/``output_device``,
+    sparse gradients, mixed precision, ``bucket_cap_mb`` lists.
+
+    On GPU (transport ``nccl``; written for it, never run on a GPU yet): the
+    copies into buckets, the all-reduces (ordered after the current stream)
+    and the write-back are enqueued on streams with no host wait per bucket;
+    the end of backward reads the used flags on the host once per iteration
+    (not with ``static_graph=True`` after the first), and comm hooks'
+    futures complete on the host (pycomm's CUDA futures), so a hook costs a
+    host wait at the end of backward. ``stats()`` times are host times.
+
     Raises:
         TypeError: ``module`` or ``comm`` of the wrong type, or a parameter
             dtype that cannot be all-reduced.
