@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
@@ -23,13 +24,21 @@ LR = 0.1
 
 # ---------------------------------------------------------------- helpers
 
+_TORCH_GROUPS: dict = {}
+
+
 def _torch_group(comm):
-    """torch.distributed (gloo) on the pool's store, once per process: torch's
-    DDP is the peer reference."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.PrefixStore("test_parallel", comm._store),
-                                rank=comm.rank, world_size=comm.world_size)
-    return dist.group.WORLD
+    """A gloo process group on the pool's store for torch's DDP (the peer
+    reference), built once per process by hand so that the pool processes,
+    which other test files share, keep having no default group."""
+    if comm.world_size not in _TORCH_GROUPS:
+        store = dist.PrefixStore("test_parallel/gloo", comm._store)
+        gloo = dist.ProcessGroupGloo(store, comm.rank, comm.world_size, timedelta(seconds=60))
+        pg = dist.ProcessGroup(store, comm.rank, comm.world_size)
+        pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+        pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        _TORCH_GROUPS[comm.world_size] = pg
+    return _TORCH_GROUPS[comm.world_size]
 
 
 def _mlp(seed: int) -> nn.Module:
