@@ -492,11 +492,19 @@ class DistributedDataParallel(nn.Module):
                     self._mark_ready(i)  # no gradient here: zeros (or the stale .grad)
             flags = [int(u) for u in self._used]
             status = self._launch_used_flags(flags, bool(self._late))
+            # Without unused parameters to leave alone, each bucket is written
+            # back as soon as it is reduced, while later ones are still in flight.
+            known = self._static_counts if status is None else None
+            early = known is not None or not (self.find_unused_parameters or self.static_graph)
             for k, record in enumerate(self._inflight):
                 self._wait(record, k)
+                if early:
+                    self._write_back(self._buckets[k], known)
             t_waited = time.perf_counter()
             counts = self._check_used(status, flags)
-            self._write_back(counts)
+            if not early:
+                for bucket in self._buckets:
+                    self._write_back(bucket, counts)
             self._iteration += 1
             self._record_stats(t_end, t_waited)
             self._used = [False] * len(self._params)
@@ -543,21 +551,21 @@ class DistributedDataParallel(nn.Module):
                 "that your module has parameters that were not used in producing loss. Pass "
                 "find_unused_parameters=True (or static_graph=True if the unused set never "
                 "changes), or make sure every output of forward takes part in the loss. "
-                "Gradients were not synchronised; every rank raises this error.")
+                "Every rank raises this error; the .grad values are not valid.")
 
-    def _write_back(self, counts: list[int]) -> None:
-        """Averaged gradients into ``.grad``; parameters no rank used keep theirs."""
-        for bucket in self._buckets:
-            for pos, i in enumerate(bucket.param_indices):
-                if counts[i] == 0:
-                    continue
-                p, view = self._params[i], bucket.views[pos]
-                if self.gradient_as_bucket_view:
-                    p.grad = view
-                elif p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
+    def _write_back(self, bucket: _Bucket, counts: list[int] | None) -> None:
+        """A bucket's averaged gradients into ``.grad``; parameters that no
+        rank used (``counts`` 0) keep theirs."""
+        for pos, i in enumerate(bucket.param_indices):
+            if counts is not None and counts[i] == 0:
+                continue
+            p, view = self._params[i], bucket.views[pos]
+            if self.gradient_as_bucket_view:
+                p.grad = view
+            elif p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
 
     def _record_stats(self, t_end: float, t_waited: float) -> None:
         records = self._inflight

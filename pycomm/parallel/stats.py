@@ -76,7 +76,8 @@ class IterationStats:
         backward_s: first gradient ready -> last gradient ready.
         comm_s: time the communicator was busy with this iteration's ops.
         hidden_s: the part of ``comm_s`` before backward ended.
-        wait_s: how long the end of backward waited for communication.
+        wait_s: how long the end of backward waited for communication (and
+            the write-back of buckets reduced meanwhile).
         bytes_reduced: gradient bytes all-reduced (bucket buffers).
         buckets: number of buckets communicated.
     """
