@@ -13,9 +13,12 @@ the timed steps, the max over ranks. Reported: each variant's step time, the
 speedup of pycomm over torch, and the share of pycomm's communication hidden
 behind backward (``ddp.stats()``, iterations after the rebuild).
 
-Modes: ``compare`` (``--bucket-mb``, default 25) and ``sweep`` (both DDPs at
-each of ``--sweep`` bucket caps, default 1,5,25,100 MiB). JSON (with the git
-commit) and a PNG with both.
+Modes: ``compare`` (``--bucket-mb``, default 25), ``sweep`` (both DDPs at
+each of ``--sweep`` bucket caps, default 1,5,25,100 MiB) and ``contention``
+(not in the default: one all-reduce of the model's gradient bytes, pycomm and
+torch, with the calling process idle and with its main thread computing
+matmuls meanwhile, as during an overlapped backward). JSON (with the git
+commit and the PYCOMM_* environment) and a PNG.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ sys.path.insert(0, ROOT)
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--mode", default="compare,sweep", help="compare, sweep, or both")
+    p.add_argument("--mode", default="compare,sweep", help="compare,sweep,contention (any)")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=10, help="hidden layers of width x width")
     p.add_argument("--batch", type=int, default=32, help="rows per rank per step")
@@ -138,6 +141,36 @@ def _measure(args: argparse.Namespace, comm: Any, cap: float) -> dict[str, Any]:
     }
 
 
+def _contention(args: argparse.Namespace, comm: Any, numel: int) -> dict[str, Any]:
+    """Median time of one all-reduce of ``numel`` floats, idle and while this
+    rank's main thread computes small matmuls (an overlapped backward)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(numel)
+    a = torch.randn(200, 200)  # < 1 ms a matmul: the loop notices completion quickly
+    out: dict[str, Any] = {}
+    for name in ("pycomm", "torch"):
+        for busy in (False, True):
+            times = []
+            for _ in range(args.steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if name == "torch":
+                    work = dist.all_reduce(t, async_op=True)
+                else:
+                    work = comm.all_reduce(t, op="avg", async_op=True)
+                while busy and not work.is_completed():
+                    a @ a
+                work.wait()
+                times.append(time.perf_counter() - t0)
+            local = statistics.median(times)
+            gathered: list[Any] = [None] * comm.world_size
+            dist.all_gather_object(gathered, local)
+            out[f"{name} {'busy' if busy else 'idle'} ms"] = 1e3 * max(gathered)
+    return out
+
+
 def _rank_main(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -156,6 +189,9 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out_path: str) ->
         result["compare"] = _measure(args, comm, args.bucket_mb)
     if "sweep" in modes:
         result["sweep"] = [_measure(args, comm, float(c)) for c in args.sweep.split(",")]
+    if "contention" in modes:
+        numel = sum(p.numel() for p in _model(args).parameters())
+        result["contention"] = _contention(args, comm, numel)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
@@ -221,6 +257,9 @@ def _print(result: dict[str, Any]) -> None:
           f"{'pycomm ms':>12} {'speedup':>9} {'hidden':>8} {'comm ms':>10}")
     for m in ([result["compare"]] if "compare" in result else []) + result.get("sweep", []):
         print(row(m))
+    if "contention" in result:
+        print("# one all-reduce of the gradient bytes, caller idle vs computing meanwhile: " +
+              ", ".join(f"{k} {v:.1f}" for k, v in result["contention"].items()))
     if "compare" in result:
         print(result["compare"]["stats_rank0"])
 
@@ -270,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
 
     result["git_commit"] = _git_commit()
     result["config"] = {**vars(args), "params": params, "torch": torch.__version__,
-                        "host": platform.node(), "cpus": os.cpu_count()}
+                        "host": platform.node(), "cpus": os.cpu_count(),
+                        "env": {k: v for k, v in os.environ.items() if k.startswith("PYCOMM_")}}
     _print(result)
     if args.json:
         with open(args.json, "w") as f:
