@@ -41,6 +41,8 @@ constexpr int64_t kHealthEveryNs = 1000000;  // liveness check period while wait
 constexpr size_t kAutoSlotMin = 64 * 1024, kAutoSlotMax = 256 * 1024;
 constexpr size_t kAutoRingBudget = 32u << 20;
 constexpr int64_t kSleepSliceNs = 2000000;   // futex sleeps at most 2 ms between checks
+constexpr int64_t kSlowYieldNs = 50000;      // a yield this long gave the core away
+constexpr int64_t kNoYieldNs = 100000000;    // then no yields for 100 ms
 constexpr int kNumChannels = 2;              // kCollective, kUser (transport.h)
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "need lock-free 32-bit atomics");
@@ -159,7 +161,6 @@ ShmConfig ShmConfig::from_env() {
   c.direct_buffers = env_size("PYCOMM_SHM_DIRECT_BUFFERS", c.direct_buffers);
   c.spin = static_cast<unsigned>(env_size("PYCOMM_SHM_SPIN", c.spin));
   c.yields = static_cast<unsigned>(env_size("PYCOMM_SHM_YIELDS", c.yields));
-  c.yield_us = static_cast<unsigned>(env_size("PYCOMM_SHM_YIELD_US", c.yield_us));
   return c;
 }
 
@@ -454,7 +455,6 @@ void ShmTransport::block(Poll&& poll, const char* what) {
   const int64_t deadline = now_ns() + static_cast<int64_t>(timeout_.count()) * 1000000;
   RankInfo& me = seg_->ranks[rank_];
   unsigned idle = 0;
-  int64_t yield_start = 0;  // when the current yield phase began
   for (;;) {
     moved_ = false;
     if (poll()) return;
@@ -469,11 +469,22 @@ void ShmTransport::block(Poll&& poll, const char* what) {
       continue;
     }
     check_health(what, deadline);
-    if (idle == cfg_.spin + 1) yield_start = now_ns();
-    if (idle <= cfg_.spin + cfg_.yields &&
-        now_ns() - yield_start < static_cast<int64_t>(cfg_.yield_us) * 1000) {
-      sched_yield();
-      continue;
+    if (idle <= cfg_.spin + cfg_.yields) {
+      // On an idle core a yield returns within microseconds. When another
+      // thread wants the core (the caller computing its backward while DDP's
+      // buckets reduce on the worker), it hands that thread a whole
+      // scheduler slice instead, every wait: a 40 MiB all-reduce with the
+      // caller computing took 400-650 ms instead of 17 ms idle (2 ranks,
+      // 2 cores; 45 ms without yields). The futex sleep below does not pay
+      // that, since the peer's wake-up preempts the computing thread. So one
+      // slow yield turns yielding off for a while.
+      const int64_t t = now_ns();
+      if (t >= no_yield_until_) {
+        sched_yield();
+        if (now_ns() - t > kSlowYieldNs) no_yield_until_ = now_ns() + kNoYieldNs;
+        continue;
+      }
+      idle = cfg_.spin + cfg_.yields;  // yields off: straight to the sleep
     }
     // Sleep on our doorbell. Announce it first, then look once more, so a
     // peer that publishes after our last look sees `sleeping` and wakes us.

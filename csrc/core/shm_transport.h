@@ -79,16 +79,9 @@ struct ShmConfig {
   // peer (or a helper thread) it is waiting for; ~500 pauses is 10-30 us.
   unsigned spin = 500;
   unsigned yields = 50;
-  // The yield phase also ends after this many microseconds. On an idle core
-  // a yield returns in about a microsecond, but when another thread is
-  // runnable (the caller computing while DDP's all-reduces run on the worker)
-  // each yield hands it a whole scheduler slice: 50 yields made one 40 MiB
-  // all-reduce take 250-490 ms instead of 8-34 ms (2 ranks, 2 cores). Past
-  // the budget the rank sleeps on its doorbell and the peer wakes it.
-  unsigned yield_us = 50;
   // Overrides from PYCOMM_SHM_SLOT_BYTES, PYCOMM_SHM_SLOTS,
   // PYCOMM_SHM_DIRECT_BYTES, PYCOMM_SHM_DIRECT_BUFFERS, PYCOMM_SHM_SPIN,
-  // PYCOMM_SHM_YIELDS, PYCOMM_SHM_YIELD_US.
+  // PYCOMM_SHM_YIELDS.
   static ShmConfig from_env();
 };
 
@@ -168,6 +161,9 @@ class ShmTransport final : public Transport, public SharedBuffers {
   Handle next_ = 1;
   size_t pending_ops_ = 0;
   bool moved_ = false;
+  // Yields are skipped until this time (steady ns) after one was slow: see
+  // block(). Touched only by the executing thread.
+  int64_t no_yield_until_ = 0;
 
   std::atomic<bool> aborted_{false};
   std::atomic<bool> interrupted_{false};  // interrupt() since the last idle_wait
