@@ -523,3 +523,51 @@ def _pipeline_two_stages(comm, store):
 
 def test_pipeline_two_stages_share_the_gpu():
     run_ranks(2, _pipeline_two_stages)
+
+
+# ---------------------------------------------------------------- DDP (pycomm.parallel)
+
+def _ddp_matches_full_batch(comm, store, bucket_view, hook):
+    """pycomm's DistributedDataParallel over NCCL: after SGD steps the
+    parameters equal one process trained on the full batch."""
+    from torch import nn
+
+    from pycomm.parallel import DistributedDataParallel
+
+    n, r = comm.world_size, comm.rank
+
+    def mlp(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(),
+                             nn.Linear(16, 3)).cuda()
+
+    def sum_then_scale(state, bucket):
+        fut = state.all_reduce(bucket.buffer(), async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0].div_(n))
+
+    ddp = DistributedDataParallel(mlp(100 + r), comm, bucket_cap_mb=0.001, first_bucket_mb=0.0005,
+                                  gradient_as_bucket_view=bucket_view)
+    if hook:
+        ddp.register_comm_hook(comm, sum_then_scale)
+    reference = mlp(100)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, reference)]
+    g = torch.Generator().manual_seed(7)
+    for _ in range(4):
+        x, y = torch.randn(4 * n, 6, generator=g).cuda(), torch.randn(4 * n, 3, generator=g).cuda()
+        for opt in opts:
+            opt.zero_grad()
+        nn.functional.mse_loss(ddp(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
+        nn.functional.mse_loss(reference(x), y).backward()
+        for opt in opts:
+            opt.step()
+    torch.cuda.synchronize()
+    for p, q in zip(ddp.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    stats = ddp.stats()
+    assert len(stats.buckets) > 1 and stats.rebuilt_after == 1 and len(stats.iterations) == 4
+
+
+@pytest.mark.parametrize("bucket_view,hook", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_matches_full_batch_over_nccl(world, bucket_view, hook):
+    run_ranks(world, _ddp_matches_full_batch, bucket_view=bucket_view, hook=hook)

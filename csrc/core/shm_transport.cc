@@ -41,6 +41,8 @@ constexpr int64_t kHealthEveryNs = 1000000;  // liveness check period while wait
 constexpr size_t kAutoSlotMin = 64 * 1024, kAutoSlotMax = 256 * 1024;
 constexpr size_t kAutoRingBudget = 32u << 20;
 constexpr int64_t kSleepSliceNs = 2000000;   // futex sleeps at most 2 ms between checks
+constexpr int64_t kSlowYieldNs = 50000;      // a yield this long gave the core away
+constexpr int64_t kNoYieldNs = 100000000;    // then no yields for 100 ms
 constexpr int kNumChannels = 2;              // kCollective, kUser (transport.h)
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "need lock-free 32-bit atomics");
@@ -468,8 +470,21 @@ void ShmTransport::block(Poll&& poll, const char* what) {
     }
     check_health(what, deadline);
     if (idle <= cfg_.spin + cfg_.yields) {
-      sched_yield();
-      continue;
+      // On an idle core a yield returns within microseconds. When another
+      // thread wants the core (the caller computing its backward while DDP's
+      // buckets reduce on the worker), it hands that thread a whole
+      // scheduler slice instead, every wait: a 40 MiB all-reduce with the
+      // caller computing took 400-650 ms instead of 17 ms idle (2 ranks,
+      // 2 cores; 45 ms without yields). The futex sleep below does not pay
+      // that, since the peer's wake-up preempts the computing thread. So one
+      // slow yield turns yielding off for a while.
+      const int64_t t = now_ns();
+      if (t >= no_yield_until_) {
+        sched_yield();
+        if (now_ns() - t > kSlowYieldNs) no_yield_until_ = now_ns() + kNoYieldNs;
+        continue;
+      }
+      idle = cfg_.spin + cfg_.yields;  // yields off: straight to the sleep
     }
     // Sleep on our doorbell. Announce it first, then look once more, so a
     // peer that publishes after our last look sees `sleeping` and wakes us.

@@ -161,6 +161,9 @@ class ShmTransport final : public Transport, public SharedBuffers {
   Handle next_ = 1;
   size_t pending_ops_ = 0;
   bool moved_ = false;
+  // Yields are skipped until this time (steady ns) after one was slow: see
+  // block(). Touched only by the executing thread.
+  int64_t no_yield_until_ = 0;
 
   std::atomic<bool> aborted_{false};
   std::atomic<bool> interrupted_{false};  // interrupt() since the last idle_wait
