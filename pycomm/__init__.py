@@ -26,6 +26,7 @@ from .comm import (
     init,
     is_initialized,
 )
+from . import hooks  # DDP communication hooks (pycomm.hooks.allreduce_hook, ...)
 
 __all__ = [
     "CommError",
@@ -40,6 +41,7 @@ __all__ = [
     "broadcast",
     "close",
     "get_default",
+    "hooks",
     "init",
     "irecv",
     "is_initialized",
@@ -54,9 +56,10 @@ __version__ = "0.1.0"
 
 # Module-level twins acting on the default communicator (the last init()).
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, algo: str = "auto",
-               async_op: bool = False) -> Work | None:
+               async_op: bool = False, wire_dtype: Any = None) -> Work | None:
     """:meth:`Communicator.all_reduce` on the default communicator."""
-    return get_default().all_reduce(tensor, op=op, algo=algo, async_op=async_op)
+    return get_default().all_reduce(tensor, op=op, algo=algo, async_op=async_op,
+                                    wire_dtype=wire_dtype)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,

@@ -164,9 +164,14 @@ class CudaComm {
   }
 
   c10::intrusive_ptr<Work> all_reduce(const at::Tensor& t, int op, const std::string& algo,
-                                      bool async_op) {
+                                      bool async_op, int wire_dtype) {
     constexpr const char* kOp = "all_reduce";
     check_open(kOp);
+    if (wire_dtype >= 0) {
+      // The CUDA reducer has no wire-dtype conversion kernels yet.
+      throw UsageError("all_reduce: wire_dtype is not supported on CUDA communicators yet "
+                       "(CPU transports only); cast the tensor to float16/bfloat16 instead");
+    }
     check_cuda_tensor(t, "tensor", kOp);
     const DType dt = to_dtype(t.scalar_type(), "tensor");
     const ReduceOp rop = to_op(op, dt, kOp);
@@ -617,7 +622,8 @@ void bind_cuda(py::module_& m) {
       .def_property_readonly("closed", &CudaComm::closed)
       .def_property_readonly("aborted", &CudaComm::aborted)
       .def("all_reduce", &CudaComm::all_reduce, py::arg("tensor"), py::arg("op"),
-           py::arg("algo"), py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
+           py::arg("algo"), py::arg("async_op"), py::arg("wire_dtype") = -1,
+           py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", &CudaComm::reduce_scatter, py::arg("output"), py::arg("input"),
            py::arg("op"), py::arg("algo"), py::arg("async_op"),
            py::call_guard<py::gil_scoped_release>())
