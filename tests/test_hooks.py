@@ -428,3 +428,33 @@ def test_bucket_on_another_device_is_a_clear_error():
 def test_hooks_module_is_exported():
     assert pycomm.hooks is hooks
     assert set(hooks.__all__) >= {"allreduce_hook", "powerSGD_hook", "ring_fp16_hook"}
+
+
+# ---------------------------------------------------------------- the example
+
+@pytest.mark.parametrize("hook", ["allreduce", "powersgd"])
+def test_example_ddp_hooks_under_torchrun(hook):
+    import os
+    import re
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(port),
+         str(root / "examples" / "ddp_hooks.py"), "--hook", hook],
+        env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = re.findall(rf"rank (\d)/2 hook={hook} \[shm\] last loss [\d.]+, "
+                       r"max \|param - plain DDP's\| = ([\d.e+-]+)", proc.stdout)
+    assert sorted(r for r, _ in found) == ["0", "1"], proc.stdout
+    limit = {"allreduce": 1e-5, "powersgd": 0.1}[hook]  # PowerSGD compresses: close, not equal
+    assert all(float(d) < limit for _, d in found), proc.stdout
