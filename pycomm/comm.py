@@ -219,13 +219,14 @@ class Communicator:
                 step). The owner of each chunk rounds its final value to the
                 wire dtype too, so every rank ends with the same bits:
                 ``wire(op over ranks)``. Ring only: ``algo="auto"`` takes the
-                ring, ``"direct"`` is refused. CPU communicators only.
+                ring, ``"direct"`` and ``"nccl"`` are refused. (The CUDA
+                kernels for it are compile-checked but have not run on a GPU.)
 
         Raises:
             TypeError: unsupported dtype. ValueError: wrong device,
             non-contiguous tensor, unknown op/algo, AVG on integers, a
             wire_dtype that is not float16/bfloat16, with a non-float32
-            tensor, with algo "direct" or on a CUDA communicator.
+            tensor, or with algo "direct" / "nccl".
             CommError: the collective failed on this or a peer rank.
         """
         if wire_dtype is None:

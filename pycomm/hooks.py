@@ -324,8 +324,8 @@ def ring_fp16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
     no rounding of the inputs themselves, against a rounding of every input and
     partial sum in :func:`fp16_compress_hook`, for the same bytes. Partial
     sums beyond fp16's range (65504) become inf: scale the loss if gradients
-    can be that large. CPU communicators only (``wire_dtype`` is not on CUDA
-    yet).
+    can be that large. (On CUDA communicators the wire-dtype kernels are
+    compile-checked but have not run on a GPU yet.)
 
     Args:
         state: a :class:`pycomm.Communicator` (or an object with ``.comm``).
@@ -336,8 +336,7 @@ def ring_fp16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
 
     Raises:
         TypeError: ``state`` holds no Communicator, or the bucket is not float32.
-        ValueError: the bucket is not on the communicator's device, or the
-            communicator is a CUDA one.
+        ValueError: the bucket is not on the communicator's device.
 
     Example::
         >>> # xdoctest: +SKIP
@@ -362,8 +361,7 @@ def ring_bf16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
 
     Raises:
         TypeError: ``state`` holds no Communicator, or the bucket is not float32.
-        ValueError: the bucket is not on the communicator's device, or the
-            communicator is a CUDA one.
+        ValueError: the bucket is not on the communicator's device.
 
     Example::
         >>> # xdoctest: +SKIP

@@ -119,6 +119,15 @@ def _wire_errors(comm):
         with pytest.raises(exc) as info:
             comm.all_reduce(**kwargs)
         msgs.append(str(info.value))
+    # Checked mode sees a wire dtype that differs between ranks (the byte
+    # counts on the wire would not match) before anything is sent.
+    comm._impl.check = True
+    try:
+        with pytest.raises(ValueError) as info:
+            comm.all_reduce(torch.ones(6), wire_dtype="float16" if comm.rank == 0 else None)
+        msgs.append(str(info.value))
+    finally:
+        comm._impl.check = False
     # still usable
     t = torch.ones(5)
     comm.all_reduce(t, wire_dtype="bfloat16")
@@ -133,7 +142,8 @@ def test_wire_dtype_errors(transport):
     assert "wire_dtype must be" in msgs[2] and "float32" in msgs[2]
     assert "wire_dtype must be None" in msgs[3]
     if transport == "shm":
-        assert "direct" in msgs[-1]
+        assert "direct" in msgs[-2]
+    assert "mismatched" in msgs[-1] and "wire=float16" in msgs[-1], msgs[-1]
 
 
 # ---------------------------------------------------------------- DDP harness
@@ -417,6 +427,14 @@ def _hook_errors(comm):
         hooks.ring_fp16_hook(comm, _FakeBucket(torch.zeros(8, dtype=torch.float64)))
     with pytest.raises(ValueError, match="start_powerSGD_iter"):
         hooks.PowerSGDState(comm, start_powerSGD_iter=1)
+    # Through real DDP: a hook's error surfaces from backward() at the first
+    # bucket, with its message (float64 gradients for the float32-only ring).
+    pg = _torch_pg(comm, f"errors-{next(_pg_count)}")
+    ddp = nn.parallel.DistributedDataParallel(_fresh_model().double(), process_group=pg,
+                                              bucket_cap_mb=BUCKET_MB)
+    ddp.register_comm_hook(comm, hooks.ring_fp16_hook)
+    with pytest.raises(Exception, match=r"bucket 0 is torch.float64; the wire-dtype ring needs"):
+        ddp(torch.randn(2, IN, dtype=torch.float64)).sum().backward()
     return msgs
 
 

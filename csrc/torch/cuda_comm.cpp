@@ -167,20 +167,23 @@ class CudaComm {
                                       bool async_op, int wire_dtype) {
     constexpr const char* kOp = "all_reduce";
     check_open(kOp);
-    if (wire_dtype >= 0) {
-      // The CUDA reducer has no wire-dtype conversion kernels yet.
-      throw UsageError("all_reduce: wire_dtype is not supported on CUDA communicators yet "
-                       "(CPU transports only); cast the tensor to float16/bfloat16 instead");
-    }
     check_cuda_tensor(t, "tensor", kOp);
     const DType dt = to_dtype(t.scalar_type(), "tensor");
     const ReduceOp rop = to_op(op, dt, kOp);
-    const bool native = pick(algo, kOp, t.nbytes()) == "nccl";
+    const std::optional<DType> wire = to_wire_dtype(wire_dtype, dt, kOp);
+    if (wire && algo == "nccl") {
+      throw UsageError("all_reduce: wire_dtype needs algo='ring' or 'auto', not 'nccl' "
+                       "(NCCL's all-reduce sends the tensor's own dtype)");
+    }
+    // A wire dtype is a ring feature: auto takes the ring for it.
+    const bool native = pick(algo, kOp, t.nbytes()) == "nccl" && !wire;
     void* data = t.data_ptr();
     const size_t count = t.numel();
     return launch(kOp, {t}, {},
                   [=](const Context& ctx, cuda::NcclTransport& tr) {
-                    if (native) {
+                    if (wire) {
+                      ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire, rop);
+                    } else if (native) {
                       tr.wait(tr.all_reduce(data, data, count, dt, rop));
                     } else {
                       ring_all_reduce(ctx, data, count, dt, rop);
