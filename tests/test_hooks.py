@@ -103,6 +103,34 @@ def test_wire_all_reduce_sum_and_ring_on_shm():
         run_ranks(_wire_cases, 2, "shm", wire, "sum", "ring")
 
 
+def _wire_exact_two_ranks(comm, op: str):
+    """With 2 ranks the wire all-reduce is short enough to write down: the
+    owner r of chunk r adds the other rank's value rounded to the wire dtype to
+    its own in float32 (AVG: times 0.5), and rounds the result. Checked bit for
+    bit against torch's own conversions (round to nearest even)."""
+    out = []
+    for wire in WIRES.values():
+        for count in (1031, 1_048_583):
+            xs = _inputs(2, count, seed=3)
+            t = xs[comm.rank].clone()
+            comm.all_reduce(t, op=op, algo="ring", wire_dtype=wire)
+            half = (count + 1) // 2  # chunk 0 = [0, half), owned by rank 0
+            expect = torch.empty(count)
+            for owner, part in ((0, slice(0, half)), (1, slice(half, count))):
+                v = xs[owner][part] + xs[1 - owner][part].to(wire).float()
+                if op == "avg":
+                    v = v * 0.5
+                expect[part] = v.to(wire).float()
+            out.append(int((t != expect).sum()))
+    return out
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_wire_all_reduce_bitwise_on_two_ranks(transport, op):
+    for mismatches in run_ranks(_wire_exact_two_ranks, 2, transport, op):
+        assert mismatches == [0, 0, 0, 0], mismatches
+
+
 def _wire_errors(comm):
     msgs = []
     cases = [
