@@ -504,3 +504,29 @@ def test_example_ddp_hooks_under_torchrun(hook):
     assert sorted(r for r, _ in found) == ["0", "1"], proc.stdout
     limit = {"allreduce": 1e-5, "powersgd": 0.1}[hook]  # PowerSGD compresses: close, not equal
     assert all(float(d) < limit for _, d in found), proc.stdout
+
+
+def test_ddp_benchmark_harness_runs(tmp_path):
+    """benchmarks/ddp/bench.py at a toy size: table, JSON (with the commit), PNG."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "ddp" / "bench.py"), "--width", "64",
+         "--depth", "1", "--inputs", "32", "--rounds", "2", "--steps", "2", "--warmup", "1",
+         "--variants", "torch-gloo,hook-allreduce,hook-ring-fp16",
+         "--json", str(out_json), "--plot", str(out_png)],
+        env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "speedup vs torch-gloo" in proc.stdout and "hook-ring-fp16" in proc.stdout
+    data = json.loads(out_json.read_text())
+    assert [r["variant"] for r in data["rows"]] == ["torch-gloo", "hook-allreduce",
+                                                   "hook-ring-fp16"]
+    assert all(r["steps"] == 4 and r["median_ms"] > 0 for r in data["rows"])
+    assert data["rows"][0]["speedup_vs_torch-gloo"] == 1.0
+    assert len(data["meta"]["commit"]) >= 40 and out_png.stat().st_size > 0
