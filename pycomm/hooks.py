@@ -254,7 +254,9 @@ def _compress_wrapper(dtype: torch.dtype, hook: Hook) -> Hook:
 
         return fut.then(decompress)
 
-    compressed_hook.__name__ = f"pycomm_{str(dtype).split('.')[-1]}_wrapped_{hook.__name__}"
+    # Not "bf16_compress_wrapper_hook": DDP would demand NCCL (see above).
+    inner = getattr(hook, "__name__", type(hook).__name__)
+    compressed_hook.__name__ = f"pycomm_{str(dtype).split('.')[-1]}_wrapped_{inner}"
     compressed_hook.__qualname__ = compressed_hook.__name__
     return compressed_hook
 
