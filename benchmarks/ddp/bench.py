@@ -73,43 +73,56 @@ class Env:
 
 Wrap = Callable[[nn.Module, Env], nn.Module]
 VARIANTS: dict[str, Wrap] = {}
+DEFAULT_VARIANTS: list[str] = []  # what a run without --variants measures
 
 
-def variant(name: str) -> Callable[[Wrap], Wrap]:
-    """Registers ``fn(model, env) -> module to train`` under ``name``."""
+def variant(name: str, default: bool = True) -> Callable[[Wrap], Wrap]:
+    """Registers ``fn(model, env) -> module to train`` under ``name``;
+    ``default=False`` for diagnostics that run only when named."""
     def register(fn: Wrap) -> Wrap:
         if name in VARIANTS:
             raise ValueError(f"variant {name!r} is registered twice")
         VARIANTS[name] = fn
+        if default:
+            DEFAULT_VARIANTS.append(name)
         return fn
     return register
 
 
-def _torch_ddp(model: nn.Module, env: Env) -> nn.parallel.DistributedDataParallel:
+def _torch_ddp(model: nn.Module, env: Env, **kwargs: Any) -> nn.parallel.DistributedDataParallel:
     return nn.parallel.DistributedDataParallel(model, process_group=env.pg,
-                                               bucket_cap_mb=env.bucket_cap_mb)
+                                               bucket_cap_mb=env.bucket_cap_mb, **kwargs)
 
 
-def _torch_ddp_with(hook: Callable[..., Any]) -> Wrap:
-    """torch DDP whose buckets go through a pycomm hook on env.comm."""
+def _torch_ddp_with(hook: Callable[..., Any], state: Callable[[Env], Any] = lambda env: env.comm,
+                    **kwargs: Any) -> Wrap:
+    """torch DDP (with DDP ``kwargs``) whose buckets go through ``hook``."""
     def wrap(model: nn.Module, env: Env) -> nn.Module:
-        ddp = _torch_ddp(model, env)
-        ddp.register_comm_hook(env.comm, hook)
+        ddp = _torch_ddp(model, env, **kwargs)
+        ddp.register_comm_hook(state(env), hook)
         return ddp
     return wrap
 
 
-@variant("compute-only")
-def _compute_only(model: nn.Module, env: Env) -> nn.Module:
-    """No gradient exchange at all (not data parallel): the floor any variant
-    can reach, i.e. how much of a step communication costs."""
-    return model
+def _unreduced(state, bucket):  # type: ignore[no-untyped-def]
+    """A hook that returns the bucket as it is: DDP's own cost without traffic.
+    (Unannotated: DDP compares annotations, which are strings in this module.)"""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 variant(BASELINE)(_torch_ddp)
 variant("hook-allreduce")(_torch_ddp_with(hooks.allreduce_hook))
 variant("hook-ring-fp16")(_torch_ddp_with(hooks.ring_fp16_hook))
 variant("hook-fp16")(_torch_ddp_with(hooks.fp16_compress_hook))
+# Diagnostics (not data parallel, or not DDP's defaults): run when named.
+variant("compute-only", default=False)(lambda model, env: model)  # no DDP at all: the floor
+variant("ddp-no-comm", default=False)(_torch_ddp_with(_unreduced, state=lambda env: None))
+variant("torch-gloo-view", default=False)(
+    lambda model, env: _torch_ddp(model, env, gradient_as_bucket_view=True))
+variant("hook-allreduce-view", default=False)(
+    _torch_ddp_with(hooks.allreduce_hook, gradient_as_bucket_view=True))
 
 
 # ---------------------------------------------------------------- one rank
@@ -264,8 +277,9 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "compute-only"),
-                   help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated, from: {', '.join(VARIANTS)} (default: "
+                        f"{', '.join(DEFAULT_VARIANTS)})")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--width", type=int, default=2048, help="hidden width")
     p.add_argument("--depth", type=int, default=3, help="hidden layers")
