@@ -264,7 +264,7 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
     for b, r in zip(bars, rows):
         s = r["speedup_vs_" + BASELINE]
         if s:
-            ax.annotate(f"{s:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+            ax.annotate(f"{s:.2f}x", (b.get_x() + b.get_width() / 2, r["p75_ms"]),
                         ha="center", va="bottom", xytext=(0, 3), textcoords="offset points")
     ax.set_ylabel("step time, ms (median, p25-p75)")
     ax.set_title(f"DDP step, {meta['params'] / 1e6:.1f}M-param MLP, {meta['nproc']} CPU ranks",
