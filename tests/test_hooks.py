@@ -507,7 +507,9 @@ def test_example_ddp_hooks_under_torchrun(hook):
 
 
 def test_ddp_benchmark_harness_runs(tmp_path):
-    """benchmarks/ddp/bench.py at a toy size: table, JSON (with the commit), PNG."""
+    """benchmarks/ddp/bench.py at a toy size, every mode: one table, JSON (with
+    the commit and every step time), PNG; the exact variants (hook all-reduce,
+    pycomm DDP, torch DDP on backend="pycomm") end with torch-gloo's parameters."""
     import json
     import os
     import subprocess
@@ -516,17 +518,27 @@ def test_ddp_benchmark_harness_runs(tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    variants = ["torch-gloo", "hook-allreduce", "hook-ring-fp16", "pycomm-ddp", "backend-pycomm"]
     proc = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "ddp" / "bench.py"), "--width", "64",
          "--depth", "1", "--inputs", "32", "--rounds", "2", "--steps", "2", "--warmup", "1",
-         "--variants", "torch-gloo,hook-allreduce,hook-ring-fp16",
-         "--json", str(out_json), "--plot", str(out_png)],
+         "--variants", ",".join(variants), "--mode", "compare,sweep,contention",
+         "--sweep", "0.001,25", "--json", str(out_json), "--plot", str(out_png)],
         env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "speedup vs torch-gloo" in proc.stdout and "hook-ring-fp16" in proc.stdout
+    assert "vs torch-gloo" in proc.stdout and "backend-pycomm" in proc.stdout
+    assert "parameters differ" not in proc.stdout, proc.stdout
     data = json.loads(out_json.read_text())
-    assert [r["variant"] for r in data["rows"]] == ["torch-gloo", "hook-allreduce",
-                                                   "hook-ring-fp16"]
-    assert all(r["steps"] == 4 and r["median_ms"] > 0 for r in data["rows"])
-    assert data["rows"][0]["speedup_vs_torch-gloo"] == 1.0
+    rows = data["rows"]
+    assert [(r["phase"], r["variant"], r["bucket_mb"]) for r in rows] == (
+        [("compare", v, 25.0) for v in variants]
+        + [("sweep", v, cap) for cap in (0.001, 25.0) for v in ("torch-gloo", "pycomm-ddp")]
+        + [("contention", c, None) for c in ("pycomm idle", "pycomm busy", "torch idle",
+                                             "torch busy")])
+    assert all(r["steps"] == 4 and len(r["times_ms"]) == 2 and r["median_ms"] > 0 for r in rows)
+    assert all(r["speedup_vs_torch-gloo"] == 1.0 for r in rows if r["variant"] == "torch-gloo")
+    for r in rows[:9]:  # exact variants match torch-gloo; fp16 on the wire differs, but little
+        assert r["max_param_diff"] < (1e-2 if r["variant"] == "hook-ring-fp16" else 1e-4), r
+    ddp = [r for r in rows if r["variant"] == "pycomm-ddp"]
+    assert all(0 <= r["hidden_fraction"] <= 1 and r["comm_ms"] > 0 for r in ddp)
     assert len(data["meta"]["commit"]) >= 40 and out_png.stat().st_size > 0

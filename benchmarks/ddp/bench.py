@@ -450,7 +450,9 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
 
     by_phase = {p: [r for r in rows if r["phase"] == p] for p in MODES}
     panels = [p for p in MODES if by_phase[p]]
-    fig, axes = plt.subplots(1, len(panels), figsize=(2 + 4.5 * len(panels), 4.2), squeeze=False)
+    widths = [max(4.0, 0.8 * len(by_phase[p])) if p != "sweep" else 4.5 for p in panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(1.5 + sum(widths), 4.4), squeeze=False,
+                             gridspec_kw={"width_ratios": widths})
     for ax, phase in zip(axes[0], panels):
         if phase == "compare":
             _bars(ax, by_phase[phase], "step time, ms (median, p25-p75)")
