@@ -435,6 +435,7 @@ def _bars(ax: Any, rows: list[dict], ylabel: str) -> None:
             ax.annotate(f"{s:.2f}x", (b.get_x() + b.get_width() / 2, r["p75_ms"]),
                         ha="center", va="bottom", xytext=(0, 3), textcoords="offset points")
     ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1.15 * max(r["p75_ms"] for r in rows))  # room for the labels
     for label in ax.get_xticklabels():
         label.set_rotation(20)
         label.set_ha("right")
