@@ -16,7 +16,7 @@ import threading
 import uuid
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,10 @@ CommError = _C.CommError
 #: Handle of an asynchronous operation: ``wait()``, ``is_completed()``,
 #: ``is_success()``, ``get_future()`` (a ``torch.futures.Future`` completed with
 #: the list of output tensors, what DDP communication hooks return).
-Work = _C.Work
+if TYPE_CHECKING:  # the compiled class, opaque to type checkers
+    Work = Any
+else:
+    Work = _C.Work
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 DEFAULT_SLICE_BYTES = 512 * 1024
@@ -757,7 +760,7 @@ def _build(st: Any, r: int, n: int, transport: str, device: torch.device | None,
         pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, timeout)
         impl = _C.make_gloo_comm(pg, timeout_ms, _slice_bytes(slice_bytes, "gloo"))
         keepalive.append(pg)
-    elif transport != "shm":
+    if impl is None:
         raise ValueError(f"transport {transport!r} is not available in this build")
     if check:
         if hasattr(impl, "check"):

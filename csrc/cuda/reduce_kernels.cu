@@ -21,8 +21,8 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kUnroll = 4;        // packs in flight per thread and operand
-constexpr int kBlocksPerSM = 4;   // 4 x 512 threads = 2048 = a full H100 SM
+constexpr int kUnroll = 4;       // packs in flight per thread and operand
+constexpr int kBlocksPerSM = 4;  // 4 x 512 threads = 2048 = a full H100 SM
 
 template <class T>
 struct alignas(16) Pack {
@@ -127,7 +127,8 @@ void launch(T* dst, const T* a, const T* b, size_t count, F f, cudaStream_t stre
   const size_t max_blocks = static_cast<size_t>(sm_count()) * kBlocksPerSM;
   const unsigned blocks = static_cast<unsigned>(
       std::max<size_t>(1, std::min(max_blocks, (work + kThreads - 1) / kThreads)));
-  elementwise_kernel<T, F, kBinary><<<blocks, kThreads, 0, stream>>>(dst, a, b, head, npacks, count, f);
+  elementwise_kernel<T, F, kBinary>
+      <<<blocks, kThreads, 0, stream>>>(dst, a, b, head, npacks, count, f);
   PYCOMM_CUDA_CHECK_LAUNCH();
 }
 
@@ -152,8 +153,8 @@ void reduce_impl(void* dst, const void* a, const void* b, size_t count, DType dt
 
 }  // namespace
 
-void launch_reduce(void* dst, const void* a, const void* b, size_t count, DType dtype,
-                   ReduceOp op, cudaStream_t stream) {
+void launch_reduce(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op,
+                   cudaStream_t stream) {
   reduce_impl<false>(dst, a, b, count, dtype, op, 1.0, stream);
 }
 

@@ -63,7 +63,8 @@ void cpu_reduce_(at::Tensor dst, const at::Tensor& src, int op) {
 }
 
 void cpu_scale_(at::Tensor dst, double factor) {
-  TORCH_CHECK_VALUE(dst.device().is_cpu() && dst.is_contiguous(), "scale_: contiguous CPU tensor only");
+  TORCH_CHECK_VALUE(dst.device().is_cpu() && dst.is_contiguous(),
+                    "scale_: contiguous CPU tensor only");
   const auto dt = pycomm::to_dtype(dst.scalar_type(), "dst");
   TORCH_CHECK_VALUE(pycomm::is_floating(dt), "scale_: floating dtype only");
   py::gil_scoped_release nogil;
