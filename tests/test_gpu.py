@@ -491,3 +491,35 @@ def _timeout(comm, store, allow_close_error):
 
 def test_timeout_aborts_and_raises():
     run_ranks(2, _timeout, comm_timeout=3, allow_close_error=True)
+
+
+# ---------------------------------------------------------------- pipeline
+
+def _pipeline_two_stages(comm, store):
+    """Two pipeline stages on the one GPU (1F1B and GPipe, 4 microbatches,
+    uneven split) against the whole model in one process on the same GPU."""
+    from torch import nn
+
+    import pycomm.pipeline as pp
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(10, 32, generator=g).cuda(), torch.randn(10, 32, generator=g).cuda()
+    ref = model().cuda()
+    losses = [nn.functional.mse_loss(ref(a), b) for a, b in zip(x.chunk(4), y.chunk(4))]
+    torch.stack(losses).mean().backward()
+    want = [p.grad for p in pp.split_sequential(ref, 2, balance=[2, 2])[comm.rank].parameters()]
+    for cls in (pp.Schedule1F1B, pp.ScheduleGPipe):
+        part = pp.split_sequential(model(), 2, balance=[2, 2])[comm.rank]
+        stage = pp.PipelineStage(part, comm.rank, 2, comm, device="cuda:0")
+        sched = cls(stage, 4, nn.functional.mse_loss)
+        sched.step(x) if stage.is_first else sched.step(target=y)
+        for got, exp in zip(stage.submod.parameters(), want):
+            torch.testing.assert_close(got.grad, exp, rtol=1e-4, atol=1e-5)
+
+
+def test_pipeline_two_stages_share_the_gpu():
+    run_ranks(2, _pipeline_two_stages)
