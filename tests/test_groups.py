@@ -297,3 +297,11 @@ def test_groups_example_under_torchrun():
     ok = re.findall(r"rank (\d)/4: row \d/2 col \d/2 row sum [\d.]+ \(OK\)", proc.stdout)
     assert sorted(ok) == ["0", "1", "2", "3"], proc.stdout
     assert "WRONG" not in proc.stdout
+
+
+def test_group_functions_are_public():
+    import pycomm
+
+    for name in ("new_group", "split"):
+        assert name in pycomm.__all__ and callable(getattr(pycomm, name)), name
+        assert callable(getattr(pycomm.Communicator, name)), name
