@@ -4,6 +4,8 @@
 #   ruff check pycomm           lint (ruff.toml)
 #   mypy                        types of pycomm/ (mypy.ini; needs torch)
 #   clang-format --dry-run      csrc/ formatted as .clang-format says
+# `bash scripts/lint.sh --fix` first applies what the tools can fix (ruff's
+# safe fixes, clang-format -i on the same files), then checks.
 # MYPY_ARGS adds mypy options, e.g. --python-executable PATH when the tools
 # live in another environment than torch.
 set -euo pipefail
@@ -14,12 +16,17 @@ cd "$ROOT"
 # GPU); reformat them with `clang-format -i` once that lands, then drop them here.
 UNFORMATTED=(csrc/torch/comm.cpp csrc/torch/cuda_comm.cpp)
 
+mapfile -t sources < <(git ls-files 'csrc/*.h' 'csrc/*.cc' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' \
+  | grep -vxF -f <(printf '%s\n' "${UNFORMATTED[@]}"))
+if [[ "${1:-}" == --fix ]]; then
+  ruff check --fix pycomm || true  # what is left is reported below
+  clang-format -i "${sources[@]}"
+fi
+
 echo "lint: ruff" >&2
 ruff check pycomm
 echo "lint: mypy" >&2
 mypy ${MYPY_ARGS:-}
 echo "lint: clang-format" >&2
-mapfile -t sources < <(git ls-files 'csrc/*.h' 'csrc/*.cc' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' \
-  | grep -vxF -f <(printf '%s\n' "${UNFORMATTED[@]}"))
 clang-format --dry-run -Werror "${sources[@]}"
 echo "lint: OK (${#sources[@]} C++/CUDA files formatted; ${#UNFORMATTED[@]} exempt)" >&2
