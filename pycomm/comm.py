@@ -391,9 +391,13 @@ class Communicator:
         settings = self._settings
         if timeout is not None:
             settings = replace(settings, timeout=_timeout_from(timeout))
-        return _build(store, members.index(self.rank), len(members), settings.transport,
-                      settings.device, settings.timeout, settings.slice_bytes, settings.check,
-                      explicit_check=settings.check)
+        try:
+            return _build(store, members.index(self.rank), len(members), settings.transport,
+                          settings.device, settings.timeout, settings.slice_bytes, settings.check,
+                          explicit_check=settings.check)
+        except (CommError, dist.DistError) as e:  # setup failed, or a member never came
+            raise CommError(f"creating the group of ranks {list(members)} (group rank i is "
+                            f"ranks[i]) on rank {self.rank}: {e}") from e
 
     # -- lifetime ---------------------------------------------------------
     def close(self) -> None:
@@ -479,6 +483,21 @@ def _rendezvous(
     return st, r, n, f"pycomm/{_init_count}"
 
 
+def _wait_for(store: Any, keys: dict[int, str], what: str) -> None:
+    """Waits for the store keys of the ranks in ``keys`` (rank -> key) under
+    the store's own timeout (ranks may reach a rendezvous far apart; the
+    communicator's timeout bounds its operations, not its creation). A
+    timeout is a CommError naming the ranks still missing."""
+    try:
+        store.wait(list(keys.values()))
+    except dist.DistStoreError as e:
+        missing = [q for q, k in keys.items() if not store.check([k])]
+        raise CommError(
+            f"{what}: ranks {missing} did not arrive within the store's timeout "
+            f"({store.timeout.total_seconds():g} s); every rank of a new communicator must "
+            "create it (init(), or new_group/split on every member)") from e
+
+
 def _same_host(store: Any, prefix: str, rank: int, world_size: int) -> bool:
     """True when every rank runs on this host (hostname + boot id match)."""
     try:
@@ -488,9 +507,9 @@ def _same_host(store: Any, prefix: str, rank: int, world_size: int) -> bool:
         boot = ""
     me = f"{socket.gethostname()}|{boot}"
     store.set(f"{prefix}/host/{rank}", me)
-    keys = [f"{prefix}/host/{r}" for r in range(world_size)]
-    store.wait(keys)
-    return all(store.get(k).decode() == me for k in keys)
+    keys = {r: f"{prefix}/host/{r}" for r in range(world_size)}
+    _wait_for(store, keys, "choosing the transport")
+    return all(store.get(k).decode() == me for k in keys.values())
 
 
 _shm_count = 0
@@ -519,7 +538,7 @@ def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes:
             err = f"rank 0: {e}"
             st.set(f"{key}/name", "!" + err)
     else:
-        st.wait([f"{key}/name"])
+        _wait_for(st, {0: f"{key}/name"}, "shm setup")
         name = st.get(f"{key}/name").decode()
         if name.startswith("!"):
             err = name[1:]
@@ -530,11 +549,17 @@ def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes:
                 err = f"rank {rank}: {e}"
     # Barrier: every rank has mapped the segment (or failed to).
     st.set(f"{key}/mapped/{rank}", "!" + err if err else "ok")
-    keys = [f"{key}/mapped/{r}" for r in range(world_size)]
-    st.wait(keys)
-    errors = [v for v in (st.get(k).decode() for k in keys) if v != "ok"]
-    if not name.startswith("!"):
-        _C.shm_unlink(name)
+    keys = {r: f"{key}/mapped/{r}" for r in range(world_size)}
+    try:
+        _wait_for(st, keys, "shm setup")
+    except CommError:
+        if impl is not None:
+            impl.close()
+        raise
+    finally:  # mapped everywhere, or given up: the name goes either way
+        if not name.startswith("!"):
+            _C.shm_unlink(name)
+    errors = [v for v in (st.get(k).decode() for k in keys.values()) if v != "ok"]
     if errors:
         if impl is not None:
             impl.close()
@@ -586,6 +611,7 @@ def _make_nccl(st: Any, r: int, n: int, dev: torch.device, timeout: timedelta,
     key = "nccl/unique_id"
     if r == 0:
         st.set(key, _C.nccl_unique_id().hex())
+    _wait_for(st, {0: key}, "NCCL setup")
     uid = bytes.fromhex(st.get(key).decode())
     timeout_ms = int(timeout.total_seconds() * 1000)
     return _C.make_nccl_comm(uid, r, n, dev.index, timeout_ms, slice_bytes, _auto_table())
