@@ -21,6 +21,10 @@ from typing import Any, Sequence
 
 import torch
 
+from . import (
+    backend,
+    hooks,  # DDP communication hooks (pycomm.hooks.allreduce_hook, ...)
+)
 from .comm import (
     CommError,
     Communicator,
@@ -31,8 +35,6 @@ from .comm import (
     init,
     is_initialized,
 )
-from . import backend
-from . import hooks  # DDP communication hooks (pycomm.hooks.allreduce_hook, ...)
 
 # torch.distributed.init_process_group(backend="pycomm") works after `import pycomm`.
 backend.register()

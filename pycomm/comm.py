@@ -16,7 +16,7 @@ import threading
 import uuid
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,10 @@ CommError = _C.CommError
 #: Handle of an asynchronous operation: ``wait()``, ``is_completed()``,
 #: ``is_success()``, ``get_future()`` (a ``torch.futures.Future`` completed with
 #: the list of output tensors, what DDP communication hooks return).
-Work = _C.Work
+if TYPE_CHECKING:  # the compiled class, opaque to type checkers
+    Work = Any
+else:
+    Work = _C.Work
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 DEFAULT_SLICE_BYTES = 512 * 1024
@@ -416,9 +419,13 @@ class Communicator:
         settings = self._settings
         if timeout is not None:
             settings = replace(settings, timeout=_timeout_from(timeout))
-        return _build(store, members.index(self.rank), len(members), settings.transport,
-                      settings.device, settings.timeout, settings.slice_bytes, settings.check,
-                      explicit_check=settings.check)
+        try:
+            return _build(store, members.index(self.rank), len(members), settings.transport,
+                          settings.device, settings.timeout, settings.slice_bytes, settings.check,
+                          explicit_check=settings.check)
+        except (CommError, dist.DistError) as e:  # setup failed, or a member never came
+            raise CommError(f"creating the group of ranks {list(members)} (group rank i is "
+                            f"ranks[i]) on rank {self.rank}: {e}") from e
 
     # -- lifetime ---------------------------------------------------------
     def close(self) -> None:
@@ -504,6 +511,21 @@ def _rendezvous(
     return st, r, n, f"pycomm/{_init_count}"
 
 
+def _wait_for(store: Any, keys: dict[int, str], what: str) -> None:
+    """Waits for the store keys of the ranks in ``keys`` (rank -> key) under
+    the store's own timeout (ranks may reach a rendezvous far apart; the
+    communicator's timeout bounds its operations, not its creation). A
+    timeout is a CommError naming the ranks still missing."""
+    try:
+        store.wait(list(keys.values()))
+    except dist.DistStoreError as e:
+        missing = [q for q, k in keys.items() if not store.check([k])]
+        raise CommError(
+            f"{what}: ranks {missing} did not arrive within the store's timeout "
+            f"({store.timeout.total_seconds():g} s); every rank of a new communicator must "
+            "create it (init(), or new_group/split on every member)") from e
+
+
 def _same_host(store: Any, prefix: str, rank: int, world_size: int) -> bool:
     """True when every rank runs on this host (hostname + boot id match)."""
     try:
@@ -513,9 +535,9 @@ def _same_host(store: Any, prefix: str, rank: int, world_size: int) -> bool:
         boot = ""
     me = f"{socket.gethostname()}|{boot}"
     store.set(f"{prefix}/host/{rank}", me)
-    keys = [f"{prefix}/host/{r}" for r in range(world_size)]
-    store.wait(keys)
-    return all(store.get(k).decode() == me for k in keys)
+    keys = {r: f"{prefix}/host/{r}" for r in range(world_size)}
+    _wait_for(store, keys, "choosing the transport")
+    return all(store.get(k).decode() == me for k in keys.values())
 
 
 _shm_count = 0
@@ -544,7 +566,7 @@ def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes:
             err = f"rank 0: {e}"
             st.set(f"{key}/name", "!" + err)
     else:
-        st.wait([f"{key}/name"])
+        _wait_for(st, {0: f"{key}/name"}, "shm setup")
         name = st.get(f"{key}/name").decode()
         if name.startswith("!"):
             err = name[1:]
@@ -555,11 +577,17 @@ def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes:
                 err = f"rank {rank}: {e}"
     # Barrier: every rank has mapped the segment (or failed to).
     st.set(f"{key}/mapped/{rank}", "!" + err if err else "ok")
-    keys = [f"{key}/mapped/{r}" for r in range(world_size)]
-    st.wait(keys)
-    errors = [v for v in (st.get(k).decode() for k in keys) if v != "ok"]
-    if not name.startswith("!"):
-        _C.shm_unlink(name)
+    keys = {r: f"{key}/mapped/{r}" for r in range(world_size)}
+    try:
+        _wait_for(st, keys, "shm setup")
+    except CommError:
+        if impl is not None:
+            impl.close()
+        raise
+    finally:  # mapped everywhere, or given up: the name goes either way
+        if not name.startswith("!"):
+            _C.shm_unlink(name)
+    errors = [v for v in (st.get(k).decode() for k in keys.values()) if v != "ok"]
     if errors:
         if impl is not None:
             impl.close()
@@ -611,6 +639,7 @@ def _make_nccl(st: Any, r: int, n: int, dev: torch.device, timeout: timedelta,
     key = "nccl/unique_id"
     if r == 0:
         st.set(key, _C.nccl_unique_id().hex())
+    _wait_for(st, {0: key}, "NCCL setup")
     uid = bytes.fromhex(st.get(key).decode())
     timeout_ms = int(timeout.total_seconds() * 1000)
     return _C.make_nccl_comm(uid, r, n, dev.index, timeout_ms, slice_bytes, _auto_table())
@@ -792,7 +821,7 @@ def _build(st: Any, r: int, n: int, transport: str, device: torch.device | None,
         pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, timeout)
         impl = _C.make_gloo_comm(pg, timeout_ms, _slice_bytes(slice_bytes, "gloo"))
         keepalive.append(pg)
-    elif transport != "shm":
+    if impl is None:
         raise ValueError(f"transport {transport!r} is not available in this build")
     if check:
         if hasattr(impl, "check"):

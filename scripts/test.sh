@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: sets up .venv from scratch, checks that every CUDA/NCCL
+# The test command: sets up .venv from scratch, runs the static checks
+# (ruff, mypy, clang-format: scripts/lint.sh), checks that every CUDA/NCCL
 # source compiles (nvcc, no GPU needed), then runs the test suite.
 #   bash scripts/test.sh [extra pytest args]
 set -euo pipefail
@@ -8,6 +9,7 @@ cd "$ROOT"
 bash scripts/setup_env.sh
 # shellcheck disable=SC1091
 source .venv/bin/activate
+bash scripts/lint.sh
 if command -v nvcc >/dev/null; then
   bash scripts/compile_cuda.sh
 else

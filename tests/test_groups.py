@@ -297,3 +297,49 @@ def test_groups_example_under_torchrun():
     ok = re.findall(r"rank (\d)/4: row \d/2 col \d/2 row sum [\d.]+ \(OK\)", proc.stdout)
     assert sorted(ok) == ["0", "1", "2", "3"], proc.stdout
     assert "WRONG" not in proc.stdout
+
+
+def test_group_functions_are_public():
+    import pycomm
+
+    for name in ("new_group", "split"):
+        assert name in pycomm.__all__ and callable(getattr(pycomm, name)), name
+        assert callable(getattr(pycomm.Communicator, name)), name
+
+
+# ---------------------------------------------------------------- a member that never comes
+
+def _missing_member(comm):
+    import os
+    from datetime import timedelta
+
+    import pycomm
+
+    r = comm.rank
+    parent = _second_parent(comm, "missing-member")  # its group counts are this test's alone
+    base_timeout = parent._store.timeout
+    parent._store.set_timeout(timedelta(seconds=3))  # the rendezvous waits under the store's
+    try:
+        if r == 2:  # rank 3 never creates {2, 3}
+            # shm: our store wait names the missing group rank (1 = rank 3);
+            # gloo: its own rendezvous times out (after the group's timeout)
+            detail = r"ranks \[1\] did not arrive" if parent.transport == "shm" else "timeout"
+            with pytest.raises(pycomm.CommError,
+                               match=rf"creating the group of ranks \[2, 3\].*{detail}"):
+                parent.new_group([2, 3], timeout=3)
+            # as group rank 0 this rank created the shm segment: it is gone again
+            leaked = [f for f in os.listdir("/dev/shm") if f.startswith(f"pycomm-{os.getpid()}-")]
+            assert not leaked, leaked
+    finally:
+        parent._store.set_timeout(base_timeout)
+    _parent_all_reduce(parent, seed=3)  # the parent is unaffected
+    g = parent.new_group([0, 1])  # and groups of other members still meet
+    if r < 2:
+        _check_group(g, [0, 1], r, "after a failed group")
+        g.close()
+    parent.close()
+    return r
+
+
+def test_member_that_never_creates_the_group_fails_cleanly(transport):
+    assert run_ranks(_missing_member, 4, transport) == [0, 1, 2, 3]

@@ -155,8 +155,7 @@ WireSlots wire_slots(const Context& ctx, size_t per, DType wire) {
 
 }  // namespace
 
-void ring_all_reduce_wire(const Context& ctx, float* data, size_t count, DType wire,
-                          ReduceOp op) {
+void ring_all_reduce_wire(const Context& ctx, float* data, size_t count, DType wire, ReduceOp op) {
   if (wire != DType::kFloat16 && wire != DType::kBFloat16) {
     throw UsageError(std::string("wire dtype must be float16 or bfloat16, got ") +
                      dtype_name(wire));

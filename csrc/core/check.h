@@ -31,14 +31,14 @@ const char* coll_name(CollKind k);
 
 // Plain bytes on the wire: fixed-width fields, no padding (40 bytes).
 struct Fingerprint {
-  uint64_t seq = 0;     // collective sequence number (p2p ops do not count)
-  uint64_t count = 0;   // elements per rank (input of reduce_scatter / all_gather)
-  uint32_t magic = 0;   // kMagic: marks a checked-mode peer
-  int32_t kind = 0;     // CollKind
-  int32_t dtype = -1;   // DType, or -1 when irrelevant (barrier)
-  int32_t op = -1;      // ReduceOp, or -1 when the collective has none
-  int32_t root = -1;    // broadcast root, or -1
-  int32_t wire = -1;    // all_reduce's wire DType, or -1
+  uint64_t seq = 0;    // collective sequence number (p2p ops do not count)
+  uint64_t count = 0;  // elements per rank (input of reduce_scatter / all_gather)
+  uint32_t magic = 0;  // kMagic: marks a checked-mode peer
+  int32_t kind = 0;    // CollKind
+  int32_t dtype = -1;  // DType, or -1 when irrelevant (barrier)
+  int32_t op = -1;     // ReduceOp, or -1 when the collective has none
+  int32_t root = -1;   // broadcast root, or -1
+  int32_t wire = -1;   // all_reduce's wire DType, or -1
   static constexpr uint32_t kMagic = 0x70634b31;  // "pcK1"
 
   bool operator==(const Fingerprint& o) const;

@@ -60,7 +60,7 @@ PYCOMM_HD uint16_t float_to_bf16(float f) {
   // hardware returns a canonical NaN), so NaN keeps the software encoding.
   if ((u & 0x7fffffffu) <= 0x7f800000u) return __bfloat16_as_ushort(__float2bfloat16_rn(f));
 #endif
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // qNaN
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
   return static_cast<uint16_t>(u >> 16);
 }
@@ -150,19 +150,27 @@ struct Codec<BFloat16> {
 // The binary ops. MAX/MIN propagate NaN like torch.maximum/minimum.
 struct SumFn {
   template <class A>
-  PYCOMM_HD A operator()(A a, A b) const { return a + b; }
+  PYCOMM_HD A operator()(A a, A b) const {
+    return a + b;
+  }
 };
 struct ProdFn {
   template <class A>
-  PYCOMM_HD A operator()(A a, A b) const { return a * b; }
+  PYCOMM_HD A operator()(A a, A b) const {
+    return a * b;
+  }
 };
 struct MaxFn {
   template <class A>
-  PYCOMM_HD A operator()(A a, A b) const { return (a != a || a > b) ? a : b; }
+  PYCOMM_HD A operator()(A a, A b) const {
+    return (a != a || a > b) ? a : b;
+  }
 };
 struct MinFn {
   template <class A>
-  PYCOMM_HD A operator()(A a, A b) const { return (a != a || a < b) ? a : b; }
+  PYCOMM_HD A operator()(A a, A b) const {
+    return (a != a || a < b) ? a : b;
+  }
 };
 
 // dst = op(dst, src) for one element of storage type T.

@@ -108,11 +108,13 @@ PYCOMM_AVX2 inline void store8<BFloat16>(BFloat16* p, __m256 f) {
 PYCOMM_AVX2 inline __m256 apply8(SumFn, __m256 a, __m256 b) { return _mm256_add_ps(a, b); }
 PYCOMM_AVX2 inline __m256 apply8(ProdFn, __m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
 PYCOMM_AVX2 inline __m256 apply8(MaxFn, __m256 a, __m256 b) {
-  const __m256 take_a = _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+  const __m256 take_a =
+      _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(a, b, _CMP_GT_OQ));
   return _mm256_blendv_ps(b, a, take_a);
 }
 PYCOMM_AVX2 inline __m256 apply8(MinFn, __m256 a, __m256 b) {
-  const __m256 take_a = _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(a, b, _CMP_LT_OQ));
+  const __m256 take_a =
+      _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(a, b, _CMP_LT_OQ));
   return _mm256_blendv_ps(b, a, take_a);
 }
 
@@ -159,7 +161,6 @@ PYCOMM_AVX2 void reduce_wire_avx2(float* dst, const float* a, const W* b, size_t
   for (; i < n; ++i) dst[i] = fn(a[i], Codec<W>::load(b[i]));
 }
 #endif  // PYCOMM_X86_SIMD
-
 
 // Calls f(W{}) with the 16-bit storage type of a wire dtype.
 template <class F>

@@ -40,10 +40,10 @@ constexpr int64_t kHealthEveryNs = 1000000;  // liveness check period while wait
 // slot_bytes = 0: the automatic slot size (see ShmConfig).
 constexpr size_t kAutoSlotMin = 64 * 1024, kAutoSlotMax = 256 * 1024;
 constexpr size_t kAutoRingBudget = 32u << 20;
-constexpr int64_t kSleepSliceNs = 2000000;   // futex sleeps at most 2 ms between checks
-constexpr int64_t kSlowYieldNs = 50000;      // a yield this long gave the core away
-constexpr int64_t kNoYieldNs = 100000000;    // then no yields for 100 ms
-constexpr int kNumChannels = 2;              // kCollective, kUser (transport.h)
+constexpr int64_t kSleepSliceNs = 2000000;  // futex sleeps at most 2 ms between checks
+constexpr int64_t kSlowYieldNs = 50000;     // a yield this long gave the core away
+constexpr int64_t kNoYieldNs = 100000000;   // then no yields for 100 ms
+constexpr int kNumChannels = 2;             // kCollective, kUser (transport.h)
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "need lock-free 32-bit atomics");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
@@ -149,7 +149,8 @@ struct ShmSegment {
   }
   char* data(int src, int dst, int ch) const { return chan(src, dst, ch) + hdr->ctrl_bytes; }
   char* direct(int r, int which) const {
-    return base + hdr->direct_offset + (static_cast<size_t>(r) * direct_buffers + which) * direct_bytes;
+    return base + hdr->direct_offset +
+           (static_cast<size_t>(r) * direct_buffers + which) * direct_bytes;
   }
 };
 
@@ -170,8 +171,8 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
                            ShmConfig cfg)
     : name_(name), rank_(rank), size_(world_size), cfg_(cfg) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
-    throw CommError("shm transport: rank " + std::to_string(rank) + " out of range for world_size " +
-                    std::to_string(world_size));
+    throw CommError("shm transport: rank " + std::to_string(rank) +
+                    " out of range for world_size " + std::to_string(world_size));
   }
   if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos ||
       name.size() > 200) {

@@ -64,7 +64,7 @@ struct ShmConfig {
   // ways by 2 ranks takes 2.4-3.1 ms with 256 KiB slots, 2.9-3.1 ms with
   // 64 KiB; one way 0.87 vs 1.55 ms.
   size_t slot_bytes = 0;
-  size_t slots = 8;                   // slots per channel (ring depth)
+  size_t slots = 8;  // slots per channel (ring depth)
   // bytes of each SharedBuffers buffer: pieces this small stay in L2 between
   // the copy-in and the reduction (64 MiB, 2 ranks: 256 KiB 6.7 GB/s busbw,
   // 1 MiB 5.0, 4 MiB 4.4 on the 2-core CI machine)
@@ -156,7 +156,7 @@ class ShmTransport final : public Transport, public SharedBuffers {
 
   // Indexed by peer * channels + channel; FIFO per queue.
   std::vector<std::deque<Op>> sendq_, recvq_;
-  std::vector<uint64_t> send_head_, recv_tail_;  // our own counters, per queue
+  std::vector<uint64_t> send_head_, recv_tail_;   // our own counters, per queue
   std::unordered_map<Handle, size_t> remaining_;  // ops left per group
   Handle next_ = 1;
   size_t pending_ops_ = 0;
@@ -167,8 +167,8 @@ class ShmTransport final : public Transport, public SharedBuffers {
 
   std::atomic<bool> aborted_{false};
   std::atomic<bool> interrupted_{false};  // interrupt() since the last idle_wait
-  std::vector<int> pidfds_;     // per rank, -1 when not open (yet)
-  std::vector<bool> pidfd_ok_;  // false: pidfd_open unavailable, use kill + /proc
+  std::vector<int> pidfds_;               // per rank, -1 when not open (yet)
+  std::vector<bool> pidfd_ok_;            // false: pidfd_open unavailable, use kill + /proc
   int64_t last_health_ns_ = 0;
 };
 

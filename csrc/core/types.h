@@ -44,11 +44,23 @@ class CommError : public std::runtime_error {
   explicit CommError(const std::string& what) : std::runtime_error(what) {}
 };
 
-// Raised for a caller's mistake that only the core can see (e.g. fingerprint
-// mismatch across ranks in checked mode). Maps to ValueError.
+// A caller's mistake: a bad argument (the binding's checks) or one that only
+// the core can see (e.g. fingerprint mismatch across ranks in checked mode).
+// Maps to ValueError.
 class UsageError : public std::invalid_argument {
  public:
   explicit UsageError(const std::string& what) : std::invalid_argument(what) {}
 };
+
+// A caller's mistake about a type (an unsupported dtype, dtypes that differ).
+// Maps to TypeError. Not a UsageError: Python's TypeError is no ValueError.
+class UsageTypeError : public std::invalid_argument {
+ public:
+  explicit UsageTypeError(const std::string& what) : std::invalid_argument(what) {}
+};
+
+// These are plain C++ exceptions, safe to throw without the GIL (the binding
+// releases it around every call that can block). The binding translates them
+// into Python exceptions in one place, with the GIL held (bindings.cpp).
 
 }  // namespace pycomm

@@ -13,8 +13,8 @@ void CudaReducer::reduce(void* dst, const void* a, const void* b, size_t count, 
   streams_.note_reduction();
 }
 
-void CudaReducer::reduce_scale(void* dst, const void* a, const void* b, size_t count,
-                               DType dtype, ReduceOp op, double factor) {
+void CudaReducer::reduce_scale(void* dst, const void* a, const void* b, size_t count, DType dtype,
+                               ReduceOp op, double factor) {
   if (count == 0) return;
   launch_reduce_scale(dst, a, b, count, dtype, op, factor, streams_.reduction());
   streams_.note_reduction();

@@ -16,8 +16,8 @@ class CudaReducer final : public Reducer {
 
   void reduce(void* dst, const void* a, const void* b, size_t count, DType dtype,
               ReduceOp op) override;
-  void reduce_scale(void* dst, const void* a, const void* b, size_t count, DType dtype,
-                    ReduceOp op, double factor) override;
+  void reduce_scale(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op,
+                    double factor) override;
   void scale(void* dst, size_t count, DType dtype, double factor) override;
   void copy(void* dst, const void* src, size_t bytes) override;
   void to_wire(void* dst, const float* src, size_t count, DType wire) override;

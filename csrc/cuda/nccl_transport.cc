@@ -87,8 +87,7 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int d
 }
 
 NcclComm::NcclComm(NcclComm& parent, const char* name)
-    : rank_(parent.rank_), size_(parent.size_), device_(parent.device_),
-      timeout_(parent.timeout_) {
+    : rank_(parent.rank_), size_(parent.size_), device_(parent.device_), timeout_(parent.timeout_) {
   DeviceScope scope(device_);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;    // like the parent: we poll (and can abort)
@@ -135,8 +134,8 @@ NcclComm::NcclComm(NcclComm& parent, const char* name)
       }
     }
     if (err.empty() && Clock::now() > deadline) {
-      err = "ncclCommSplit did not finish within the timeout of " + ms_str(timeout_) +
-            " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+      err = "ncclCommSplit did not finish within the timeout of " + ms_str(timeout_) + " (rank " +
+            std::to_string(rank_) + " of " + std::to_string(size_) +
             "; a peer may be dead or not creating the communicator)";
     }
     if (!err.empty()) split_failed(err);
@@ -241,8 +240,8 @@ void NcclComm::host_wait(cudaEvent_t ev, const char* what) {
     check_async(what);
     if (Clock::now() > deadline) {
       fail(std::string(what) + " did not complete on the GPU within the timeout of " +
-           ms_str(timeout_) + " (rank " + std::to_string(rank_) + " of " +
-           std::to_string(size_) + "; a peer may be dead or not calling the same operation)");
+           ms_str(timeout_) + " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+           "; a peer may be dead or not calling the same operation)");
     }
     backoff(spins);
   }
@@ -343,8 +342,7 @@ Handle NcclTransport::reduce_scatter(const void* in, void* out, size_t recv_coun
                                      ReduceOp op) {
   return enqueue("ncclReduceScatter", [&](ncclComm_t c, cudaStream_t s) {
     if (recv_count == 0) return;
-    PYCOMM_NCCL_CHECK(
-        ncclReduceScatter(in, out, recv_count, to_nccl(dtype), to_nccl(op), c, s), c);
+    PYCOMM_NCCL_CHECK(ncclReduceScatter(in, out, recv_count, to_nccl(dtype), to_nccl(op), c, s), c);
   });
 }
 

@@ -107,7 +107,7 @@ class NcclComm {
   std::string abort_reason() const;
 
  private:
-  void throw_if_aborted() const;  // mu_ held
+  void throw_if_aborted() const;                   // mu_ held
   [[noreturn]] void fail(const std::string& msg);  // abort + throw CommError
 
   int rank_, size_, device_;

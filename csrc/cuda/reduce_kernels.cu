@@ -22,8 +22,8 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kUnroll = 4;        // packs in flight per thread and operand
-constexpr int kBlocksPerSM = 4;   // 4 x 512 threads = 2048 = a full H100 SM
+constexpr int kUnroll = 4;       // packs in flight per thread and operand
+constexpr int kBlocksPerSM = 4;  // 4 x 512 threads = 2048 = a full H100 SM
 
 template <class T>
 struct alignas(16) Pack {
@@ -128,7 +128,8 @@ void launch(T* dst, const T* a, const T* b, size_t count, F f, cudaStream_t stre
   const size_t max_blocks = static_cast<size_t>(sm_count()) * kBlocksPerSM;
   const unsigned blocks = static_cast<unsigned>(
       std::max<size_t>(1, std::min(max_blocks, (work + kThreads - 1) / kThreads)));
-  elementwise_kernel<T, F, kBinary><<<blocks, kThreads, 0, stream>>>(dst, a, b, head, npacks, count, f);
+  elementwise_kernel<T, F, kBinary>
+      <<<blocks, kThreads, 0, stream>>>(dst, a, b, head, npacks, count, f);
   PYCOMM_CUDA_CHECK_LAUNCH();
 }
 
@@ -180,7 +181,8 @@ __global__ void __launch_bounds__(kThreads)
 
 unsigned grid_for(size_t n) {
   const size_t max_blocks = static_cast<size_t>(sm_count()) * kBlocksPerSM;
-  return static_cast<unsigned>(std::max<size_t>(1, std::min(max_blocks, (n + kThreads - 1) / kThreads)));
+  return static_cast<unsigned>(
+      std::max<size_t>(1, std::min(max_blocks, (n + kThreads - 1) / kThreads)));
 }
 
 // Calls f(W{}) with the 16-bit storage type of a wire dtype.
@@ -211,8 +213,8 @@ void launch_from_wire(float* dst, const void* src, size_t count, DType wire, cud
   if (count == 0) return;
   dispatch_wire(wire, [&](auto tag) {
     using W = decltype(tag);
-    from_wire_kernel<W><<<grid_for(count), kThreads, 0, stream>>>(dst, static_cast<const W*>(src),
-                                                                  count);
+    from_wire_kernel<W>
+        <<<grid_for(count), kThreads, 0, stream>>>(dst, static_cast<const W*>(src), count);
     PYCOMM_CUDA_CHECK_LAUNCH();
   });
 }
@@ -223,16 +225,16 @@ void launch_reduce_wire(float* dst, const float* a, const void* b, size_t count,
   dispatch_wire(wire, [&](auto tag) {
     using W = decltype(tag);
     dispatch_op(op, [&](auto fn) {
-      reduce_wire_kernel<W, decltype(fn)><<<grid_for(count), kThreads, 0, stream>>>(
-          dst, a, static_cast<const W*>(b), count, fn);
+      reduce_wire_kernel<W, decltype(fn)>
+          <<<grid_for(count), kThreads, 0, stream>>>(dst, a, static_cast<const W*>(b), count, fn);
       PYCOMM_CUDA_CHECK_LAUNCH();
       return 0;
     });
   });
 }
 
-void launch_reduce(void* dst, const void* a, const void* b, size_t count, DType dtype,
-                   ReduceOp op, cudaStream_t stream) {
+void launch_reduce(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op,
+                   cudaStream_t stream) {
   reduce_impl<false>(dst, a, b, count, dtype, op, 1.0, stream);
 }
 

@@ -14,8 +14,8 @@ namespace cuda {
 
 // dst[i] = op(a[i], b[i]) for i < count, enqueued on `stream`. dst may alias a
 // or b exactly (not partially). AVG combines as SUM.
-void launch_reduce(void* dst, const void* a, const void* b, size_t count, DType dtype,
-                   ReduceOp op, cudaStream_t stream);
+void launch_reduce(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op,
+                   cudaStream_t stream);
 
 // dst[i] = scale(op(a[i], b[i]), factor): the last reduce-scatter step of AVG
 // fused into one pass. Bitwise equal to launch_reduce followed by launch_scale

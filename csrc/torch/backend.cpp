@@ -224,11 +224,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
   at::Tensor buf = contiguous_buffer(t);
   Finish finish;
   if (!buf.is_same(t)) finish = [t, buf] { copy_back(t, buf); };
-  return launch(c10d::OpType::ALLREDUCE, kOp, opts.asyncOp, {t},
-                [this, buf, rop](bool async_op) {
-                  return comm_->all_reduce(buf, rop, algo_, async_op);
-                },
-                std::move(finish));
+  return launch(
+      c10d::OpType::ALLREDUCE, kOp, opts.asyncOp, {t},
+      [this, buf, rop](bool async_op) { return comm_->all_reduce(buf, rop, algo_, async_op); },
+      std::move(finish));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
@@ -245,11 +244,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
   // One all_reduce over a flat copy of all tensors, copied back on completion.
   at::Tensor flat = flatten(tensors);
   std::vector<at::Tensor> list = tensors;
-  return launch(c10d::OpType::ALLREDUCE_COALESCED, kOp, opts.asyncOp, list,
-                [this, flat, rop](bool async_op) {
-                  return comm_->all_reduce(flat, rop, algo_, async_op);
-                },
-                [list, flat] { unflatten(list, flat); });
+  return launch(
+      c10d::OpType::ALLREDUCE_COALESCED, kOp, opts.asyncOp, list,
+      [this, flat, rop](bool async_op) { return comm_->all_reduce(flat, rop, algo_, async_op); },
+      [list, flat] { unflatten(list, flat); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(std::vector<at::Tensor>& tensors,
@@ -263,11 +261,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(std::vector<at::Ten
   Finish finish;
   if (!buf.is_same(t)) finish = [t, buf] { copy_back(t, buf); };
   const int src = static_cast<int>(opts.rootRank);
-  return launch(c10d::OpType::BROADCAST, kOp, opts.asyncOp, {t},
-                [this, buf, src](bool async_op) {
-                  return comm_->broadcast(buf, src, "auto", async_op);
-                },
-                std::move(finish));
+  return launch(
+      c10d::OpType::BROADCAST, kOp, opts.asyncOp, {t},
+      [this, buf, src](bool async_op) { return comm_->broadcast(buf, src, "auto", async_op); },
+      std::move(finish));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
@@ -284,11 +281,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
   // Gathered into one flat staging buffer, then copied out to the list.
   at::Tensor flat = at::empty({in.numel() * size_}, in.options());
   at::Tensor src = contiguous_buffer(in);
-  return launch(c10d::OpType::ALLGATHER, kOp, opts.asyncOp, outs,
-                [this, flat, src](bool async_op) {
-                  return comm_->all_gather(flat, src, "auto", async_op);
-                },
-                [outs, flat] { unflatten(outs, flat); });
+  return launch(
+      c10d::OpType::ALLGATHER, kOp, opts.asyncOp, outs,
+      [this, flat, src](bool async_op) { return comm_->all_gather(flat, src, "auto", async_op); },
+      [outs, flat] { unflatten(outs, flat); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
@@ -301,11 +297,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
   at::Tensor src = contiguous_buffer(input);
   Finish finish;
   if (!buf.is_same(out)) finish = [out, buf] { copy_back(out, buf); };
-  return launch(c10d::OpType::_ALLGATHER_BASE, kOp, opts.asyncOp, {out},
-                [this, buf, src](bool async_op) {
-                  return comm_->all_gather(buf, src, "auto", async_op);
-                },
-                std::move(finish));
+  return launch(
+      c10d::OpType::_ALLGATHER_BASE, kOp, opts.asyncOp, {out},
+      [this, buf, src](bool async_op) { return comm_->all_gather(buf, src, "auto", async_op); },
+      std::move(finish));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
@@ -324,11 +319,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
   at::Tensor buf = contiguous_buffer(out);
   Finish finish;
   if (!buf.is_same(out)) finish = [out, buf] { copy_back(out, buf); };
-  return launch(c10d::OpType::REDUCE_SCATTER, kOp, opts.asyncOp, {out},
-                [this, buf, flat, rop](bool async_op) {
-                  return comm_->reduce_scatter(buf, flat, rop, "auto", async_op);
-                },
-                std::move(finish));
+  return launch(
+      c10d::OpType::REDUCE_SCATTER, kOp, opts.asyncOp, {out},
+      [this, buf, flat, rop](bool async_op) {
+        return comm_->reduce_scatter(buf, flat, rop, "auto", async_op);
+      },
+      std::move(finish));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
@@ -342,16 +338,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
   at::Tensor src = contiguous_buffer(input);
   Finish finish;
   if (!buf.is_same(out)) finish = [out, buf] { copy_back(out, buf); };
-  return launch(c10d::OpType::_REDUCE_SCATTER_BASE, kOp, opts.asyncOp, {out},
-                [this, buf, src, rop](bool async_op) {
-                  return comm_->reduce_scatter(buf, src, rop, "auto", async_op);
-                },
-                std::move(finish));
+  return launch(
+      c10d::OpType::_REDUCE_SCATTER_BASE, kOp, opts.asyncOp, {out},
+      [this, buf, src, rop](bool async_op) {
+        return comm_->reduce_scatter(buf, src, rop, "auto", async_op);
+      },
+      std::move(finish));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOptions& opts) {
-  return launch(c10d::OpType::BARRIER, "barrier", opts.asyncOp, {},
-                [this](bool async_op) { return comm_->barrier(async_op); }, nullptr);
+  return launch(
+      c10d::OpType::BARRIER, "barrier", opts.asyncOp, {},
+      [this](bool async_op) { return comm_->barrier(async_op); }, nullptr);
 }
 
 // ---------------------------------------------------------------- point to point
@@ -380,12 +378,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::p2p(c10d::OpType type, const 
   Finish finish;
   if (!is_send && !buf.is_same(t)) finish = [t, buf] { copy_back(t, buf); };
   // Always asynchronous: the send/recv of c10d returns a Work to wait on.
-  return launch(type, op, /*async_op=*/true, {t},
-                [this, buf, peer, is_send](bool async_op) {
-                  return is_send ? comm_->send(buf, peer, async_op)
-                                 : comm_->recv(buf, peer, async_op);
-                },
-                std::move(finish));
+  return launch(
+      type, op, /*async_op=*/true, {t},
+      [this, buf, peer, is_send](bool async_op) {
+        return is_send ? comm_->send(buf, peer, async_op) : comm_->recv(buf, peer, async_op);
+      },
+      std::move(finish));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::send(std::vector<at::Tensor>& tensors, int dst,
@@ -432,8 +430,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::endCoalescing() {
           for (const auto& c : items) c.future->setError(std::current_exception());
           throw;
         }
-        for (const auto& c : items) c.future->markCompleted(c10::IValue(std::vector<at::Tensor>{
-            c.user.defined() ? c.user : c.req.tensor}));
+        for (const auto& c : items)
+          c.future->markCompleted(
+              c10::IValue(std::vector<at::Tensor>{c.user.defined() ? c.user : c.req.tensor}));
         return c10::IValue(outputs);
       },
       tensor_list_type());

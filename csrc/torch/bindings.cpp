@@ -1,5 +1,6 @@
 // The Python module pycomm._C: a short table, GIL released around every call
-// that can block. Argument checks live in comm.cpp; algorithms in csrc/core.
+// that can block. Argument checks live in comm.cpp; algorithms in csrc/core;
+// C++ exceptions become Python ones in the translator below, nowhere else.
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
@@ -65,7 +66,8 @@ void cpu_reduce_(at::Tensor dst, const at::Tensor& src, int op) {
 }
 
 void cpu_scale_(at::Tensor dst, double factor) {
-  TORCH_CHECK_VALUE(dst.device().is_cpu() && dst.is_contiguous(), "scale_: contiguous CPU tensor only");
+  TORCH_CHECK_VALUE(dst.device().is_cpu() && dst.is_contiguous(),
+                    "scale_: contiguous CPU tensor only");
   const auto dt = pycomm::to_dtype(dst.scalar_type(), "dst");
   TORCH_CHECK_VALUE(pycomm::is_floating(dt), "scale_: floating dtype only");
   py::gil_scoped_release nogil;
@@ -77,6 +79,11 @@ void cpu_scale_(at::Tensor dst, double factor) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pycomm C++ core: ring collectives over pluggable transports";
 
+  // The one place where pycomm's C++ exceptions become Python exceptions.
+  // C++ code (checks, the core, the workers) throws only C++ types, often
+  // with the GIL released; pybind11 calls this translator with the GIL held.
+  // Anything else keeps pybind11's / torch's default mapping
+  // (std::runtime_error -> RuntimeError, c10::ValueError -> ValueError, ...).
   static py::exception<pycomm::CommError> comm_error(m, "CommError", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -85,6 +92,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::set_error(comm_error, e.what());
     } catch (const pycomm::UsageError& e) {
       py::set_error(PyExc_ValueError, e.what());
+    } catch (const pycomm::UsageTypeError& e) {
+      py::set_error(PyExc_TypeError, e.what());
     }
   });
 

@@ -1,14 +1,10 @@
 #include "comm.h"
 
-#include <pybind11/pybind11.h>
-
 #include <unistd.h>
 
 #include <cstdlib>
 #include <limits>
 #include <sstream>
-
-namespace py = pybind11;
 
 namespace pycomm {
 
@@ -56,7 +52,7 @@ DType to_dtype(at::ScalarType t, const char* arg) {
   std::ostringstream msg;
   msg << arg << " has unsupported dtype " << c10::toString(t)
       << "; pycomm supports float32, float64, float16, bfloat16, int32, int64, uint8, int8";
-  throw py::type_error(msg.str());
+  throw UsageTypeError(msg.str());
 }
 
 std::string join_msg(std::initializer_list<std::string> parts) {
@@ -88,16 +84,16 @@ void Comm::check_tensor(const at::Tensor& t, const char* arg, const char* op) co
 }
 
 void check_tensor(const at::Tensor& t, const char* arg, const char* op, const std::string& device) {
-  if (!t.defined()) throw py::value_error(join_msg({op, ": ", arg, " is an undefined tensor"}));
-  if (t.is_sparse()) throw py::value_error(join_msg({op, ": ", arg, " must be a dense tensor"}));
+  if (!t.defined()) throw UsageError(join_msg({op, ": ", arg, " is an undefined tensor"}));
+  if (t.is_sparse()) throw UsageError(join_msg({op, ": ", arg, " must be a dense tensor"}));
   to_dtype(t.scalar_type(), arg);
   const std::string dev = t.device().str();
   if (t.device().type() != c10::Device(device).type()) {
-    throw py::value_error(join_msg({op, ": ", arg, " is on ", dev,
-                                    " but the communicator runs on ", device}));
+    throw UsageError(join_msg({op, ": ", arg, " is on ", dev,
+                               " but the communicator runs on ", device}));
   }
   if (!t.is_contiguous()) {
-    throw py::value_error(join_msg(
+    throw UsageError(join_msg(
         {op, ": ", arg, " must be contiguous (pass t.contiguous() and copy the result back)"}));
   }
 }
@@ -110,19 +106,19 @@ void check_peer(int peer, const char* arg, const char* op, int rank, int size, b
   if (peer < 0 || peer >= size) {
     std::ostringstream msg;
     msg << op << ": " << arg << "=" << peer << " is out of range for world_size " << size;
-    throw py::value_error(msg.str());
+    throw UsageError(msg.str());
   }
   if (!allow_self && peer == rank) {
     std::ostringstream msg;
     msg << op << ": " << arg << "=" << peer << " is this rank; point-to-point needs another rank";
-    throw py::value_error(msg.str());
+    throw UsageError(msg.str());
   }
 }
 
 void check_scatter_sizes(const at::Tensor& big, const char* big_arg, const at::Tensor& small,
                          const char* small_arg, int world_size, const char* op) {
   if (big.scalar_type() != small.scalar_type()) {
-    throw py::type_error(join_msg({op, ": ", big_arg, " dtype ", c10::toString(big.scalar_type()),
+    throw UsageTypeError(join_msg({op, ": ", big_arg, " dtype ", c10::toString(big.scalar_type()),
                                    " differs from ", small_arg, " dtype ",
                                    c10::toString(small.scalar_type())}));
   }
@@ -131,18 +127,18 @@ void check_scatter_sizes(const at::Tensor& big, const char* big_arg, const at::T
     msg << op << ": " << big_arg << " must have world_size * " << small_arg
         << ".numel() = " << world_size << " * " << small.numel() << " elements, got "
         << big.numel();
-    throw py::value_error(msg.str());
+    throw UsageError(msg.str());
   }
 }
 
 ReduceOp to_op(int op, DType dtype, const char* opname) {
   if (op < 0 || op >= kNumReduceOps) {
-    throw py::value_error(join_msg({opname, ": unknown reduce op ", std::to_string(op)}));
+    throw UsageError(join_msg({opname, ": unknown reduce op ", std::to_string(op)}));
   }
   const ReduceOp r = static_cast<ReduceOp>(op);
   if (r == ReduceOp::kAvg && !is_floating(dtype)) {
-    throw py::value_error(join_msg({opname, ": ReduceOp.AVG needs a floating dtype, got ",
-                                    dtype_name(dtype), " (use SUM and divide)"}));
+    throw UsageError(join_msg({opname, ": ReduceOp.AVG needs a floating dtype, got ",
+                               dtype_name(dtype), " (use SUM and divide)"}));
   }
   return r;
 }
@@ -165,14 +161,14 @@ std::optional<DType> to_wire_dtype(int wire_dtype, DType tensor_dtype, const cha
 std::string Comm::algo_for(const std::string& algo, const char* op) const {
   if (algo == "auto" || algo == "ring") return "ring";
   if (algo == "nccl") {
-    throw py::value_error(join_msg(
+    throw UsageError(join_msg(
         {op, ": algo='nccl' needs a CUDA communicator (transport='nccl'); this one runs on ",
          options_.device, " over ", transport_name_}));
   }
   if (algo == "direct") {
-    throw py::value_error(join_msg({op, ": algo='direct' is only implemented for all_reduce"}));
+    throw UsageError(join_msg({op, ": algo='direct' is only implemented for all_reduce"}));
   }
-  throw py::value_error(join_msg(
+  throw UsageError(join_msg(
       {op, ": unknown algo '", algo, "' (expected 'auto', 'ring', 'direct' or 'nccl')"}));
 }
 
@@ -192,8 +188,8 @@ std::string Comm::all_reduce_algo(const std::string& algo, size_t bytes, bool wi
   }
   if (algo == "direct") {
     if (!has_shared_buffers_) {
-      throw py::value_error(join_msg({"all_reduce: algo='direct' needs transport='shm', this "
-                                      "communicator uses ", transport_name_}));
+      throw UsageError(join_msg({"all_reduce: algo='direct' needs transport='shm', this "
+                                 "communicator uses ", transport_name_}));
     }
     return "direct";
   }
@@ -210,8 +206,8 @@ Comm::Comm(std::unique_ptr<Transport> transport, CommOptions options)
       size_(transport_->world_size()),
       transport_name_(transport_->name()),
       pid_(static_cast<long>(::getpid())) {
-  if (options_.slice_bytes < 64) throw py::value_error("slice_bytes must be at least 64");
-  if (options_.timeout_ms <= 0) throw py::value_error("timeout must be positive");
+  if (options_.slice_bytes < 64) throw UsageError("slice_bytes must be at least 64");
+  if (options_.timeout_ms <= 0) throw UsageError("timeout must be positive");
   transport_->set_timeout(std::chrono::milliseconds(options_.timeout_ms));
   scratch_.resize(2 * static_cast<size_t>(options_.slice_bytes) + 64);
   has_shared_buffers_ = transport_->shared_buffers() != nullptr;

@@ -163,11 +163,12 @@ class Comm {
   size_t direct_max_bytes_ = 0;
 };
 
-// at::ScalarType -> DType; throws TypeError-mapped exception for the rest.
+// at::ScalarType -> DType; throws UsageTypeError (-> TypeError) for the rest.
 DType to_dtype(at::ScalarType t, const char* arg);
 
-// Argument checks shared by Comm and CudaComm (cuda_comm.cpp); they throw the
-// pybind11 exceptions that become TypeError / ValueError.
+// Argument checks shared by Comm and CudaComm (cuda_comm.cpp). They throw
+// UsageError (-> ValueError) / UsageTypeError (-> TypeError): plain C++
+// exceptions, safe without the GIL, translated in bindings.cpp.
 std::string join_msg(std::initializer_list<std::string> parts);
 void check_tensor(const at::Tensor& t, const char* arg, const char* op, const std::string& device);
 void check_peer(int peer, const char* arg, const char* op, int rank, int size, bool allow_self);

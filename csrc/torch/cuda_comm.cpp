@@ -117,8 +117,8 @@ class CudaComm {
         size_(world_size),
         device_(device),
         table_(std::move(table)) {
-    if (options_.slice_bytes < 64) throw py::value_error("slice_bytes must be at least 64");
-    if (options_.timeout_ms <= 0) throw py::value_error("timeout must be positive");
+    if (options_.slice_bytes < 64) throw UsageError("slice_bytes must be at least 64");
+    if (options_.timeout_ms <= 0) throw UsageError("timeout must be positive");
     options_.device = "cuda:" + std::to_string(device);
     const auto timeout = std::chrono::milliseconds(options_.timeout_ms);
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
@@ -300,7 +300,7 @@ class CudaComm {
 
   // Blocks the host until every rank has entered (like ProcessGroupNCCL).
   void barrier() {
-    if (capturing()) throw py::value_error("barrier: not allowed during CUDA graph capture");
+    if (capturing()) throw UsageError("barrier: not allowed during CUDA graph capture");
     auto w = launch("barrier", {}, {},
                     [](const Context& ctx, cuda::NcclTransport&) { dissemination_barrier(ctx); },
                     /*async_op=*/true);
@@ -396,15 +396,15 @@ class CudaComm {
   void check_cuda_tensor(const at::Tensor& t, const char* arg, const char* op) const {
     check_tensor(t, arg, op, options_.device);
     if (t.device().index() != device_) {
-      throw py::value_error(join_msg({op, ": ", arg, " is on ", t.device().str(),
-                                      " but the communicator runs on ", options_.device}));
+      throw UsageError(join_msg({op, ": ", arg, " is on ", t.device().str(),
+                                 " but the communicator runs on ", options_.device}));
     }
   }
 
   std::string pick(const std::string& algo, const char* op, size_t bytes) const {
     if (algo == "ring" || algo == "nccl") return algo;
     if (algo != "auto") {
-      throw py::value_error(
+      throw UsageError(
           join_msg({op, ": unknown algo '", algo, "' (expected 'auto', 'ring' or 'nccl')"}));
     }
     auto it = table_.find(op);

@@ -25,7 +25,8 @@ ProcessGroupTransport::~ProcessGroupTransport() {
 
 Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
   std::lock_guard<std::mutex> lk(mu_);
-  if (aborted_) throw CommError("gloo transport was aborted (by an earlier error or Communicator.abort())");
+  if (aborted_)
+    throw CommError("gloo transport was aborted (by an earlier error or Communicator.abort())");
   const Handle h = next_++;
   Pending& p = pending_[h];  // references into an unordered_map stay valid
   for (size_t i = 0; i < n; ++i) {
@@ -34,12 +35,13 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
     std::vector<at::Tensor> t{at::from_blob(op.buf, {static_cast<int64_t>(op.bytes)},
                                             at::TensorOptions().dtype(at::kByte))};
     try {
-      p.works.push_back(op.kind == P2POp::kSend ? backend_->send(t, op.peer, kTagBase + op.channel)
-                                                : backend_->recv(t, op.peer, kTagBase + op.channel));
+      p.works.push_back(op.kind == P2POp::kSend
+                            ? backend_->send(t, op.peer, kTagBase + op.channel)
+                            : backend_->recv(t, op.peer, kTagBase + op.channel));
     } catch (const std::exception& e) {
       std::ostringstream msg;
-      msg << "gloo " << (op.kind == P2POp::kSend ? "send to" : "recv from") << " rank "
-          << op.peer << " failed to start: " << e.what();
+      msg << "gloo " << (op.kind == P2POp::kSend ? "send to" : "recv from") << " rank " << op.peer
+          << " failed to start: " << e.what();
       throw CommError(msg.str());
     }
     p.peers.push_back(op.peer);

@@ -14,8 +14,8 @@ factor, data, expected result, runners), ``runner`` (the per-rank harness),
 
 from __future__ import annotations
 
-from .collectives import busbw_factor, count_wrong, expected_result
 from .cli import parse_size, size_sweep
+from .collectives import busbw_factor, count_wrong, expected_result
 from .model import fit_alpha_beta, ring_allreduce_time
 
 __all__ = [

@@ -197,7 +197,7 @@ class Buffers:
 
     tensors: dict[str, torch.Tensor]
     result: torch.Tensor
-    reset: Callable[[], None]
+    reset: Callable[[], object]  # return value ignored (e.g. Tensor.copy_)
 
 
 def make_buffers(collective: str, in_place: bool, rank: int, world_size: int, count: int,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -130,7 +129,7 @@ def _spawn(args: Any, nproc: int) -> int:
         for p in procs:
             p.join(5)
             if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+                p.kill()  # SIGKILL
                 p.join()
     tracebacks = [(r, open(errs[r]).read()) for r in range(nproc) if os.path.exists(errs[r])]
     shutil.rmtree(tmp, ignore_errors=True)

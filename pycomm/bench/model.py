@@ -209,8 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pycomm.bench model RESULTS.json [--worlds ...] [--sizes ...]``."""
     from .report import load_json
 
-    p = argparse.ArgumentParser(prog="python -m pycomm.bench model",
-                                description="Fit alpha and beta to all-reduce results; predict larger worlds.")
+    p = argparse.ArgumentParser(
+        prog="python -m pycomm.bench model",
+        description="Fit alpha and beta to all-reduce results; predict larger worlds.")
     p.add_argument("results", help="a --json file of `python -m pycomm.bench allreduce`")
     p.add_argument("--worlds", type=_int_list, default=list(DEFAULT_WORLDS), help="comma-separated ranks")
     p.add_argument("--sizes", type=_size_list, default=[parse_size(s) for s in DEFAULT_SIZES],

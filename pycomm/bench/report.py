@@ -58,7 +58,8 @@ def format_row(rows: Sequence[dict[str, Any] | None]) -> str:
     """One line for one size: the shared columns from the first row, then
     one group per entry of ``rows`` (None prints N/A)."""
     first = next(r for r in rows if r is not None)
-    line = (f"{first['size']:12d}  {first['count']:12d}  {_DTYPE_NAMES.get(first['dtype'], first['dtype']):>8}"
+    dtype = _DTYPE_NAMES.get(first["dtype"], first["dtype"])
+    line = (f"{first['size']:12d}  {first['count']:12d}  {dtype:>8}"
             f"  {first['op']:>6}  {first['root']:6d}")
     for r in rows:
         if r is None:

@@ -17,6 +17,7 @@ Schedules are data (per-rank action lists, :mod:`pycomm.pipeline._actions`);
 ``python -m pycomm.pipeline.show 1f1b --stages 4 --microbatches 8`` draws one.
 """
 
+from .mesh import pipeline_data_groups
 from .schedules import (
     PipelineSchedule,
     Schedule1F1B,
@@ -24,7 +25,6 @@ from .schedules import (
     ScheduleInterleaved1F1B,
     split_microbatches,
 )
-from .mesh import pipeline_data_groups
 from .split import balance_by_time, split_sequential
 from .stage import PipelineStage
 
