@@ -128,7 +128,7 @@ def _create_backend(dist_opts: Any, pg_options: Any) -> Any:
         world_size=dist_opts.group_size,
         store=dist_opts.store,  # torch's store, already prefixed per group and device
         key_prefix="pycomm",
-        transport=opts.transport,
+        transport=opts.transport or "auto",  # resolved() filled it in
         device="cpu",
         timeout=opts.timeout if opts.timeout is not None else dist_opts.timeout,
         check=opts.check,

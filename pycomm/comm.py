@@ -16,7 +16,7 @@ import threading
 import uuid
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, Union, overload
 
 import torch
 import torch.distributed as dist
@@ -222,6 +222,19 @@ class Communicator:
         )
 
     # -- collectives -----------------------------------------------------
+    # The overloads tell type checkers that async_op=True always gives a Work.
+    @overload
+    def all_reduce(
+        self, tensor: torch.Tensor, op: OpLike = ..., algo: str = ...,
+        *, async_op: Literal[True], wire_dtype: torch.dtype | str | None = ...,
+    ) -> Work: ...
+
+    @overload
+    def all_reduce(
+        self, tensor: torch.Tensor, op: OpLike = ..., algo: str = ...,
+        async_op: bool = ..., wire_dtype: torch.dtype | str | None = ...,
+    ) -> Work | None: ...
+
     def all_reduce(
         self, tensor: torch.Tensor, op: OpLike = ReduceOp.SUM, algo: str = "auto",
         async_op: bool = False, wire_dtype: torch.dtype | str | None = None,

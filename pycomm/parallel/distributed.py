@@ -310,7 +310,7 @@ class DistributedDataParallel(nn.Module):
         self._late: list[int] = []  # treated as unused, then got a gradient
         self._unused_now: list[int] = []
         if self._rebuild_pending:
-            self._ready_order = []
+            self._ready_order: list[int] = []
         self._next_bucket = 0
         self._inflight: list[_InFlight] = []
         self._t_first = 0.0
@@ -454,6 +454,7 @@ class DistributedDataParallel(nn.Module):
 
     def _wait(self, record: _InFlight, index: int) -> None:
         """Waits for a launched bucket; its reduced gradients end up in its buffer."""
+        assert record.timed is not None  # set by _launch
         if record.work is not None:
             if record.buffer.device.type == "cpu":
                 record.timed.wait()
@@ -462,6 +463,7 @@ class DistributedDataParallel(nn.Module):
                 record.buffer.mul_(record.post_scale)
             return
         record.timed.wait()
+        assert record.future is not None  # a comm hook's launch sets it
         value = record.future.wait()
         if isinstance(value, (list, tuple)) and len(value) == 1:
             value = value[0]
@@ -751,6 +753,7 @@ class DistributedDataParallel(nn.Module):
             self.require_forward_param_sync = self._shadow_sync
             if self._shadow_sync:
                 self._shadow_backward()
+        assert self._join is not None  # inside join()
         src = max(self._join.last_active) if self._join.last_active else 0
         broadcast_coalesced(self.comm, self._params + self._module_buffers, src=src)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 __all__ = ["GradBucket"]
@@ -29,8 +31,8 @@ class GradBucket:
         ...     return fut
     """
 
-    def __init__(self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor],
-                 parameters: list[torch.Tensor], is_last: bool) -> None:
+    def __init__(self, index: int, buffer: torch.Tensor, gradients: Sequence[torch.Tensor],
+                 parameters: Sequence[torch.Tensor], is_last: bool) -> None:
         self._index = index
         self._buffer = buffer
         self._gradients = gradients
