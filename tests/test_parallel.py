@@ -297,6 +297,32 @@ def test_unused_parameter_without_find_unused_raises_everywhere(world_size, user
 
 # ---------------------------------------------------------------- buffers
 
+def _frozen_model(seed: int) -> nn.Module:
+    """An MLP whose first layer is frozen (requires_grad=False), as in fine-tuning."""
+    model = _mlp(seed)
+    model[0].requires_grad_(False)
+    return model
+
+
+def _frozen_case(comm):
+    n, r = comm.world_size, comm.rank
+    batches = _batches(n)
+    ours = _pycomm_ddp(comm, _frozen_model(200 + r))  # frozen weights differ per rank
+    theirs = _torch_ddp(comm, _frozen_model(200 + r))
+    # As torch's DDP: the constructor copies rank 0's parameters, frozen ones too.
+    _assert_same_params(ours.module, _frozen_model(200), "frozen layer after the constructor",
+                        rtol=0, atol=0)
+    _train(ours, batches, r)
+    _train(theirs, batches, r)
+    _assert_same_params(ours.module, _train(_frozen_model(200), batches), "vs full batch")
+    _assert_same_params(ours.module, theirs.module, "vs torch DDP")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_frozen_parameters_broadcast_from_rank0(world_size):
+    run_ranks(_frozen_case, world_size, "shm")
+
+
 def _bn_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))

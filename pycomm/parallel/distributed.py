@@ -245,8 +245,11 @@ class DistributedDataParallel(nn.Module):
                               str(local_error) if local_error else None)
         if local_error is not None:
             raise local_error
-        # As torch: broadcast_buffers=False keeps rank-local buffers, at init too.
-        synced = self._params + (self._module_buffers if self.broadcast_buffers else [])
+        # As torch: every parameter, frozen ones (requires_grad=False) too, so
+        # that all ranks compute with rank 0's model; broadcast_buffers=False
+        # keeps rank-local buffers, at init too.
+        synced = list(module.parameters()) + (
+            self._module_buffers if self.broadcast_buffers else [])
         broadcast_coalesced(comm, synced, src=0)
 
         n = len(self._params)
