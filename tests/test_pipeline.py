@@ -229,6 +229,42 @@ def test_tuple_outputs_masks_and_changing_shapes(world_size, schedule, m):
                 torch.testing.assert_close(g, want, **TOL, msg=f"step {step} stage {r}")
 
 
+class _Argmax(nn.Module):
+    def forward(self, x):
+        return x.argmax(dim=1)
+
+
+def _token_model() -> list[nn.Module]:
+    """Stage 0 hands only integer tokens to stage 1: no gradient flows back."""
+    torch.manual_seed(4)
+    return [nn.Sequential(nn.Linear(WIDTH, 4), _Argmax()),
+            nn.Sequential(nn.Embedding(4, WIDTH), nn.Linear(WIDTH, WIDTH))]
+
+
+def _token_step(comm, schedule: str, m: int, rows: int):
+    import pycomm.pipeline as pp
+
+    stage = pp.PipelineStage(_token_model()[comm.rank], comm.rank, 2, comm)
+    cls = pp.ScheduleGPipe if schedule == "gpipe" else pp.Schedule1F1B
+    x, y = _batch(rows)
+    sched = cls(stage, m, _loss)
+    sched.step(x) if stage.is_first else sched.step(target=y)
+    return [None if q.grad is None else q.grad.clone() for q in stage.submod.parameters()]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_integer_only_activations_send_no_gradient(schedule):
+    m, rows = 4, 10
+    per_rank = run_ranks(_token_step, 2, TRANSPORT, schedule, m, rows)
+    parts = _token_model()
+    x, y = _batch(rows)
+    torch.stack([_loss(parts[1](parts[0](a)), b)
+                 for a, b in zip(x.chunk(m), y.chunk(m))]).mean().backward()
+    assert per_rank[0] == [None, None]  # argmax: stage 0 gets no gradient, as in one process
+    for g, q in zip(per_rank[1], parts[1].parameters()):
+        torch.testing.assert_close(g, q.grad, **TOL)
+
+
 # ---------------------------------------------------------------- checkpointing
 
 def test_checkpoint_always_matches_one_process():

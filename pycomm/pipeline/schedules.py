@@ -170,8 +170,10 @@ class _Run:
         self.acts: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}   # produced (stage, mb)
         self.grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # produced input grads
         # received, not yet consumed: (stage, mb) -> (work, metas, buffers)
-        self.recv_acts: dict[tuple[int, int], tuple[Work, tuple[TensorMeta, ...], list]] = {}
-        self.recv_grads: dict[tuple[int, int], tuple[Work, list]] = {}
+        # (Work None: nothing to receive, e.g. no gradient for integer outputs)
+        self.recv_acts: dict[tuple[int, int],
+                             tuple[Work | None, tuple[TensorMeta, ...], list]] = {}
+        self.recv_grads: dict[tuple[int, int], tuple[Work | None, list]] = {}
         self.in_flight: list[tuple[Work, list]] = []  # sends: keep buffers alive
         self.losses: dict[int, torch.Tensor] = {}
         self.last_outputs: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -203,7 +205,7 @@ class _Run:
             inputs = as_tuple(self.inputs[a.microbatch], "step's inputs")
         elif key in self.recv_acts:
             work, metas, bufs = self.recv_acts.pop(key)
-            work.wait()
+            _wait_received(work)
             inputs = tuple(from_wire(b, m) for b, m in zip(bufs, metas))
         else:  # the previous stage is on this rank
             inputs = self.acts.pop((a.stage - 1, a.microbatch))
@@ -225,7 +227,7 @@ class _Run:
         if not stage.is_last:
             if key in self.recv_grads:
                 work, bufs = self.recv_grads.pop(key)
-                work.wait()
+                _wait_received(work)
                 grads = tuple(bufs)
             else:
                 grads = self.grads.pop((a.stage + 1, a.microbatch))
@@ -308,6 +310,13 @@ class _Run:
         if metas is None:
             metas = self.s._header_cache[key] = decode_header(header)
         return metas
+
+
+def _wait_received(work: Work | None) -> None:
+    """Waits for a receive; None when it carried no tensor (a stage whose
+    outputs are all integer gets no gradient back, so nothing was posted)."""
+    if work is not None:
+        work.wait()
 
 
 def _average_gradients(modules: list[torch.nn.Module], dp_comm: Communicator) -> None:
