@@ -32,6 +32,7 @@ from .comm import (
     is_initialized,
 )
 from . import backend
+from . import hooks  # DDP communication hooks (pycomm.hooks.allreduce_hook, ...)
 
 # torch.distributed.init_process_group(backend="pycomm") works after `import pycomm`.
 backend.register()
@@ -49,6 +50,7 @@ __all__ = [
     "broadcast",
     "close",
     "get_default",
+    "hooks",
     "init",
     "irecv",
     "is_initialized",
@@ -65,9 +67,10 @@ __version__ = "0.1.0"
 
 # Module-level twins acting on the default communicator (the last init()).
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, algo: str = "auto",
-               async_op: bool = False) -> Work | None:
+               async_op: bool = False, wire_dtype: Any = None) -> Work | None:
     """:meth:`Communicator.all_reduce` on the default communicator."""
-    return get_default().all_reduce(tensor, op=op, algo=algo, async_op=async_op)
+    return get_default().all_reduce(tensor, op=op, algo=algo, async_op=async_op,
+                                    wire_dtype=wire_dtype)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,

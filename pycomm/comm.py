@@ -112,6 +112,21 @@ def _to_op(op: Any) -> int:
     raise ValueError(f"unknown reduce op {op!r}; use pycomm.ReduceOp or a string like 'sum'")
 
 
+# The C++ DType codes of the wire dtypes (csrc/core/types.h).
+_WIRE_DTYPES = {torch.float16: 2, torch.bfloat16: 3}
+_WIRE_NAMES = {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _to_wire(wire_dtype: Any) -> int:
+    """all_reduce's wire_dtype -> the core's DType code."""
+    dt = _WIRE_NAMES.get(wire_dtype.lower()) if isinstance(wire_dtype, str) else wire_dtype
+    if not isinstance(dt, torch.dtype) or dt not in _WIRE_DTYPES:
+        raise ValueError(f"all_reduce: wire_dtype must be None, torch.float16 or torch.bfloat16 "
+                         f"(or 'float16' / 'bfloat16'), got {wire_dtype!r}")
+    return _WIRE_DTYPES[dt]
+
+
 @dataclass
 class P2POp:
     """One request of :meth:`Communicator.batch_isend_irecv`.
@@ -206,7 +221,7 @@ class Communicator:
     # -- collectives -----------------------------------------------------
     def all_reduce(
         self, tensor: torch.Tensor, op: OpLike = ReduceOp.SUM, algo: str = "auto",
-        async_op: bool = False,
+        async_op: bool = False, wire_dtype: torch.dtype | str | None = None,
     ) -> Work | None:
         """Reduces ``tensor`` across all ranks in place; every rank gets the
         bitwise-identical result.
@@ -219,13 +234,26 @@ class Communicator:
                 one or two synchronisations instead of 2(n-1) ring steps), or
                 "auto" (the fastest for the size and transport).
             async_op: return a :class:`Work` instead of waiting.
+            wire_dtype: ``None``, or ``torch.float16`` / ``torch.bfloat16``
+                (or the strings ``"float16"`` / ``"bfloat16"``) for a float32
+                ``tensor``: the ring then sends every step in that dtype and
+                accumulates in float32 (half the bytes; one rounding per ring
+                step). The owner of each chunk rounds its final value to the
+                wire dtype too, so every rank ends with the same bits:
+                ``wire(op over ranks)``. Ring only: ``algo="auto"`` takes the
+                ring, ``"direct"`` and ``"nccl"`` are refused. (The CUDA
+                kernels for it are compile-checked but have not run on a GPU.)
 
         Raises:
             TypeError: unsupported dtype. ValueError: wrong device,
-            non-contiguous tensor, unknown op/algo, AVG on integers.
+            non-contiguous tensor, unknown op/algo, AVG on integers, a
+            wire_dtype that is not float16/bfloat16, with a non-float32
+            tensor, or with algo "direct" / "nccl".
             CommError: the collective failed on this or a peer rank.
         """
-        return self._impl.all_reduce(tensor, _to_op(op), algo, async_op)
+        if wire_dtype is None:
+            return self._impl.all_reduce(tensor, _to_op(op), algo, async_op)
+        return self._impl.all_reduce(tensor, _to_op(op), algo, async_op, _to_wire(wire_dtype))
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: OpLike = ReduceOp.SUM,

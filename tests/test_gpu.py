@@ -571,3 +571,80 @@ def _ddp_matches_full_batch(comm, store, bucket_view, hook):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_matches_full_batch_over_nccl(world, bucket_view, hook):
     run_ranks(world, _ddp_matches_full_batch, bucket_view=bucket_view, hook=hook)
+# ---------------------------------------------------------------- wire dtype + DDP hooks (issue 12)
+
+def _wire_matches_cpu(comm, store):
+    """The CUDA wire-dtype ring runs the CPU's arithmetic in the CPU's order
+    (same slices): bitwise the result of a CPU communicator on the same data."""
+    import torch.distributed as dist
+
+    import pycomm
+
+    cpu = pycomm.init(rank=comm.rank, world_size=comm.world_size,
+                      store=dist.PrefixStore("cpu-wire", store), transport="gloo",
+                      slice_bytes=64 * 1024, set_default=False)
+    try:
+        for wire in (torch.float16, torch.bfloat16):
+            for op in ("sum", "avg", "max"):
+                for n in COUNTS:
+                    x = _inputs(comm.rank, torch.float32, n, op, 11)
+                    g = x.cuda()
+                    comm.all_reduce(g, op=op, algo="auto", wire_dtype=wire)
+                    c = x.clone()
+                    cpu.all_reduce(c, op=op, algo="ring", wire_dtype=wire)
+                    assert torch.equal(g.cpu(), c), (wire, op, n)
+        with pytest.raises(ValueError, match="nccl"):
+            comm.all_reduce(torch.ones(4, device="cuda"), algo="nccl", wire_dtype=torch.float16)
+    finally:
+        cpu.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_wire_dtype_all_reduce_bitwise_equals_cpu(world):
+    run_ranks(world, _wire_matches_cpu, slice_bytes=64 * 1024)
+
+
+def _ddp_hooks_over_nccl(comm, store):
+    """torch DDP on an NCCL group, each hook on the pycomm NCCL communicator,
+    against DDP without a hook; then a CPU model's bucket: a clear error."""
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from pycomm import hooks
+
+    dist.init_process_group("nccl", store=dist.PrefixStore("ddp-pg", store), rank=comm.rank,
+                            world_size=comm.world_size, device_id=torch.device("cuda:0"))
+    try:
+        def train(hook):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).cuda()
+            ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
+            if hook is not None:
+                ddp.register_comm_hook(comm, hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.2)
+            g = torch.Generator().manual_seed(comm.rank)
+            for _ in range(4):
+                x, y = torch.randn(6, 16, generator=g).cuda(), torch.randn(6, 4, generator=g).cuda()
+                opt.zero_grad()
+                nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+            return [p.detach().cpu() for p in model.parameters()]
+
+        plain = train(None)
+        for hook, tol in ((hooks.allreduce_hook, 1e-5), (hooks.fp16_compress_hook, 4e-4),
+                          (hooks.ring_fp16_hook, 4e-4), (hooks.ring_bf16_hook, 4e-3)):
+            got = train(hook)
+            diff = max((a - b).abs().max().item() for a, b in zip(got, plain))
+            assert diff < tol, (hook.__name__, diff)
+        # A CPU model's buckets with a CUDA communicator: ValueError at the first bucket.
+        cpu_model = nn.parallel.DistributedDataParallel(
+            nn.Linear(4, 4), process_group=dist.new_group(backend="gloo"))
+        cpu_model.register_comm_hook(comm, hooks.allreduce_hook)
+        with pytest.raises(Exception, match="bucket 0 is on cpu but the communicator runs on cuda"):
+            cpu_model(torch.randn(2, 4)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_hooks_over_nccl():
+    run_ranks(2, _ddp_hooks_over_nccl)

@@ -1,6 +1,7 @@
 #include "algorithms.h"
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 namespace pycomm {
@@ -128,6 +129,104 @@ void ring_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, 
   const Chunks chunks = Chunks::even(count, ctx.transport.world_size());
   ring_reduce_scatter(ctx, data, chunks, dtype, op);
   ring_all_gather(ctx, data, chunks, dtype_size(dtype));
+}
+
+namespace {
+
+// The four wire-dtype slots of ring_all_reduce_wire in ctx.scratch: item k
+// sends from send(k) and receives into recv(k). Two of each: item k+1 is
+// posted while item k is in flight, and slot k+1 % 2 was last used by item
+// k-1, already waited for.
+struct WireSlots {
+  char* base;
+  size_t slot_bytes;
+  void* send(size_t k) const { return base + (k % 2) * slot_bytes; }
+  void* recv(size_t k) const { return base + (2 + k % 2) * slot_bytes; }
+};
+
+WireSlots wire_slots(const Context& ctx, size_t per, DType wire) {
+  const size_t slot = per * dtype_size(wire);
+  if (ctx.scratch_bytes < 4 * slot) {
+    throw UsageError("ring_all_reduce_wire: scratch of " + std::to_string(ctx.scratch_bytes) +
+                     " bytes is smaller than 4 slots of " + std::to_string(slot));
+  }
+  return WireSlots{static_cast<char*>(ctx.scratch), slot};
+}
+
+}  // namespace
+
+void ring_all_reduce_wire(const Context& ctx, float* data, size_t count, DType wire,
+                          ReduceOp op) {
+  if (wire != DType::kFloat16 && wire != DType::kBFloat16) {
+    throw UsageError(std::string("wire dtype must be float16 or bfloat16, got ") +
+                     dtype_name(wire));
+  }
+  Transport& tr = ctx.transport;
+  Reducer& red = ctx.reducer;
+  const int n = tr.world_size();
+  const int r = tr.rank();
+  if (n == 1) return;
+  const int next = mod(r + 1, n), prev = mod(r - 1, n);
+  const size_t ws = dtype_size(wire);
+  const Chunks chunks = Chunks::even(count, n);
+  const size_t per = std::max<size_t>(1, ctx.slice_bytes / sizeof(float));  // elements per slice
+  const size_t slices = std::max<size_t>(1, ceil_div(max_chunk(chunks), per));
+  const size_t K = static_cast<size_t>(n - 1) * slices;
+  const WireSlots slot = wire_slots(ctx, per, wire);
+  auto at = [&](int c, const Slice& s) { return data + chunks.offset(c) + s.begin; };
+
+  // Reduce-scatter: the chunk schedule of ring_reduce_scatter. Posting item
+  // k rounds the float32 slice it sends into its send slot; finishing it adds
+  // the received wire slice into the float32 partial sum.
+  auto rs_post = [&](size_t k) {
+    const size_t s = k / slices, j = k % slices;
+    const int sc = mod(r - static_cast<int>(s) - 1, n), rc = mod(r - static_cast<int>(s) - 2, n);
+    const Slice ss = slice_of(chunks.length(sc), per, j);
+    const Slice rs = slice_of(chunks.length(rc), per, j);
+    red.to_wire(slot.send(k), at(sc, ss), ss.count, wire);
+    P2POp ops[2] = {
+        {P2POp::kSend, slot.send(k), ss.count * ws, next},
+        {P2POp::kRecv, slot.recv(k), rs.count * ws, prev},
+    };
+    return tr.post(ops, 2);
+  };
+  auto rs_finish = [&](size_t k) {
+    const size_t s = k / slices, j = k % slices;
+    const int rc = mod(r - static_cast<int>(s) - 2, n);
+    const Slice rs = slice_of(chunks.length(rc), per, j);
+    if (rs.count == 0) return;
+    float* dst = at(rc, rs);
+    red.reduce_wire(dst, dst, slot.recv(k), rs.count, wire, op);
+    if (op == ReduceOp::kAvg && s + 2 == static_cast<size_t>(n)) {
+      red.scale(dst, rs.count, DType::kFloat32, 1.0 / n);  // rc == r: final
+    }
+  };
+  pipeline(K, slices >= 2, tr, rs_post, rs_finish);
+
+  // All-gather: step 0 rounds this rank's final chunk to the wire dtype in
+  // place (so the owner holds exactly what the others receive) and sends it;
+  // later steps forward the chunk received at the previous step, whose
+  // float32 values are wire values, so rounding them again is exact.
+  auto ag_post = [&](size_t k) {
+    const size_t s = k / slices, j = k % slices;
+    const int sc = mod(r - static_cast<int>(s), n), rc = mod(r - static_cast<int>(s) - 1, n);
+    const Slice ss = slice_of(chunks.length(sc), per, j);
+    const Slice rs = slice_of(chunks.length(rc), per, j);
+    red.to_wire(slot.send(k), at(sc, ss), ss.count, wire);
+    if (s == 0) red.from_wire(at(sc, ss), slot.send(k), ss.count, wire);
+    P2POp ops[2] = {
+        {P2POp::kSend, slot.send(k), ss.count * ws, next},
+        {P2POp::kRecv, slot.recv(k), rs.count * ws, prev},
+    };
+    return tr.post(ops, 2);
+  };
+  auto ag_finish = [&](size_t k) {
+    const size_t s = k / slices, j = k % slices;
+    const int rc = mod(r - static_cast<int>(s) - 1, n);
+    const Slice rs = slice_of(chunks.length(rc), per, j);
+    red.from_wire(at(rc, rs), slot.recv(k), rs.count, wire);
+  };
+  pipeline(K, slices >= 2, tr, ag_post, ag_finish);
 }
 
 void chain_broadcast(const Context& ctx, void* data, size_t bytes, int root) {

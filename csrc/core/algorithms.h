@@ -49,6 +49,24 @@ void ring_all_gather(const Context& ctx, void* data, Chunks chunks, size_t elem_
 // a fixed order, and then copied).
 void ring_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op);
 
+// Ring all-reduce of float32 `data` whose traffic travels in the 16-bit
+// float dtype `wire` (kFloat16 or kBFloat16): half the bytes of the float32
+// ring, float32 accumulation.
+//
+//   reduce-scatter: each step rounds the outgoing partial sum to `wire`, and
+//     the receiver adds the widened value to its float32 partial sum, so the
+//     error grows with one rounding per step (n-1 per element), not with the
+//     number of additions done in 16 bits;
+//   all-gather: the owner rounds its final chunk to `wire` in place and sends
+//     it; receivers widen it (exact).
+//
+// Every rank therefore ends with the same bits: wire(op over ranks). AVG
+// scales the float32 sum by 1/n before that last rounding. world_size 1 sends
+// nothing and leaves `data` unrounded. Needs ctx.scratch_bytes >=
+// 4 * (slice_bytes / 4) * 2 (two send and two receive slots of a slice of
+// slice_bytes / 4 elements); throws UsageError for another `wire`.
+void ring_all_reduce_wire(const Context& ctx, float* data, size_t count, DType wire, ReduceOp op);
+
 // Pipelined chain broadcast of `bytes` bytes from `root`: root -> root+1 ->
 // ... in slices, each rank forwarding slice k while receiving slice k+1.
 void chain_broadcast(const Context& ctx, void* data, size_t bytes, int root);

@@ -34,6 +34,7 @@ std::string Fingerprint::str() const {
   if (dtype >= 0 && dtype < kNumDTypes) s << ", dtype=" << dtype_name(static_cast<DType>(dtype));
   if (op >= 0 && op < kNumReduceOps) s << ", op=" << op_name(static_cast<ReduceOp>(op));
   if (root >= 0) s << ", root=" << root;
+  if (wire >= 0 && wire < kNumDTypes) s << ", wire=" << dtype_name(static_cast<DType>(wire));
   s << ")";
   return s.str();
 }
@@ -42,7 +43,6 @@ void check_fingerprints(const Context& ctx, Fingerprint mine) {
   const int n = ctx.transport.world_size();
   const int r = ctx.transport.rank();
   mine.magic = Fingerprint::kMagic;
-  mine.reserved = 0;
   if (n == 1) return;
   std::vector<Fingerprint> all(n);
   all[r] = mine;

@@ -38,7 +38,7 @@ struct Fingerprint {
   int32_t dtype = -1;   // DType, or -1 when irrelevant (barrier)
   int32_t op = -1;      // ReduceOp, or -1 when the collective has none
   int32_t root = -1;    // broadcast root, or -1
-  int32_t reserved = 0;
+  int32_t wire = -1;    // all_reduce's wire DType, or -1
   static constexpr uint32_t kMagic = 0x70634b31;  // "pcK1"
 
   bool operator==(const Fingerprint& o) const;

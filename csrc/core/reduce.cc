@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
 #include "elementwise.h"
 
@@ -135,9 +136,95 @@ template <class T, class Fn>
 PYCOMM_AVX2 void reduce_loop_avx2(T* dst, const T* a, const T* b, size_t n, Fn fn) {
   for (size_t i = 0; i < n; ++i) dst[i] = combine(a[i], b[i], fn);
 }
+
+// Wire-dtype conversions, 8 lanes at a time (same codec as above).
+template <class W>
+PYCOMM_AVX2 void to_wire_avx2(W* dst, const float* src, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) store8<W>(dst + i, _mm256_loadu_ps(src + i));
+  for (; i < n; ++i) dst[i] = Codec<W>::store(src[i]);
+}
+template <class W>
+PYCOMM_AVX2 void from_wire_avx2(float* dst, const W* src, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8<W>(src + i));
+  for (; i < n; ++i) dst[i] = Codec<W>::load(src[i]);
+}
+template <class W, class Fn>
+PYCOMM_AVX2 void reduce_wire_avx2(float* dst, const float* a, const W* b, size_t n, Fn fn) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, apply8(fn, _mm256_loadu_ps(a + i), load8<W>(b + i)));
+  }
+  for (; i < n; ++i) dst[i] = fn(a[i], Codec<W>::load(b[i]));
+}
 #endif  // PYCOMM_X86_SIMD
 
+
+// Calls f(W{}) with the 16-bit storage type of a wire dtype.
+template <class F>
+void dispatch_wire(DType wire, F&& f) {
+  if (wire == DType::kFloat16) {
+    f(Half{});
+  } else if (wire == DType::kBFloat16) {
+    f(BFloat16{});
+  } else {
+    throw UsageError(std::string("wire dtype must be float16 or bfloat16, got ") +
+                     dtype_name(wire));
+  }
+}
+
 }  // namespace
+
+void cpu_to_wire(void* dst, const float* src, size_t count, DType wire) {
+  dispatch_wire(wire, [&](auto tag) {
+    using W = decltype(tag);
+    W* d = static_cast<W*>(dst);
+#if PYCOMM_X86_SIMD
+    if (have_avx2_f16c()) return to_wire_avx2(d, src, count);
+#endif
+    for (size_t i = 0; i < count; ++i) d[i] = Codec<W>::store(src[i]);
+  });
+}
+
+void cpu_from_wire(float* dst, const void* src, size_t count, DType wire) {
+  dispatch_wire(wire, [&](auto tag) {
+    using W = decltype(tag);
+    const W* s = static_cast<const W*>(src);
+#if PYCOMM_X86_SIMD
+    if (have_avx2_f16c()) return from_wire_avx2(dst, s, count);
+#endif
+    for (size_t i = 0; i < count; ++i) dst[i] = Codec<W>::load(s[i]);
+  });
+}
+
+void cpu_reduce_wire(float* dst, const float* a, const void* b, size_t count, DType wire,
+                     ReduceOp op) {
+  dispatch_wire(wire, [&](auto tag) {
+    using W = decltype(tag);
+    const W* y = static_cast<const W*>(b);
+    dispatch_op(op, [&](auto fn) {
+#if PYCOMM_X86_SIMD
+      if (have_avx2_f16c()) {
+        reduce_wire_avx2(dst, a, y, count, fn);
+        return 0;
+      }
+#endif
+      for (size_t i = 0; i < count; ++i) dst[i] = fn(a[i], Codec<W>::load(y[i]));
+      return 0;
+    });
+  });
+}
+
+void Reducer::to_wire(void*, const float*, size_t, DType) {
+  throw UsageError("this reducer has no wire-dtype conversions");
+}
+void Reducer::from_wire(float*, const void*, size_t, DType) {
+  throw UsageError("this reducer has no wire-dtype conversions");
+}
+void Reducer::reduce_wire(float*, const float*, const void*, size_t, DType, ReduceOp) {
+  throw UsageError("this reducer has no wire-dtype conversions");
+}
 
 void cpu_reduce(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op) {
   if (count == 0) return;

@@ -14,6 +14,17 @@ void cpu_reduce(void* dst, const void* a, const void* b, size_t count, DType dty
 // dst[i] *= factor (floating dtypes only).
 void cpu_scale(void* dst, size_t count, DType dtype, double factor);
 
+// Wire-dtype conversions (ring_all_reduce_wire): float32 data, 16-bit float
+// traffic; `wire` is kFloat16 or kBFloat16 (UsageError otherwise). The
+// arithmetic is the fp16/bf16 codec of elementwise.h (RNE, exact widening).
+// dst[i] = wire(src[i])
+void cpu_to_wire(void* dst, const float* src, size_t count, DType wire);
+// dst[i] = float(src[i])
+void cpu_from_wire(float* dst, const void* src, size_t count, DType wire);
+// dst[i] = op(a[i], float(b[i])), in float32 (AVG combines as SUM). dst may alias a.
+void cpu_reduce_wire(float* dst, const float* a, const void* b, size_t count, DType wire,
+                     ReduceOp op);
+
 // The reduction half of an algorithm's execution context. On CPU the calls
 // execute at once on the calling thread; on GPU they enqueue kernels on the
 // reduction stream (ordered after whatever the transport's wait() made it wait
@@ -35,6 +46,14 @@ class Reducer {
   }
   // memcpy on the reduction stream / thread
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+
+  // The wire-dtype operations of ring_all_reduce_wire (see cpu_to_wire & co.
+  // for the contract). A reducer without them (the CUDA one: CudaComm rejects
+  // wire_dtype before any op runs) keeps these defaults, which throw.
+  virtual void to_wire(void* dst, const float* src, size_t count, DType wire);
+  virtual void from_wire(float* dst, const void* src, size_t count, DType wire);
+  virtual void reduce_wire(float* dst, const float* a, const void* b, size_t count, DType wire,
+                           ReduceOp op);
 };
 
 class CpuReducer final : public Reducer {
@@ -47,6 +66,16 @@ class CpuReducer final : public Reducer {
     cpu_scale(dst, count, dtype, factor);
   }
   void copy(void* dst, const void* src, size_t bytes) override;
+  void to_wire(void* dst, const float* src, size_t count, DType wire) override {
+    cpu_to_wire(dst, src, count, wire);
+  }
+  void from_wire(float* dst, const void* src, size_t count, DType wire) override {
+    cpu_from_wire(dst, src, count, wire);
+  }
+  void reduce_wire(float* dst, const float* a, const void* b, size_t count, DType wire,
+                   ReduceOp op) override {
+    cpu_reduce_wire(dst, a, b, count, wire, op);
+  }
 };
 
 }  // namespace pycomm

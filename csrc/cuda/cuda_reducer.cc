@@ -33,5 +33,24 @@ void CudaReducer::copy(void* dst, const void* src, size_t bytes) {
   streams_.note_reduction();
 }
 
+void CudaReducer::to_wire(void* dst, const float* src, size_t count, DType wire) {
+  if (count == 0) return;
+  launch_to_wire(dst, src, count, wire, streams_.reduction());
+  streams_.note_reduction();
+}
+
+void CudaReducer::from_wire(float* dst, const void* src, size_t count, DType wire) {
+  if (count == 0) return;
+  launch_from_wire(dst, src, count, wire, streams_.reduction());
+  streams_.note_reduction();
+}
+
+void CudaReducer::reduce_wire(float* dst, const float* a, const void* b, size_t count, DType wire,
+                              ReduceOp op) {
+  if (count == 0) return;
+  launch_reduce_wire(dst, a, b, count, wire, op, streams_.reduction());
+  streams_.note_reduction();
+}
+
 }  // namespace cuda
 }  // namespace pycomm

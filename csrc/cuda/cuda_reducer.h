@@ -20,6 +20,10 @@ class CudaReducer final : public Reducer {
                     ReduceOp op, double factor) override;
   void scale(void* dst, size_t count, DType dtype, double factor) override;
   void copy(void* dst, const void* src, size_t bytes) override;
+  void to_wire(void* dst, const float* src, size_t count, DType wire) override;
+  void from_wire(float* dst, const void* src, size_t count, DType wire) override;
+  void reduce_wire(float* dst, const float* a, const void* b, size_t count, DType wire,
+                   ReduceOp op) override;
 
  private:
   CudaStreams& streams_;

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "../core/elementwise.h"
@@ -150,7 +151,85 @@ void reduce_impl(void* dst, const void* a, const void* b, size_t count, DType dt
   });
 }
 
+// ---- Wire-dtype kernels: plain grid-stride loops (one element per thread
+// and trip; the ring's slices are small, these are not the bottleneck).
+template <class W>
+__global__ void __launch_bounds__(kThreads) to_wire_kernel(W* dst, const float* src, size_t n) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    dst[i] = Codec<W>::store(src[i]);
+  }
+}
+
+template <class W>
+__global__ void __launch_bounds__(kThreads) from_wire_kernel(float* dst, const W* src, size_t n) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    dst[i] = Codec<W>::load(src[i]);
+  }
+}
+
+template <class W, class Fn>
+__global__ void __launch_bounds__(kThreads)
+    reduce_wire_kernel(float* dst, const float* a, const W* b, size_t n, Fn fn) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    dst[i] = fn(a[i], Codec<W>::load(b[i]));
+  }
+}
+
+unsigned grid_for(size_t n) {
+  const size_t max_blocks = static_cast<size_t>(sm_count()) * kBlocksPerSM;
+  return static_cast<unsigned>(std::max<size_t>(1, std::min(max_blocks, (n + kThreads - 1) / kThreads)));
+}
+
+// Calls f(W{}) with the 16-bit storage type of a wire dtype.
+template <class F>
+void dispatch_wire(DType wire, F&& f) {
+  if (wire == DType::kFloat16) {
+    f(Half{});
+  } else if (wire == DType::kBFloat16) {
+    f(BFloat16{});
+  } else {
+    throw UsageError(std::string("wire dtype must be float16 or bfloat16, got ") +
+                     dtype_name(wire));
+  }
+}
+
 }  // namespace
+
+void launch_to_wire(void* dst, const float* src, size_t count, DType wire, cudaStream_t stream) {
+  if (count == 0) return;
+  dispatch_wire(wire, [&](auto tag) {
+    using W = decltype(tag);
+    to_wire_kernel<W><<<grid_for(count), kThreads, 0, stream>>>(static_cast<W*>(dst), src, count);
+    PYCOMM_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void launch_from_wire(float* dst, const void* src, size_t count, DType wire, cudaStream_t stream) {
+  if (count == 0) return;
+  dispatch_wire(wire, [&](auto tag) {
+    using W = decltype(tag);
+    from_wire_kernel<W><<<grid_for(count), kThreads, 0, stream>>>(dst, static_cast<const W*>(src),
+                                                                  count);
+    PYCOMM_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void launch_reduce_wire(float* dst, const float* a, const void* b, size_t count, DType wire,
+                        ReduceOp op, cudaStream_t stream) {
+  if (count == 0) return;
+  dispatch_wire(wire, [&](auto tag) {
+    using W = decltype(tag);
+    dispatch_op(op, [&](auto fn) {
+      reduce_wire_kernel<W, decltype(fn)><<<grid_for(count), kThreads, 0, stream>>>(
+          dst, a, static_cast<const W*>(b), count, fn);
+      PYCOMM_CUDA_CHECK_LAUNCH();
+      return 0;
+    });
+  });
+}
 
 void launch_reduce(void* dst, const void* a, const void* b, size_t count, DType dtype,
                    ReduceOp op, cudaStream_t stream) {

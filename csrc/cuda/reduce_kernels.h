@@ -26,5 +26,16 @@ void launch_reduce_scale(void* dst, const void* a, const void* b, size_t count, 
 // dst[i] *= factor (floating dtypes only; computed like pycomm::scale_one).
 void launch_scale(void* dst, size_t count, DType dtype, double factor, cudaStream_t stream);
 
+// The wire-dtype operations of ring_all_reduce_wire (csrc/core/reduce.h):
+// float32 data, `wire` = kFloat16 or kBFloat16 (UsageError otherwise), the
+// codec of elementwise.h, so the results are bitwise the CPU ones.
+// dst[i] = wire(src[i])
+void launch_to_wire(void* dst, const float* src, size_t count, DType wire, cudaStream_t stream);
+// dst[i] = float(src[i])
+void launch_from_wire(float* dst, const void* src, size_t count, DType wire, cudaStream_t stream);
+// dst[i] = op(a[i], float(b[i])) in float32; dst may alias a.
+void launch_reduce_wire(float* dst, const float* a, const void* b, size_t count, DType wire,
+                        ReduceOp op, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace pycomm

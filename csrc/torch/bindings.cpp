@@ -113,7 +113,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property("check", &Comm::check, &Comm::set_check)  // checked mode (core/check.h)
       .def_property_readonly("forked", &Comm::forked)
       .def("all_reduce", &Comm::all_reduce, py::arg("tensor"), py::arg("op"), py::arg("algo"),
-           py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
+           py::arg("async_op"), py::arg("wire_dtype") = -1,
+           py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", &Comm::reduce_scatter, py::arg("output"), py::arg("input"),
            py::arg("op"), py::arg("algo"), py::arg("async_op"),
            py::call_guard<py::gil_scoped_release>())

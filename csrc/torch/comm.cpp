@@ -147,6 +147,21 @@ ReduceOp to_op(int op, DType dtype, const char* opname) {
   return r;
 }
 
+std::optional<DType> to_wire_dtype(int wire_dtype, DType tensor_dtype, const char* opname) {
+  if (wire_dtype < 0) return std::nullopt;
+  const DType w = static_cast<DType>(wire_dtype);
+  if (wire_dtype >= kNumDTypes || (w != DType::kFloat16 && w != DType::kBFloat16)) {
+    throw UsageError(join_msg({opname, ": wire_dtype must be torch.float16 or torch.bfloat16, got ",
+                               wire_dtype < kNumDTypes ? dtype_name(w) : std::to_string(wire_dtype)}));
+  }
+  if (tensor_dtype != DType::kFloat32) {
+    throw UsageError(join_msg({opname, ": wire_dtype needs a float32 tensor (it is reduced in "
+                               "float32 and sent as ", dtype_name(w), "), got ",
+                               dtype_name(tensor_dtype)}));
+  }
+  return w;
+}
+
 std::string Comm::algo_for(const std::string& algo, const char* op) const {
   if (algo == "auto" || algo == "ring") return "ring";
   if (algo == "nccl") {
@@ -165,7 +180,16 @@ std::string Comm::algo_for(const std::string& algo, const char* op) const {
 // synchronisations per piece instead of 2(n-1) ring steps; see
 // algorithms.h) is taken up to direct_max_bytes_ when the transport shares
 // memory.
-std::string Comm::all_reduce_algo(const std::string& algo, size_t bytes) const {
+std::string Comm::all_reduce_algo(const std::string& algo, size_t bytes, bool wire) const {
+  if (wire) {
+    // Only the ring sends the wire dtype; auto takes it even where it would
+    // otherwise pick direct.
+    if (algo == "direct") {
+      throw UsageError("all_reduce: wire_dtype needs algo='ring' or 'auto', not 'direct' "
+                       "(direct reduces straight from shared memory: nothing is sent)");
+    }
+    return algo_for(algo, "all_reduce");
+  }
   if (algo == "direct") {
     if (!has_shared_buffers_) {
       throw py::value_error(join_msg({"all_reduce: algo='direct' needs transport='shm', this "
@@ -371,19 +395,24 @@ c10::intrusive_ptr<Work> Comm::run(const char* op, std::vector<at::Tensor> outpu
 }
 
 c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std::string& algo,
-                                          bool async_op) {
+                                          bool async_op, int wire_dtype) {
   constexpr const char* kOp = "all_reduce";
   check_open(kOp);
   check_tensor(t, "tensor", kOp);
   const DType dt = to_dtype(t.scalar_type(), "tensor");
   const ReduceOp rop = to_op(op, dt, kOp);
-  const bool direct = all_reduce_algo(algo, t.nbytes()) == "direct";
+  const std::optional<DType> wire = to_wire_dtype(wire_dtype, dt, kOp);
+  const bool direct = all_reduce_algo(algo, t.nbytes(), wire.has_value()) == "direct";
   void* data = t.data_ptr();
   const size_t count = t.numel();
+  Fingerprint fp{0, count, 0, int32_t(CollKind::kAllReduce), int32_t(dt), int32_t(rop)};
+  fp.wire = wire ? int32_t(*wire) : -1;
   return run(kOp, {t},
-             checked({0, count, 0, int32_t(CollKind::kAllReduce), int32_t(dt), int32_t(rop)},
+             checked(fp,
                      [=](const Context& ctx) {
-                       if (direct) {
+                       if (wire) {
+                         ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire, rop);
+                       } else if (direct) {
                          direct_all_reduce(ctx, data, count, dt, rop);
                        } else {
                          ring_all_reduce(ctx, data, count, dt, rop);

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -88,8 +89,10 @@ class Comm {
   bool forked() const;
 
   // Each returns nullptr when async_op is false (it has waited), else a Work.
+  // all_reduce: wire_dtype -1, or a DType (float16 / bfloat16) in which a
+  // float32 tensor travels (ring_all_reduce_wire).
   c10::intrusive_ptr<Work> all_reduce(const at::Tensor& t, int op, const std::string& algo,
-                                      bool async_op);
+                                      bool async_op, int wire_dtype = -1);
   c10::intrusive_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op,
                                           const std::string& algo, bool async_op);
   c10::intrusive_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in,
@@ -130,7 +133,7 @@ class Comm {
   void check_tensor(const at::Tensor& t, const char* arg, const char* op) const;
   void check_peer(int peer, const char* arg, const char* op, bool allow_self) const;
   std::string algo_for(const std::string& algo, const char* op) const;
-  std::string all_reduce_algo(const std::string& algo, size_t bytes) const;
+  std::string all_reduce_algo(const std::string& algo, size_t bytes, bool wire) const;
 
   std::unique_ptr<Transport> transport_;
   CpuReducer reducer_;
@@ -169,6 +172,9 @@ std::string join_msg(std::initializer_list<std::string> parts);
 void check_tensor(const at::Tensor& t, const char* arg, const char* op, const std::string& device);
 void check_peer(int peer, const char* arg, const char* op, int rank, int size, bool allow_self);
 ReduceOp to_op(int op, DType dtype, const char* opname);
+// all_reduce's wire_dtype (-1: none): a float16/bfloat16 DType for a float32
+// tensor, else UsageError (ValueError) naming the problem.
+std::optional<DType> to_wire_dtype(int wire_dtype, DType tensor_dtype, const char* opname);
 // reduce_scatter / all_gather: equal dtypes and big = world_size x small elements.
 void check_scatter_sizes(const at::Tensor& big, const char* big_arg, const at::Tensor& small,
                          const char* small_arg, int world_size, const char* op);

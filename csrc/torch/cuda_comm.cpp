@@ -164,18 +164,26 @@ class CudaComm {
   }
 
   c10::intrusive_ptr<Work> all_reduce(const at::Tensor& t, int op, const std::string& algo,
-                                      bool async_op) {
+                                      bool async_op, int wire_dtype) {
     constexpr const char* kOp = "all_reduce";
     check_open(kOp);
     check_cuda_tensor(t, "tensor", kOp);
     const DType dt = to_dtype(t.scalar_type(), "tensor");
     const ReduceOp rop = to_op(op, dt, kOp);
-    const bool native = pick(algo, kOp, t.nbytes()) == "nccl";
+    const std::optional<DType> wire = to_wire_dtype(wire_dtype, dt, kOp);
+    if (wire && algo == "nccl") {
+      throw UsageError("all_reduce: wire_dtype needs algo='ring' or 'auto', not 'nccl' "
+                       "(NCCL's all-reduce sends the tensor's own dtype)");
+    }
+    // A wire dtype is a ring feature: auto takes the ring for it.
+    const bool native = pick(algo, kOp, t.nbytes()) == "nccl" && !wire;
     void* data = t.data_ptr();
     const size_t count = t.numel();
     return launch(kOp, {t}, {},
                   [=](const Context& ctx, cuda::NcclTransport& tr) {
-                    if (native) {
+                    if (wire) {
+                      ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire, rop);
+                    } else if (native) {
                       tr.wait(tr.all_reduce(data, data, count, dt, rop));
                     } else {
                       ring_all_reduce(ctx, data, count, dt, rop);
@@ -617,7 +625,8 @@ void bind_cuda(py::module_& m) {
       .def_property_readonly("closed", &CudaComm::closed)
       .def_property_readonly("aborted", &CudaComm::aborted)
       .def("all_reduce", &CudaComm::all_reduce, py::arg("tensor"), py::arg("op"),
-           py::arg("algo"), py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
+           py::arg("algo"), py::arg("async_op"), py::arg("wire_dtype") = -1,
+           py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", &CudaComm::reduce_scatter, py::arg("output"), py::arg("input"),
            py::arg("op"), py::arg("algo"), py::arg("async_op"),
            py::call_guard<py::gil_scoped_release>())

@@ -1,0 +1,532 @@
+"""pycomm.hooks and the wire-dtype all-reduce under them.
+
+* ``all_reduce(wire_dtype=...)`` against a float64 reference on gloo and shm,
+  2 and 3 ranks, sizes 0, 1, prime, not divisible by the world size, large,
+  with an error bound derived from the wire dtype's rounding.
+* torch DDP (built on a gloo process group) with each pycomm hook against DDP
+  without a hook and against one process training on the full batch: several
+  SGD steps, a tiny ``bucket_cap_mb`` (many buckets), 2 and 3 ranks.
+* pycomm's PowerSGD against torch's ``powerSGD_hook`` on the same seeds, data
+  and buckets (1e-5).
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import pycomm
+from pycomm import hooks
+from tests._dist import run_ranks
+from tests.reference import digest
+
+WIRES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# Unit roundoff (half an ulp at 1) and the smallest subnormal's half, per wire dtype.
+UNIT = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+TINY = {torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134}
+COUNTS = [0, 1, 13, 1031, 1_048_583]  # primes: not divisible by 2 or 3
+
+
+# ---------------------------------------------------------------- wire-dtype all-reduce
+
+def _inputs(n: int, count: int, seed: int = 0) -> list[torch.Tensor]:
+    # Mixed magnitudes (1e-3 .. 1e2) so that relative rounding matters.
+    out = []
+    for r in range(n):
+        g = torch.Generator().manual_seed(1000 * seed + r)
+        x = torch.randn(count, generator=g, dtype=torch.float64)
+        x *= 10.0 ** torch.randint(-3, 3, (count,), generator=g).double()
+        out.append(x.float())
+    return out
+
+
+def wire_bound(inputs: list[torch.Tensor], wire: torch.dtype, avg: bool) -> torch.Tensor:
+    """Per-element bound of |wire all-reduce - exact|. With S = sum_i |x_i|:
+    n-1 roundings of partial sums (each <= S) to the wire dtype, one of the
+    result, the float32 additions and scale, and an absolute term per rounding
+    for the wire dtype's subnormals: (n u_w + 2 n u_32) S + n tiny_w."""
+    n = len(inputs)
+    s = torch.stack([x.double().abs() for x in inputs]).sum(0)
+    bound = (n * UNIT[wire] + 2 * n * 2.0 ** -24) * s + n * TINY[wire]
+    return bound / n if avg else bound
+
+
+def _wire_cases(comm, wire_name: str, op: str, algo: str):
+    wire = WIRES[wire_name]
+    n = comm.world_size
+    out = []
+    for count in COUNTS:
+        xs = _inputs(n, count)
+        t = xs[comm.rank].clone()
+        comm.all_reduce(t, op=op, algo=algo, wire_dtype=wire_name if count % 2 else wire)
+        exact = torch.stack([x.double() for x in xs]).sum(0)
+        if op == "avg":
+            exact /= n
+        err = (t.double() - exact).abs()
+        bound = wire_bound(xs, wire, op == "avg")
+        bad = (err > bound).nonzero().flatten()
+        assert bad.numel() == 0, (f"count={count}: {bad.numel()} elements beyond the bound, "
+                                  f"first {bad[:3].tolist()}: err {err[bad[:3]].tolist()} "
+                                  f"bound {bound[bad[:3]].tolist()}")
+        # The result is a wire value (rounded by its owner), identical everywhere.
+        assert torch.equal(t.to(wire).float(), t), f"count={count}: not wire-representable"
+        # Cast-everything on the same data: every input rounded, reduced in 16 bits.
+        c = xs[comm.rank].to(wire)
+        comm.all_reduce(c, op=op, algo="ring")
+        cast_err = (c.double() - exact).abs()
+        out.append((count, digest(t), err.sum().item(), cast_err.sum().item()))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("wire", sorted(WIRES))
+def test_wire_all_reduce_against_float64(transport, world_size, wire):
+    per_rank = run_ranks(_wire_cases, world_size, transport, wire, "avg", "auto")
+    for r in range(1, world_size):
+        assert [c[:2] for c in per_rank[r]] == [c[:2] for c in per_rank[0]], \
+            f"rank {r} differs from rank 0"
+    for count, _, err, cast_err in per_rank[0]:
+        if count >= 1031:  # enough elements for a stable mean
+            assert err < cast_err, f"count={count}: wire error {err} not below cast {cast_err}"
+            print(f"{transport} n={world_size} {wire} count={count}: mean |err| wire "
+                  f"{err / count:.3g} vs cast {cast_err / count:.3g}")
+
+
+def test_wire_all_reduce_sum_and_ring_on_shm():
+    # SUM (no scale) through an explicit algo="ring".
+    for wire in WIRES:
+        run_ranks(_wire_cases, 2, "shm", wire, "sum", "ring")
+
+
+def _wire_exact_two_ranks(comm, op: str):
+    """With 2 ranks the wire all-reduce is short enough to write down: the
+    owner r of chunk r adds the other rank's value rounded to the wire dtype to
+    its own in float32 (AVG: times 0.5), and rounds the result. Checked bit for
+    bit against torch's own conversions (round to nearest even)."""
+    out = []
+    for wire in WIRES.values():
+        for count in (1031, 1_048_583):
+            xs = _inputs(2, count, seed=3)
+            t = xs[comm.rank].clone()
+            comm.all_reduce(t, op=op, algo="ring", wire_dtype=wire)
+            half = (count + 1) // 2  # chunk 0 = [0, half), owned by rank 0
+            expect = torch.empty(count)
+            for owner, part in ((0, slice(0, half)), (1, slice(half, count))):
+                v = xs[owner][part] + xs[1 - owner][part].to(wire).float()
+                if op == "avg":
+                    v = v * 0.5
+                expect[part] = v.to(wire).float()
+            out.append(int((t != expect).sum()))
+    return out
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_wire_all_reduce_bitwise_on_two_ranks(transport, op):
+    for mismatches in run_ranks(_wire_exact_two_ranks, 2, transport, op):
+        assert mismatches == [0, 0, 0, 0], mismatches
+
+
+def _wire_errors(comm):
+    msgs = []
+    cases = [
+        (dict(tensor=torch.zeros(4, dtype=torch.float64), wire_dtype=torch.float16), ValueError),
+        (dict(tensor=torch.zeros(4, dtype=torch.float16), wire_dtype=torch.float16), ValueError),
+        (dict(tensor=torch.zeros(4), wire_dtype=torch.float32), ValueError),
+        (dict(tensor=torch.zeros(4), wire_dtype="int8"), ValueError),
+        (dict(tensor=torch.zeros(4), wire_dtype=3), ValueError),
+    ]
+    if comm.transport == "shm":
+        cases.append((dict(tensor=torch.zeros(4), wire_dtype="bfloat16", algo="direct"),
+                      ValueError))
+    for kwargs, exc in cases:
+        with pytest.raises(exc) as info:
+            comm.all_reduce(**kwargs)
+        msgs.append(str(info.value))
+    # Checked mode sees a wire dtype that differs between ranks (the byte
+    # counts on the wire would not match) before anything is sent.
+    comm._impl.check = True
+    try:
+        with pytest.raises(ValueError) as info:
+            comm.all_reduce(torch.ones(6), wire_dtype="float16" if comm.rank == 0 else None)
+        msgs.append(str(info.value))
+    finally:
+        comm._impl.check = False
+    # still usable
+    t = torch.ones(5)
+    comm.all_reduce(t, wire_dtype="bfloat16")
+    assert t.tolist() == [float(comm.world_size)] * 5
+    return msgs
+
+
+def test_wire_dtype_errors(transport):
+    msgs = run_ranks(_wire_errors, 2, transport)[0]
+    assert "float32 tensor" in msgs[0] and "float64" in msgs[0]
+    assert "float32 tensor" in msgs[1]
+    assert "wire_dtype must be" in msgs[2] and "float32" in msgs[2]
+    assert "wire_dtype must be None" in msgs[3]
+    if transport == "shm":
+        assert "direct" in msgs[-2]
+    assert "mismatched" in msgs[-1] and "wire=float16" in msgs[-1], msgs[-1]
+
+
+# ---------------------------------------------------------------- DDP harness
+
+IN, HID, OUT = 12, 24, 5
+BATCH = 12  # divisible by 2 and 3: every rank's shard has the same size
+STEPS = 5
+LR = 0.2
+BUCKET_MB = 0.0008  # ~800 bytes: a bucket per one or two parameters
+_pg_count = itertools.count()
+
+
+class Net(nn.Module):
+    """An MLP; with ``unused=True`` a branch that never runs (find_unused_parameters)."""
+
+    def __init__(self, unused: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(IN, HID)
+        self.fc2 = nn.Linear(HID, HID)
+        self.fc3 = nn.Linear(HID, OUT)
+        self.spare = nn.Linear(HID, OUT) if unused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def _fresh_model(unused: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return Net(unused)
+
+
+def _torch_pg(comm, tag: str, threads: int = 2) -> dist.ProcessGroup:
+    """A gloo process group for DDP itself, on the pool's store (unique prefix).
+    Built by hand (as init_process_group does) because the pool processes have
+    no default group. ``threads``: gloo's worker threads (default 2)."""
+    store = dist.PrefixStore(f"ddp-pg/{tag}", comm._store)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    opts._threads = threads
+    opts._timeout = timedelta(seconds=60)
+    gloo = dist.ProcessGroupGloo(store, comm.rank, comm.world_size, opts)
+    pg = dist.ProcessGroup(store, comm.rank, comm.world_size)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return pg
+
+
+def _train(comm, pg, hook=None, state=None, steps: int = STEPS, **ddp_kwargs) -> list[torch.Tensor]:
+    """DDP training on this rank's shard of each step's batch; the parameters."""
+    model = _fresh_model(ddp_kwargs.pop("unused", False))
+    ddp_kwargs.setdefault("bucket_cap_mb", BUCKET_MB)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=pg, **ddp_kwargs)
+    if hook is not None:
+        ddp.register_comm_hook(state if state is not None else comm, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    n, r = comm.world_size, comm.rank
+    shard = slice(r * BATCH // n, (r + 1) * BATCH // n)
+    for step in range(steps):
+        x, y = _data(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x[shard]), y[shard]).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train_single(steps: int = STEPS) -> list[torch.Tensor]:
+    """One process on the full batch: what data parallelism must reproduce."""
+    model = _fresh_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(steps):
+        x, y = _data(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+HOOKS = {
+    "allreduce": hooks.allreduce_hook,
+    "fp16": hooks.fp16_compress_hook,
+    "bf16": hooks.bf16_compress_hook,
+    "fp16_wrapper": hooks.fp16_compress_wrapper(hooks.allreduce_hook),
+    "bf16_wrapper": hooks.bf16_compress_wrapper(hooks.allreduce_hook),
+    "ring_fp16": hooks.ring_fp16_hook,
+    "ring_bf16": hooks.ring_bf16_hook,
+}
+# Parameters after STEPS steps vs DDP without a hook. allreduce: float32
+# rounding. The 16-bit hooks: each step's gradient (|g| <~ 0.3 here) is off by
+# a few 16-bit roundoffs (2^-11, 2^-8), times LR * STEPS = 1, with room for
+# the trajectories to drift apart: 4e-4 (fp16) and 4e-3 (bf16). Measured:
+# at most 4e-5 and 4e-4.
+TOL = {"allreduce": 1e-5, "fp16": 4e-4, "fp16_wrapper": 4e-4, "ring_fp16": 4e-4,
+       "bf16": 4e-3, "bf16_wrapper": 4e-3, "ring_bf16": 4e-3}
+
+
+def _ddp_hooks_case(comm, names: list[str], flags: dict):
+    tag = f"{next(_pg_count)}"
+    pg = _torch_pg(comm, tag)
+    plain = _train(comm, pg, **flags)
+    single = _train_single()
+    out = {"plain_vs_single": _max_diff(plain, single)}
+    for name in names:
+        params = _train(comm, pg, HOOKS[name], **flags)
+        out[name] = (_max_diff(params, plain), _max_diff(params, single), digest(params[0]))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ddp_hooks_match_plain_ddp_and_single_process(world_size):
+    per_rank = run_ranks(_ddp_hooks_case, world_size, "shm", sorted(HOOKS), {}, timeout=300)
+    for res in per_rank:
+        assert res["plain_vs_single"] < 1e-5, res
+        for name in HOOKS:
+            vs_plain, vs_single, _ = res[name]
+            assert vs_plain < TOL[name], f"{name}: {vs_plain} vs DDP without hook"
+            assert vs_single < TOL[name] + 1e-5, f"{name}: {vs_single} vs one process"
+    # Every rank holds the same parameters.
+    for name in HOOKS:
+        assert len({res[name][2] for res in per_rank}) == 1, name
+    print({k: v[0] if isinstance(v, tuple) else v for k, v in per_rank[0].items()})
+
+
+def test_ddp_allreduce_hook_over_gloo_transport():
+    per_rank = run_ranks(_ddp_hooks_case, 2, "gloo", ["allreduce", "ring_fp16"], {},
+                         timeout=300)
+    for res in per_rank:
+        assert res["allreduce"][0] < 1e-5 and res["ring_fp16"][0] < TOL["ring_fp16"], res
+
+
+@pytest.mark.parametrize("flags", [
+    {"gradient_as_bucket_view": True},
+    {"static_graph": True},
+    {"find_unused_parameters": True, "unused": True},
+], ids=["bucket_view", "static_graph", "find_unused"])
+def test_ddp_hooks_with_ddp_options(flags):
+    per_rank = run_ranks(_ddp_hooks_case, 2, "shm", ["allreduce", "ring_bf16", "fp16"], flags,
+                         timeout=300)
+    for res in per_rank:
+        for name in ("allreduce", "ring_bf16", "fp16"):
+            assert res[name][0] < TOL[name], (name, res)
+
+
+# ---------------------------------------------------------------- ring vs cast on one step
+
+def _one_step_errors(comm):
+    """Each 16-bit hook's averaged gradient after one backward, against the
+    float64 average of every rank's local gradient (computed here from the
+    same data): mean |error| over all gradient elements."""
+    n = comm.world_size
+    x, y = _data(0)
+    exact = None
+    for r in range(n):  # every rank's local gradient, in float64
+        model = _fresh_model().double()
+        s = slice(r * BATCH // n, (r + 1) * BATCH // n)
+        nn.functional.mse_loss(model(x[s].double()), y[s].double()).backward()
+        g = torch.cat([p.grad.flatten() for p in model.parameters()])
+        exact = g if exact is None else exact + g
+    exact /= n
+    pg = _torch_pg(comm, f"one-step-{next(_pg_count)}")
+    out = {}
+    for name in ("fp16", "ring_fp16", "bf16", "ring_bf16", "allreduce"):
+        model = _fresh_model()
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=pg,
+                                                  bucket_cap_mb=BUCKET_MB)
+        ddp.register_comm_hook(comm, HOOKS[name])
+        s = slice(comm.rank * BATCH // n, (comm.rank + 1) * BATCH // n)
+        nn.functional.mse_loss(ddp(x[s]), y[s]).backward()
+        g = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+        out[name] = (g - exact).abs().mean().item()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_hooks_error_below_cast_hooks(world_size):
+    errs = run_ranks(_one_step_errors, world_size, "shm")[0]
+    print(f"n={world_size} mean |grad error| vs float64: {errs}")
+    assert errs["allreduce"] < 1e-7
+    for bits, unit in (("fp16", 2.0 ** -11), ("bf16", 2.0 ** -8)):
+        assert errs[f"ring_{bits}"] < errs[bits], errs
+        # bounded: a few roundings of gradients of magnitude <~ 1
+        assert errs[f"ring_{bits}"] < world_size * unit, errs
+
+
+# ---------------------------------------------------------------- PowerSGD vs torch
+
+def _powersgd_case(comm, kwargs: dict):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+
+    # One bucket: torch's powerSGD_hook issues its chained all-reduces from
+    # callbacks that run either inline on the autograd thread (future already
+    # done) or on a gloo thread, so with several buckets in flight the ranks
+    # can issue them in different orders and gloo hangs (seen here with tiny
+    # buckets). pycomm's chains run in the same order on every rank; the
+    # many-bucket test below covers them.
+    pg = _torch_pg(comm, f"psgd-{next(_pg_count)}")
+    steps = 7
+    one_bucket = {"bucket_cap_mb": 25}
+    ref_state = torch_psgd.PowerSGDState(process_group=pg, **kwargs)
+    ref = _train(comm, pg, torch_psgd.powerSGD_hook, ref_state, steps=steps, **one_bucket)
+    state = hooks.PowerSGDState(comm, **kwargs)
+    ours = _train(comm, pg, hooks.powerSGD_hook, state, steps=steps, **one_bucket)
+    plain = _train(comm, pg, steps=steps, **one_bucket)
+    return _max_diff(ours, ref), _max_diff(ours, plain), state.compression_stats()
+
+
+def _powersgd_many_buckets(comm):
+    pg = _torch_pg(comm, f"psgd-many-{next(_pg_count)}")
+    state = hooks.PowerSGDState(comm, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    ours = _train(comm, pg, hooks.powerSGD_hook, state, steps=STEPS)
+    plain = _train(comm, pg, steps=STEPS)
+    return digest(torch.cat([p.flatten() for p in ours])), _max_diff(ours, plain)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("kwargs", [
+    dict(matrix_approximation_rank=1, start_powerSGD_iter=2),
+    dict(matrix_approximation_rank=3, start_powerSGD_iter=3, min_compression_rate=1,
+         batch_tensors_with_same_shape=True),
+    dict(matrix_approximation_rank=2, start_powerSGD_iter=2, use_error_feedback=False,
+         warm_start=False),
+], ids=["rank1", "rank3_batched", "no_feedback"])
+def test_powerSGD_matches_torch(world_size, kwargs):
+    per_rank = run_ranks(_powersgd_case, world_size, "shm", kwargs, timeout=300)
+    for vs_torch, vs_plain, stats in per_rank:
+        assert vs_torch < 1e-5, f"PowerSGD differs from torch's by {vs_torch}"
+        # and it did compress (differs from plain averaging)
+        assert vs_plain > 1e-4 and stats[0] > 1, (vs_plain, stats)
+
+
+# ---------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_powerSGD_many_buckets_same_on_every_rank(world_size):
+    per_rank = run_ranks(_powersgd_many_buckets, world_size, "shm", timeout=300)
+    assert len({d for d, _ in per_rank}) == 1, "ranks ended with different parameters"
+    assert 1e-4 < per_rank[0][1] < 0.5, per_rank[0]  # compressed, and still training
+
+
+class _FakeBucket:
+    """A GradBucket stand-in whose buffer lives on another device (meta)."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [self._buffer]
+
+
+def _hook_errors(comm):
+    bucket = _FakeBucket(torch.zeros(8, device="meta"))
+    seq = comm._impl.seq
+    msgs = []
+    for hook, state in [(hooks.allreduce_hook, comm), (hooks.fp16_compress_hook, comm),
+                        (hooks.ring_bf16_hook, comm),
+                        (hooks.powerSGD_hook, hooks.PowerSGDState(comm, start_powerSGD_iter=2))]:
+        with pytest.raises(ValueError) as info:
+            hook(state, bucket)
+        msgs.append(str(info.value))
+    assert comm._impl.seq == seq, "an op was issued for a bucket on the wrong device"
+    with pytest.raises(TypeError, match="Communicator"):
+        hooks.allreduce_hook(object(), _FakeBucket(torch.zeros(8)))
+    with pytest.raises(TypeError, match="float32"):
+        hooks.ring_fp16_hook(comm, _FakeBucket(torch.zeros(8, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="start_powerSGD_iter"):
+        hooks.PowerSGDState(comm, start_powerSGD_iter=1)
+    # Through real DDP: a hook's error surfaces from backward() at the first
+    # bucket, with its message (float64 gradients for the float32-only ring).
+    pg = _torch_pg(comm, f"errors-{next(_pg_count)}")
+    ddp = nn.parallel.DistributedDataParallel(_fresh_model().double(), process_group=pg,
+                                              bucket_cap_mb=BUCKET_MB)
+    ddp.register_comm_hook(comm, hooks.ring_fp16_hook)
+    with pytest.raises(Exception, match=r"bucket 0 is torch.float64; the wire-dtype ring needs"):
+        ddp(torch.randn(2, IN, dtype=torch.float64)).sum().backward()
+    return msgs
+
+
+def test_bucket_on_another_device_is_a_clear_error():
+    for msg in run_ranks(_hook_errors, 2, "shm")[0]:
+        assert "bucket 0 is on meta" in msg and "communicator runs on cpu" in msg, msg
+
+
+def test_hooks_module_is_exported():
+    assert pycomm.hooks is hooks
+    assert set(hooks.__all__) >= {"allreduce_hook", "powerSGD_hook", "ring_fp16_hook"}
+
+
+# ---------------------------------------------------------------- the example
+
+@pytest.mark.parametrize("hook", ["allreduce", "powersgd"])
+def test_example_ddp_hooks_under_torchrun(hook):
+    import os
+    import re
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(port),
+         str(root / "examples" / "ddp_hooks.py"), "--hook", hook],
+        env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = re.findall(rf"rank (\d)/2 hook={hook} \[shm\] last loss [\d.]+, "
+                       r"max \|param - plain DDP's\| = ([\d.e+-]+)", proc.stdout)
+    assert sorted(r for r, _ in found) == ["0", "1"], proc.stdout
+    limit = {"allreduce": 1e-5, "powersgd": 0.1}[hook]  # PowerSGD compresses: close, not equal
+    assert all(float(d) < limit for _, d in found), proc.stdout
+
+
+def test_ddp_benchmark_harness_runs(tmp_path):
+    """benchmarks/ddp/bench.py at a toy size: table, JSON (with the commit), PNG."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "ddp" / "bench.py"), "--width", "64",
+         "--depth", "1", "--inputs", "32", "--rounds", "2", "--steps", "2", "--warmup", "1",
+         "--variants", "torch-gloo,hook-allreduce,hook-ring-fp16",
+         "--json", str(out_json), "--plot", str(out_png)],
+        env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "speedup vs torch-gloo" in proc.stdout and "hook-ring-fp16" in proc.stdout
+    data = json.loads(out_json.read_text())
+    assert [r["variant"] for r in data["rows"]] == ["torch-gloo", "hook-allreduce",
+                                                   "hook-ring-fp16"]
+    assert all(r["steps"] == 4 and r["median_ms"] > 0 for r in data["rows"])
+    assert data["rows"][0]["speedup_vs_torch-gloo"] == 1.0
+    assert len(data["meta"]["commit"]) >= 40 and out_png.stat().st_size > 0
