@@ -350,6 +350,42 @@ def _bad_inputs(comm):
     return errors
 
 
+def _step_after_failed_step(comm):
+    """A loss_fn that raises in one step (bad target, OOM skipped by the
+    user...) must not poison the next: one rank, two stages in memory."""
+    import pycomm.pipeline as pp
+
+    calls = []
+
+    def flaky_loss(out, target):
+        calls.append(1)
+        if len(calls) == 2:  # the second microbatch of the first step
+            raise ValueError("bad target")
+        return _loss(out, target)
+
+    parts = pp.split_sequential(_model(2), 2, balance=[2, 2])
+    stages = [pp.PipelineStage(parts[s], s, 2, comm) for s in range(2)]
+    sched = pp.ScheduleInterleaved1F1B(stages, 4, flaky_loss)
+    x, y = _batch(8)
+    with pytest.raises(ValueError, match="bad target"):
+        sched.step(x, target=y)
+    for p in parts:
+        p.zero_grad()
+    losses: list = []
+    sched.step(x, target=y, losses=losses)
+    assert [s.live_microbatches for s in stages] == [0, 0]
+    return [float(v) for v in losses], [[q.grad.clone() for q in p.parameters()] for p in parts]
+
+
+def test_step_after_a_failed_step_starts_clean():
+    losses, grads = run_ranks(_step_after_failed_step, 1, TRANSPORT)[0]
+    ref_losses, ref_grads = _reference(2, 4, 8)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+    for got, want in zip(grads, ref_grads):
+        for g, ref in zip(got, want):
+            torch.testing.assert_close(g, ref, **TOL)
+
+
 def test_bad_input_raises_clear_errors():
     per_rank = run_ranks(_bad_inputs, 2, TRANSPORT)
     assert len(per_rank[0]) == len(per_rank[1]) == 14

@@ -145,7 +145,14 @@ class PipelineSchedule:
             raise ValueError("the rank holding the last stage must pass target=... to step()")
         run = _Run(self, split_microbatches(args, m, "step's inputs") if args else None,
                    split_microbatches(target, m, "target") if last is not None else None)
-        run.execute(self.actions)
+        try:
+            run.execute(self.actions)
+        except BaseException:
+            # The step is lost: free its activations, so that the next step
+            # starts clean (not with "forward ... ran twice").
+            for stage in self._stages.values():
+                stage.discard_microbatches()
+            raise
         if self.dp_comm is not None:
             _average_gradients([s.submod for s in self._stages.values()], self.dp_comm)
         if last is None:

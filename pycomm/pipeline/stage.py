@@ -125,6 +125,12 @@ class PipelineStage:
         self.peak_live_microbatches = len(self._mbs)
         self.peak_live_bytes = self._live_bytes
 
+    def discard_microbatches(self) -> None:
+        """Drops the activations of microbatches whose backward will not run
+        (the schedules call it when a step fails)."""
+        self._mbs.clear()
+        self._live_bytes = 0
+
     def __repr__(self) -> str:
         return (f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, "
                 f"rank={self.comm.rank}, checkpoint={self.checkpoint!r})")
