@@ -323,6 +323,28 @@ def test_frozen_parameters_broadcast_from_rank0(world_size):
     run_ranks(_frozen_case, world_size, "shm")
 
 
+def _frozen_mismatch_case(comm):
+    # Frozen parameters are broadcast too: ranks whose frozen shapes differ
+    # (or that freeze different parameters) must raise, not broadcast garbage.
+    model = _frozen_model(1)
+    if comm.rank == 1:
+        model[0] = nn.Linear(6, 8).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"parameter 0 \('0.weight'.*frozen float32 on rank 1"):
+        _pycomm_ddp(comm, model)
+    model = _mlp(1)
+    if comm.rank == 1:
+        model[0].bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"'0.bias'.*float32 on rank 0 but .* frozen float32"):
+        _pycomm_ddp(comm, model)
+    t = torch.ones(3)
+    comm.all_reduce(t)  # collectives still matched up on every rank
+    assert torch.all(t == comm.world_size)
+
+
+def test_frozen_parameter_mismatch_raises_on_every_rank():
+    run_ranks(_frozen_mismatch_case, 2, "shm", timeout=60)
+
+
 def _bn_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
