@@ -265,6 +265,31 @@ def test_integer_only_activations_send_no_gradient(schedule):
         torch.testing.assert_close(g, q.grad, **TOL)
 
 
+def _state_sizes(obj) -> dict:
+    return {k: len(v) for k, v in vars(obj).items() if isinstance(v, (dict, list, set))}
+
+
+def _shape_churn(comm):
+    """Many steps, each with another sequence length: what the schedule and
+    the stage keep must not grow with the number of shapes seen."""
+    import pycomm.pipeline as pp
+
+    parts = _tuple_model(2)
+    stage = pp.PipelineStage(parts[comm.rank], comm.rank, 2, comm)
+    sched = pp.Schedule1F1B(stage, 2, _loss)
+    sizes = []
+    for step in range(12):
+        x, y = _seq_batch(4, 2 + step, step)
+        sched.step(x) if stage.is_first else sched.step(target=y)
+        sizes.append((_state_sizes(sched), _state_sizes(stage)))
+    return sizes
+
+
+def test_state_does_not_grow_with_distinct_shapes():
+    for sizes in run_ranks(_shape_churn, 2, TRANSPORT):
+        assert sizes[-1] == sizes[1], (sizes[1], sizes[-1])
+
+
 # ---------------------------------------------------------------- checkpointing
 
 def test_checkpoint_always_matches_one_process():

@@ -108,7 +108,6 @@ class PipelineSchedule:
         self.dp_comm = dp_comm
         world = self.comm.world_size
         self.actions = actions(self.num_stages, world, n_microbatches)[self.comm.rank]
-        self._header_cache: dict[tuple[int, ...], tuple[TensorMeta, ...]] = {}
 
     # -- public ---------------------------------------------------------------
     def step(self, *args: Any, target: Any = None, losses: list | None = None) -> Any:
@@ -284,7 +283,7 @@ class _Run:
         payload_recvs: list[P2POp] = []
         pending = []
         for a, h in header_recvs:
-            metas = self._decode(h)
+            metas = decode_header(h)
             bufs = [wire_buffer(m, device) for m in metas]
             payload_recvs += [P2POp("irecv", b, a.peer) for b in bufs]
             pending.append(((a.stage, a.microbatch), metas, bufs))
@@ -308,15 +307,6 @@ class _Run:
         work = self.s.comm.batch_isend_irecv(ops)[0]
         self.in_flight.append((work, keep))
         return work
-
-    def _decode(self, header: torch.Tensor) -> tuple[TensorMeta, ...]:
-        # Shapes rarely change between microbatches and steps: parse each
-        # distinct header once.
-        key = tuple(header.tolist())
-        metas = self.s._header_cache.get(key)
-        if metas is None:
-            metas = self.s._header_cache[key] = decode_header(header)
-        return metas
 
 
 def _wait_received(work: Work | None) -> None:
