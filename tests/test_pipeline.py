@@ -290,6 +290,28 @@ def test_state_does_not_grow_with_distinct_shapes():
         assert sizes[-1] == sizes[1], (sizes[1], sizes[-1])
 
 
+def test_balance_by_time_leaves_the_model_untouched():
+    # Profiling must not train the model: BatchNorm statistics, gradients and
+    # the RNG stay as they were (torchgpipe times copies of the layers).
+    from pycomm.pipeline import balance_by_time, split_sequential
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
+                          nn.Dropout(0.5), nn.Linear(WIDTH, WIDTH))
+    model(torch.randn(4, WIDTH)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    sample = torch.randn(8, WIDTH)
+    rng = torch.get_rng_state()
+    balance = balance_by_time(model, sample, 2)
+    assert len(split_sequential(model, 2, balance=balance)) == 2 and sum(balance) == 5
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    for p, g in zip(model.parameters(), grads):
+        assert p.grad is not None and torch.equal(p.grad, g)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
 # ---------------------------------------------------------------- checkpointing
 
 def test_checkpoint_always_matches_one_process():
