@@ -322,6 +322,40 @@ def test_checkpoint_always_matches_one_process():
         assert per_rank[r][1]["peak_bytes"][r] > 0
 
 
+def _bn_model() -> nn.Sequential:
+    torch.manual_seed(6)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
+                         nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH))
+
+
+def _bn_checkpointed(comm, checkpoint: str):
+    """Two stages on one rank; returns the BatchNorm buffers and gradients."""
+    import pycomm.pipeline as pp
+
+    parts = pp.split_sequential(_bn_model(), 2, balance=[3, 2])
+    stages = [pp.PipelineStage(parts[s], s, 2, comm, checkpoint=checkpoint) for s in range(2)]
+    x, y = _batch(12)
+    pp.ScheduleInterleaved1F1B(stages, 4, _loss).step(x, target=y)
+    model = nn.Sequential(*parts)
+    return [b.clone() for b in model.buffers()], [q.grad.clone() for q in model.parameters()]
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_checkpoint_updates_batchnorm_statistics_once(checkpoint):
+    # The recomputation in backward must not count a microbatch twice in the
+    # running statistics: they equal one process's, microbatch by microbatch.
+    buffers, grads = run_ranks(_bn_checkpointed, 1, TRANSPORT, checkpoint)[0]
+    model = _bn_model()
+    x, y = _batch(12)
+    torch.stack([_loss(model(a), b) for a, b in zip(x.chunk(4), y.chunk(4))]).mean().backward()
+    want = list(model.named_buffers())
+    assert len(buffers) == len(want) == 6
+    for b, (name, v) in zip(buffers, want):
+        torch.testing.assert_close(b, v, **TOL, msg=name)
+    for g, q in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, q.grad, **TOL)
+
+
 def _dropout_grads(comm, checkpoint: str):
     import pycomm.pipeline as pp
 
