@@ -345,6 +345,28 @@ def test_frozen_parameter_mismatch_raises_on_every_rank():
     run_ranks(_frozen_mismatch_case, 2, "shm", timeout=60)
 
 
+def _coalesced_layouts_case(comm):
+    from pycomm.parallel._sync import broadcast_coalesced
+
+    r = comm.rank
+    # Odd byte counts before a non-contiguous tensor (e.g. a bool buffer, then
+    # a channels_last weight): its bytes start at an unaligned offset.
+    mask = torch.full((3,), r == 0)
+    weight = torch.full((4, 5), float(r + 1)).t()
+    half = torch.full((3,), float(r + 1), dtype=torch.float16)
+    grid = torch.arange(24.0).reshape(2, 3, 4).permute(2, 0, 1) * (r + 1)
+    broadcast_coalesced(comm, [mask, weight, half, grid], src=0)
+    assert not weight.is_contiguous() and not grid.is_contiguous()
+    assert torch.equal(mask, torch.ones(3, dtype=torch.bool))
+    assert torch.equal(weight, torch.ones(5, 4))
+    assert torch.equal(half, torch.ones(3, dtype=torch.float16))
+    assert torch.equal(grid, torch.arange(24.0).reshape(2, 3, 4).permute(2, 0, 1))
+
+
+def test_broadcast_coalesced_unaligned_non_contiguous():
+    run_ranks(_coalesced_layouts_case, 2, "shm")
+
+
 def _bn_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))

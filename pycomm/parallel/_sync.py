@@ -69,8 +69,8 @@ def broadcast_coalesced(comm: Communicator, tensors: Sequence[torch.Tensor], src
                 piece = flat[offset:offset + n]
                 if t.is_contiguous():
                     t.detach().reshape(-1).view(torch.uint8).copy_(piece)
-                else:
-                    t.detach().copy_(piece.view(t.dtype).view(t.shape))
+                else:  # clone: piece may start at an offset t's dtype cannot view
+                    t.detach().copy_(piece.clone().view(t.dtype).view(t.shape))
                 offset += n
 
 
