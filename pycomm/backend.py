@@ -115,7 +115,9 @@ def _create_backend(dist_opts: Any, pg_options: Any) -> Any:
     wrapped in the C++ ``ProcessGroupPycomm``."""
     global _world_options
     if pg_options is None:
-        opts = _world_options or Options()
+        # A new_group inherits the default group's options; a new default
+        # group starts from the defaults, not from a destroyed one's.
+        opts = (_world_options if dist.is_initialized() else None) or Options()
     elif isinstance(pg_options, Options):
         opts = pg_options
     else:

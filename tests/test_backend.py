@@ -271,6 +271,31 @@ def test_groups_options_and_errors():
     assert spawn_ranks(_groups_options_errors, 3, timeout=240) == [["ok"]] * 3
 
 
+def _reinit_without_options(rank: int, world_size: int, port: int) -> list:
+    import torch.distributed as dist
+
+    import pycomm
+
+    store = client_store(port, world_size)
+    transports = []
+    for k, options in enumerate([pycomm.backend.Options(transport="gloo"), None]):
+        dist.init_process_group("pycomm", store=dist.PrefixStore(f"init{k}", store), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=60),
+                                pg_options=options)
+        try:
+            transports.append(pycomm.backend.get_communicator().transport)
+        finally:
+            dist.destroy_process_group()
+    return transports
+
+
+def test_new_default_group_does_not_inherit_a_destroyed_ones_options(monkeypatch):
+    # The second init_process_group has no pg_options: defaults ("auto": shm
+    # on one host), not the options of the group destroyed before it.
+    monkeypatch.delenv("PYCOMM_BACKEND_TRANSPORT", raising=False)
+    assert spawn_ranks(_reinit_without_options, 2, timeout=120) == [["gloo", "shm"]] * 2
+
+
 # ---------------------------------------------------------------- torch DDP
 
 def _mlp(hidden: int = 64, depth: int = 2) -> torch.nn.Module:

@@ -297,6 +297,76 @@ def test_unused_parameter_without_find_unused_raises_everywhere(world_size, user
 
 # ---------------------------------------------------------------- buffers
 
+def _frozen_model(seed: int) -> nn.Module:
+    """An MLP whose first layer is frozen (requires_grad=False), as in fine-tuning."""
+    model = _mlp(seed)
+    model[0].requires_grad_(False)
+    return model
+
+
+def _frozen_case(comm):
+    n, r = comm.world_size, comm.rank
+    batches = _batches(n)
+    ours = _pycomm_ddp(comm, _frozen_model(200 + r))  # frozen weights differ per rank
+    theirs = _torch_ddp(comm, _frozen_model(200 + r))
+    # As torch's DDP: the constructor copies rank 0's parameters, frozen ones too.
+    _assert_same_params(ours.module, _frozen_model(200), "frozen layer after the constructor",
+                        rtol=0, atol=0)
+    _train(ours, batches, r)
+    _train(theirs, batches, r)
+    _assert_same_params(ours.module, _train(_frozen_model(200), batches), "vs full batch")
+    _assert_same_params(ours.module, theirs.module, "vs torch DDP")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_frozen_parameters_broadcast_from_rank0(world_size):
+    run_ranks(_frozen_case, world_size, "shm")
+
+
+def _frozen_mismatch_case(comm):
+    # Frozen parameters are broadcast too: ranks whose frozen shapes differ
+    # (or that freeze different parameters) must raise, not broadcast garbage.
+    model = _frozen_model(1)
+    if comm.rank == 1:
+        model[0] = nn.Linear(6, 8).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"parameter 0 \('0.weight'.*frozen float32 on rank 1"):
+        _pycomm_ddp(comm, model)
+    model = _mlp(1)
+    if comm.rank == 1:
+        model[0].bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"'0.bias'.*float32 on rank 0 but .* frozen float32"):
+        _pycomm_ddp(comm, model)
+    t = torch.ones(3)
+    comm.all_reduce(t)  # collectives still matched up on every rank
+    assert torch.all(t == comm.world_size)
+
+
+def test_frozen_parameter_mismatch_raises_on_every_rank():
+    run_ranks(_frozen_mismatch_case, 2, "shm", timeout=60)
+
+
+def _coalesced_layouts_case(comm):
+    from pycomm.parallel._sync import broadcast_coalesced
+
+    r = comm.rank
+    # Odd byte counts before a non-contiguous tensor (e.g. a bool buffer, then
+    # a channels_last weight): its bytes start at an unaligned offset.
+    mask = torch.full((3,), r == 0)
+    weight = torch.full((4, 5), float(r + 1)).t()
+    half = torch.full((3,), float(r + 1), dtype=torch.float16)
+    grid = torch.arange(24.0).reshape(2, 3, 4).permute(2, 0, 1) * (r + 1)
+    broadcast_coalesced(comm, [mask, weight, half, grid], src=0)
+    assert not weight.is_contiguous() and not grid.is_contiguous()
+    assert torch.equal(mask, torch.ones(3, dtype=torch.bool))
+    assert torch.equal(weight, torch.ones(5, 4))
+    assert torch.equal(half, torch.ones(3, dtype=torch.float16))
+    assert torch.equal(grid, torch.arange(24.0).reshape(2, 3, 4).permute(2, 0, 1))
+
+
+def test_broadcast_coalesced_unaligned_non_contiguous():
+    run_ranks(_coalesced_layouts_case, 2, "shm")
+
+
 def _bn_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))

@@ -229,6 +229,89 @@ def test_tuple_outputs_masks_and_changing_shapes(world_size, schedule, m):
                 torch.testing.assert_close(g, want, **TOL, msg=f"step {step} stage {r}")
 
 
+class _Argmax(nn.Module):
+    def forward(self, x):
+        return x.argmax(dim=1)
+
+
+def _token_model() -> list[nn.Module]:
+    """Stage 0 hands only integer tokens to stage 1: no gradient flows back."""
+    torch.manual_seed(4)
+    return [nn.Sequential(nn.Linear(WIDTH, 4), _Argmax()),
+            nn.Sequential(nn.Embedding(4, WIDTH), nn.Linear(WIDTH, WIDTH))]
+
+
+def _token_step(comm, schedule: str, m: int, rows: int):
+    import pycomm.pipeline as pp
+
+    stage = pp.PipelineStage(_token_model()[comm.rank], comm.rank, 2, comm)
+    cls = pp.ScheduleGPipe if schedule == "gpipe" else pp.Schedule1F1B
+    x, y = _batch(rows)
+    sched = cls(stage, m, _loss)
+    sched.step(x) if stage.is_first else sched.step(target=y)
+    return [None if q.grad is None else q.grad.clone() for q in stage.submod.parameters()]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_integer_only_activations_send_no_gradient(schedule):
+    m, rows = 4, 10
+    per_rank = run_ranks(_token_step, 2, TRANSPORT, schedule, m, rows)
+    parts = _token_model()
+    x, y = _batch(rows)
+    torch.stack([_loss(parts[1](parts[0](a)), b)
+                 for a, b in zip(x.chunk(m), y.chunk(m))]).mean().backward()
+    assert per_rank[0] == [None, None]  # argmax: stage 0 gets no gradient, as in one process
+    for g, q in zip(per_rank[1], parts[1].parameters()):
+        torch.testing.assert_close(g, q.grad, **TOL)
+
+
+def _state_sizes(obj) -> dict:
+    return {k: len(v) for k, v in vars(obj).items() if isinstance(v, (dict, list, set))}
+
+
+def _shape_churn(comm):
+    """Many steps, each with another sequence length: what the schedule and
+    the stage keep must not grow with the number of shapes seen."""
+    import pycomm.pipeline as pp
+
+    parts = _tuple_model(2)
+    stage = pp.PipelineStage(parts[comm.rank], comm.rank, 2, comm)
+    sched = pp.Schedule1F1B(stage, 2, _loss)
+    sizes = []
+    for step in range(12):
+        x, y = _seq_batch(4, 2 + step, step)
+        sched.step(x) if stage.is_first else sched.step(target=y)
+        sizes.append((_state_sizes(sched), _state_sizes(stage)))
+    return sizes
+
+
+def test_state_does_not_grow_with_distinct_shapes():
+    for sizes in run_ranks(_shape_churn, 2, TRANSPORT):
+        assert sizes[-1] == sizes[1], (sizes[1], sizes[-1])
+
+
+def test_balance_by_time_leaves_the_model_untouched():
+    # Profiling must not train the model: BatchNorm statistics, gradients and
+    # the RNG stay as they were (torchgpipe times copies of the layers).
+    from pycomm.pipeline import balance_by_time, split_sequential
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
+                          nn.Dropout(0.5), nn.Linear(WIDTH, WIDTH))
+    model(torch.randn(4, WIDTH)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    sample = torch.randn(8, WIDTH)
+    rng = torch.get_rng_state()
+    balance = balance_by_time(model, sample, 2)
+    assert len(split_sequential(model, 2, balance=balance)) == 2 and sum(balance) == 5
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    for p, g in zip(model.parameters(), grads):
+        assert p.grad is not None and torch.equal(p.grad, g)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
 # ---------------------------------------------------------------- checkpointing
 
 def test_checkpoint_always_matches_one_process():
@@ -237,6 +320,40 @@ def test_checkpoint_always_matches_one_process():
     _check_against_reference(per_rank, 2, 1, splits)
     for r in range(2):
         assert per_rank[r][1]["peak_bytes"][r] > 0
+
+
+def _bn_model() -> nn.Sequential:
+    torch.manual_seed(6)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
+                         nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH))
+
+
+def _bn_checkpointed(comm, checkpoint: str):
+    """Two stages on one rank; returns the BatchNorm buffers and gradients."""
+    import pycomm.pipeline as pp
+
+    parts = pp.split_sequential(_bn_model(), 2, balance=[3, 2])
+    stages = [pp.PipelineStage(parts[s], s, 2, comm, checkpoint=checkpoint) for s in range(2)]
+    x, y = _batch(12)
+    pp.ScheduleInterleaved1F1B(stages, 4, _loss).step(x, target=y)
+    model = nn.Sequential(*parts)
+    return [b.clone() for b in model.buffers()], [q.grad.clone() for q in model.parameters()]
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_checkpoint_updates_batchnorm_statistics_once(checkpoint):
+    # The recomputation in backward must not count a microbatch twice in the
+    # running statistics: they equal one process's, microbatch by microbatch.
+    buffers, grads = run_ranks(_bn_checkpointed, 1, TRANSPORT, checkpoint)[0]
+    model = _bn_model()
+    x, y = _batch(12)
+    torch.stack([_loss(model(a), b) for a, b in zip(x.chunk(4), y.chunk(4))]).mean().backward()
+    want = list(model.named_buffers())
+    assert len(buffers) == len(want) == 6
+    for b, (name, v) in zip(buffers, want):
+        torch.testing.assert_close(b, v, **TOL, msg=name)
+    for g, q in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, q.grad, **TOL)
 
 
 def _dropout_grads(comm, checkpoint: str):
@@ -312,6 +429,42 @@ def _bad_inputs(comm):
     expect(ValueError, "balance", lambda: pp.split_sequential(_model(2), 2, balance=[1, 1]))
     expect(TypeError, "nn.Sequential", lambda: pp.split_sequential(nn.Linear(2, 2), 1))
     return errors
+
+
+def _step_after_failed_step(comm):
+    """A loss_fn that raises in one step (bad target, OOM skipped by the
+    user...) must not poison the next: one rank, two stages in memory."""
+    import pycomm.pipeline as pp
+
+    calls = []
+
+    def flaky_loss(out, target):
+        calls.append(1)
+        if len(calls) == 2:  # the second microbatch of the first step
+            raise ValueError("bad target")
+        return _loss(out, target)
+
+    parts = pp.split_sequential(_model(2), 2, balance=[2, 2])
+    stages = [pp.PipelineStage(parts[s], s, 2, comm) for s in range(2)]
+    sched = pp.ScheduleInterleaved1F1B(stages, 4, flaky_loss)
+    x, y = _batch(8)
+    with pytest.raises(ValueError, match="bad target"):
+        sched.step(x, target=y)
+    for p in parts:
+        p.zero_grad()
+    losses: list = []
+    sched.step(x, target=y, losses=losses)
+    assert [s.live_microbatches for s in stages] == [0, 0]
+    return [float(v) for v in losses], [[q.grad.clone() for q in p.parameters()] for p in parts]
+
+
+def test_step_after_a_failed_step_starts_clean():
+    losses, grads = run_ranks(_step_after_failed_step, 1, TRANSPORT)[0]
+    ref_losses, ref_grads = _reference(2, 4, 8)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+    for got, want in zip(grads, ref_grads):
+        for g, ref in zip(got, want):
+            torch.testing.assert_close(g, ref, **TOL)
 
 
 def test_bad_input_raises_clear_errors():

@@ -69,27 +69,27 @@ def broadcast_coalesced(comm: Communicator, tensors: Sequence[torch.Tensor], src
                 piece = flat[offset:offset + n]
                 if t.is_contiguous():
                     t.detach().reshape(-1).view(torch.uint8).copy_(piece)
-                else:
-                    t.detach().copy_(piece.view(t.dtype).view(t.shape))
+                else:  # clone: piece may start at an offset t's dtype cannot view
+                    t.detach().copy_(piece.clone().view(t.dtype).view(t.shape))
                 offset += n
 
 
 def _describe(params: Sequence[torch.Tensor]) -> list[int]:
-    """[count, then per parameter: dtype code, ndim, *shape]."""
+    """[count, then per parameter: dtype code, requires_grad, ndim, *shape]."""
     out = [len(params)]
     for p in params:
-        out += [_DTYPE_CODE.get(p.dtype, _OTHER_DTYPE), p.dim(), *p.shape]
+        out += [_DTYPE_CODE.get(p.dtype, _OTHER_DTYPE), int(p.requires_grad), p.dim(), *p.shape]
     return out
 
 
 def _decode(desc: list[int]) -> list[tuple[str, tuple[int, ...]]]:
-    """Inverse of _describe: [(dtype name, shape)]."""
+    """Inverse of _describe: [(dtype name, or "frozen <dtype name>", shape)]."""
     out, i = [], 1
     for _ in range(desc[0]):
-        code, ndim = desc[i], desc[i + 1]
+        code, trained, ndim = desc[i], desc[i + 1], desc[i + 2]
         name = str(_DTYPES[code]).replace("torch.", "") if code < len(_DTYPES) else "other"
-        out.append((name, tuple(desc[i + 2:i + 2 + ndim])))
-        i += 2 + ndim
+        out.append((name if trained else f"frozen {name}", tuple(desc[i + 3:i + 3 + ndim])))
+        i += 3 + ndim
     return out
 
 
@@ -110,7 +110,8 @@ def _gather_lists(comm: Communicator, values: list[int]) -> list[list[int]]:
 
 def check_same_parameters(comm: Communicator, params: Sequence[torch.Tensor],
                           names: Sequence[str], local_error: str | None = None) -> None:
-    """Raises on every rank unless all ranks have the same parameter shapes and dtypes.
+    """Raises on every rank unless all ranks have the same parameter shapes,
+    dtypes and ``requires_grad`` flags.
 
     A rank that already failed its own checks passes ``local_error``: the
     other ranks then raise too (naming it and its message) instead of waiting
@@ -119,7 +120,7 @@ def check_same_parameters(comm: Communicator, params: Sequence[torch.Tensor],
 
     Args:
         comm: the communicator (a collective: every rank calls it).
-        params: this rank's parameters, in registration order.
+        params: this rank's parameters (frozen ones too), in registration order.
         names: their names, for the error message.
         local_error: this rank's own error message, if any.
 
@@ -146,8 +147,8 @@ def check_same_parameters(comm: Communicator, params: Sequence[torch.Tensor],
         other = _decode(descs[r])
         if len(other) != len(ref):
             raise ValueError(
-                f"DistributedDataParallel: rank 0 has {len(ref)} parameters that require "
-                f"grad but rank {r} has {len(other)}; every rank must wrap the same model")
+                f"DistributedDataParallel: rank 0 has {len(ref)} parameters but rank {r} has "
+                f"{len(other)}; every rank must wrap the same model")
         i = next(k for k in range(len(ref)) if ref[k] != other[k])
         raise ValueError(
             f"DistributedDataParallel: parameter {i} ({names[i]!r} on rank {comm.rank}) is "

@@ -241,12 +241,16 @@ class DistributedDataParallel(nn.Module):
         except (TypeError, ValueError) as e:
             local_error = e
         # A collective even when this rank failed, so the others raise too.
-        check_same_parameters(comm, self._params, self._names,
+        every = list(module.named_parameters())  # frozen ones are broadcast too
+        check_same_parameters(comm, [p for _, p in every], [n for n, _ in every],
                               str(local_error) if local_error else None)
         if local_error is not None:
             raise local_error
-        # As torch: broadcast_buffers=False keeps rank-local buffers, at init too.
-        synced = self._params + (self._module_buffers if self.broadcast_buffers else [])
+        # As torch: every parameter, frozen ones (requires_grad=False) too, so
+        # that all ranks compute with rank 0's model; broadcast_buffers=False
+        # keeps rank-local buffers, at init too.
+        synced = [p for _, p in every] + (
+            self._module_buffers if self.broadcast_buffers else [])
         broadcast_coalesced(comm, synced, src=0)
 
         n = len(self._params)

@@ -108,7 +108,6 @@ class PipelineSchedule:
         self.dp_comm = dp_comm
         world = self.comm.world_size
         self.actions = actions(self.num_stages, world, n_microbatches)[self.comm.rank]
-        self._header_cache: dict[tuple[int, ...], tuple[TensorMeta, ...]] = {}
 
     # -- public ---------------------------------------------------------------
     def step(self, *args: Any, target: Any = None, losses: list | None = None) -> Any:
@@ -145,7 +144,14 @@ class PipelineSchedule:
             raise ValueError("the rank holding the last stage must pass target=... to step()")
         run = _Run(self, split_microbatches(args, m, "step's inputs") if args else None,
                    split_microbatches(target, m, "target") if last is not None else None)
-        run.execute(self.actions)
+        try:
+            run.execute(self.actions)
+        except BaseException:
+            # The step is lost: free its activations, so that the next step
+            # starts clean (not with "forward ... ran twice").
+            for stage in self._stages.values():
+                stage.discard_microbatches()
+            raise
         if self.dp_comm is not None:
             _average_gradients([s.submod for s in self._stages.values()], self.dp_comm)
         if last is None:
@@ -170,8 +176,10 @@ class _Run:
         self.acts: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}   # produced (stage, mb)
         self.grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # produced input grads
         # received, not yet consumed: (stage, mb) -> (work, metas, buffers)
-        self.recv_acts: dict[tuple[int, int], tuple[Work, tuple[TensorMeta, ...], list]] = {}
-        self.recv_grads: dict[tuple[int, int], tuple[Work, list]] = {}
+        # (Work None: nothing to receive, e.g. no gradient for integer outputs)
+        self.recv_acts: dict[tuple[int, int],
+                             tuple[Work | None, tuple[TensorMeta, ...], list]] = {}
+        self.recv_grads: dict[tuple[int, int], tuple[Work | None, list]] = {}
         self.in_flight: list[tuple[Work, list]] = []  # sends: keep buffers alive
         self.losses: dict[int, torch.Tensor] = {}
         self.last_outputs: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -203,7 +211,7 @@ class _Run:
             inputs = as_tuple(self.inputs[a.microbatch], "step's inputs")
         elif key in self.recv_acts:
             work, metas, bufs = self.recv_acts.pop(key)
-            work.wait()
+            _wait_received(work)
             inputs = tuple(from_wire(b, m) for b, m in zip(bufs, metas))
         else:  # the previous stage is on this rank
             inputs = self.acts.pop((a.stage - 1, a.microbatch))
@@ -225,7 +233,7 @@ class _Run:
         if not stage.is_last:
             if key in self.recv_grads:
                 work, bufs = self.recv_grads.pop(key)
-                work.wait()
+                _wait_received(work)
                 grads = tuple(bufs)
             else:
                 grads = self.grads.pop((a.stage + 1, a.microbatch))
@@ -275,7 +283,7 @@ class _Run:
         payload_recvs: list[P2POp] = []
         pending = []
         for a, h in header_recvs:
-            metas = self._decode(h)
+            metas = decode_header(h)
             bufs = [wire_buffer(m, device) for m in metas]
             payload_recvs += [P2POp("irecv", b, a.peer) for b in bufs]
             pending.append(((a.stage, a.microbatch), metas, bufs))
@@ -300,14 +308,12 @@ class _Run:
         self.in_flight.append((work, keep))
         return work
 
-    def _decode(self, header: torch.Tensor) -> tuple[TensorMeta, ...]:
-        # Shapes rarely change between microbatches and steps: parse each
-        # distinct header once.
-        key = tuple(header.tolist())
-        metas = self.s._header_cache.get(key)
-        if metas is None:
-            metas = self.s._header_cache[key] = decode_header(header)
-        return metas
+
+def _wait_received(work: Work | None) -> None:
+    """Waits for a receive; None when it carried no tensor (a stage whose
+    outputs are all integer gets no gradient back, so nothing was posted)."""
+    if work is not None:
+        work.wait()
 
 
 def _average_gradients(modules: list[torch.nn.Module], dp_comm: Communicator) -> None:

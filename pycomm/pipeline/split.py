@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any, Sequence
 
@@ -82,7 +83,10 @@ def balance_by_time(model: nn.Sequential, sample: Any, num_stages: int,
         raise TypeError(f"model must be an nn.Sequential, got {type(model).__name__}")
     x = sample
     times = []
-    for layer in model.children():
+    # Copies of the layers are timed (as torchgpipe does) and the RNG is put
+    # back: profiling must not move BatchNorm statistics, .grads or the RNG.
+    rng = torch.get_rng_state()
+    for layer in map(copy.deepcopy, model.children()):
         best = float("inf")
         for _ in range(max(1, repeats)):
             inputs = tuple(t.detach().requires_grad_(t.is_floating_point())
@@ -95,7 +99,7 @@ def balance_by_time(model: nn.Sequential, sample: Any, num_stages: int,
             best = min(best, time.perf_counter() - t0)
         times.append(best)
         x = tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
-    model.zero_grad(set_to_none=True)
+    torch.set_rng_state(rng)
     return _balance(times, num_stages)
 
 

@@ -125,6 +125,12 @@ class PipelineStage:
         self.peak_live_microbatches = len(self._mbs)
         self.peak_live_bytes = self._live_bytes
 
+    def discard_microbatches(self) -> None:
+        """Drops the activations of microbatches whose backward will not run
+        (the schedules call it when a step fails)."""
+        self._mbs.clear()
+        self._live_bytes = 0
+
     def __repr__(self) -> str:
         return (f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, "
                 f"rank={self.comm.rank}, checkpoint={self.checkpoint!r})")
@@ -198,7 +204,12 @@ class PipelineStage:
         """
         state = self._mbs.pop(mb)
         self._live_bytes -= state.saved_bytes
+        buffers: list[torch.Tensor] = []
         if state.outputs is None and state.loss is None:  # checkpointed: recompute
+            # The forward already counted this microbatch in the running
+            # statistics (BatchNorm); the recomputation must not count it again
+            # (put back after the backward, which may need the buffers' version).
+            buffers = [b.clone() for b in self.submod.buffers()]
             cuda = [self.device] if state.cuda_rng_state is not None else []
             with torch.random.fork_rng(devices=cuda):
                 torch.set_rng_state(state.rng_state)
@@ -216,6 +227,9 @@ class PipelineStage:
             roots, root_grads = [p[0] for p in pairs], [p[1] for p in pairs]
         if roots:
             torch.autograd.backward(roots, root_grads)
+        with torch.no_grad():
+            for buf, saved in zip(self.submod.buffers(), buffers):
+                buf.copy_(saved)
         if self.is_first:
             return None
         return tuple(x.grad if x.grad is not None else torch.zeros_like(x)
