@@ -118,7 +118,8 @@ class ShmTransport final : public Transport, public SharedBuffers {
   int num_buffers() const override;
   void* local(int which) override;
   const void* remote(int r, int which) const override;
-  void arrive_and_wait(uint64_t epoch) override;
+  void arrive_and_wait(uint64_t epoch, int which) override;
+  void begin_op(const OpHeader& h) override;
 
   const std::string& segment_name() const { return name_; }
   size_t segment_bytes() const { return map_bytes_; }
@@ -128,7 +129,10 @@ class ShmTransport final : public Transport, public SharedBuffers {
     char* buf;
     size_t bytes;
     size_t done;
+    bool first;  // no slot moved yet (an empty user message still takes one)
     Handle group;
+    OpHeader hdr;     // the collective it belongs to (seq 0: user p2p)
+    uint64_t packed;  // hdr.packed(), computed once
   };
   bool progress_send(int peer, int channel);
   bool progress_recv(int peer, int channel);
@@ -142,6 +146,13 @@ class ShmTransport final : public Transport, public SharedBuffers {
   void check_not_aborted(const char* what);
   void check_health(const char* what, int64_t deadline_ns);
   std::string pending_desc() const;
+  // Rank r's current op (RankInfo), false while it is being rewritten.
+  bool peer_op(int r, OpHeader* out) const;
+  // Fails if a peer runs a different op under our sequence number.
+  void check_peer_ops();
+  // Sets the shared abort word; the first rank to do so leaves `reason`.
+  void abort_with(const std::string& reason);
+  std::string aborted_by(uint32_t abort_word) const;
   bool peer_dead(int* who);
   [[noreturn]] void fail(const std::string& msg);
 

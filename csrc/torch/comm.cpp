@@ -251,15 +251,39 @@ void Comm::fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e
   work->fail(std::make_exception_ptr(CommError(msg.str())));
 }
 
-std::function<void(const Context&)> Comm::checked(Fingerprint fp,
-                                                  std::function<void(const Context&)> body) {
-  if (!options_.check) return body;
-  return [this, fp, body = std::move(body)](const Context& ctx) mutable {
-    fp.seq = ++coll_seq_;  // ops run one at a time: execution order
-    check_fingerprints(ctx, fp);
+std::function<void(const Context&)> Comm::collective(OpHeader h,
+                                                     std::function<void(const Context&)> body) {
+  return [this, h, check = options_.check, body = std::move(body)](const Context& ctx) mutable {
+    h.seq = ++coll_seq_;  // ops run one at a time: execution order
+    if (check) {
+      // The exchange carries a header equal on every rank, so that a
+      // mismatch surfaces as checked mode's report (ValueError, communicator
+      // usable) rather than as a header mismatch of its own messages.
+      OpHeader x;
+      x.seq = h.seq;
+      x.kind = static_cast<int32_t>(CollKind::kCheck);
+      ctx.transport.begin_op(x);
+      check_fingerprints(ctx, Fingerprint::of(h, static_cast<uint64_t>(options_.slice_bytes),
+                                              static_cast<uint64_t>(direct_max_bytes_)));
+    }
+    ctx.transport.begin_op(h);
     body(ctx);
   };
 }
+
+namespace {
+OpHeader header(CollKind kind, size_t count, int32_t dtype = -1, int32_t op = -1,
+                int32_t root = -1, AlgoKind algo = AlgoKind::kRing) {
+  OpHeader h;
+  h.kind = static_cast<int32_t>(kind);
+  h.count = count;
+  h.dtype = dtype;
+  h.op = op;
+  h.root = root;
+  h.algo = static_cast<int32_t>(algo);
+  return h;
+}
+}  // namespace
 
 bool Comm::poll_deferred() {
   for (auto it = deferred_.begin(); it != deferred_.end();) {
@@ -381,7 +405,8 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   void* data = t.data_ptr();
   const size_t count = t.numel();
   return run(kOp, {t},
-             checked({0, count, 0, int32_t(CollKind::kAllReduce), int32_t(dt), int32_t(rop)},
+             collective(header(CollKind::kAllReduce, count, int32_t(dt), int32_t(rop), -1,
+                               direct ? AlgoKind::kDirect : AlgoKind::kRing),
                      [=](const Context& ctx) {
                        if (direct) {
                          direct_all_reduce(ctx, data, count, dt, rop);
@@ -407,8 +432,8 @@ c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::T
   const size_t m = out.numel();
   const int r = rank_;
   return run(kOp, {out, work_buf},
-             checked({0, size_t(in.numel()), 0, int32_t(CollKind::kReduceScatter), int32_t(dt),
-                      int32_t(rop)},
+             collective(header(CollKind::kReduceScatter, size_t(in.numel()), int32_t(dt),
+                               int32_t(rop)),
                      [=](const Context& ctx) {
                ring_reduce_scatter(ctx, work_buf.data_ptr(), Chunks{m, 0}, dt, rop);
                const size_t es = dtype_size(dt);
@@ -430,8 +455,8 @@ c10::intrusive_ptr<Work> Comm::all_gather(const at::Tensor& out, const at::Tenso
   const size_t m = in.numel();
   const int r = rank_;
   return run(kOp, {out, in},
-             checked({0, m, 0, int32_t(CollKind::kAllGather),
-                      int32_t(to_dtype(in.scalar_type(), "input"))},
+             collective(header(CollKind::kAllGather, m,
+                               int32_t(to_dtype(in.scalar_type(), "input"))),
                      [=](const Context& ctx) {
                char* dst = static_cast<char*>(out.data_ptr()) + r * m * es;
                ctx.reducer.copy(dst, in.data_ptr(), m * es);
@@ -450,8 +475,8 @@ c10::intrusive_ptr<Work> Comm::broadcast(const at::Tensor& t, int src, const std
   void* data = t.data_ptr();
   const size_t bytes = t.nbytes();
   return run(kOp, {t},
-             checked({0, size_t(t.numel()), 0, int32_t(CollKind::kBroadcast),
-                      int32_t(to_dtype(t.scalar_type(), "tensor")), -1, src},
+             collective(header(CollKind::kBroadcast, size_t(t.numel()),
+                               int32_t(to_dtype(t.scalar_type(), "tensor")), -1, src),
                      [=](const Context& ctx) { chain_broadcast(ctx, data, bytes, src); }),
              async_op);
 }
@@ -493,7 +518,7 @@ c10::intrusive_ptr<Work> Comm::batch_p2p(const std::vector<TensorP2P>& reqs) {
 
 void Comm::barrier() {
   run("barrier", {},
-      checked({0, 0, 0, int32_t(CollKind::kBarrier)},
+      collective(header(CollKind::kBarrier, 0),
               [](const Context& ctx) { dissemination_barrier(ctx); }),
       false);
 }

@@ -118,11 +118,13 @@ class Comm {
   // pending isend never blocks a later irecv or collective.
   c10::intrusive_ptr<Work> run_p2p(const char* op, std::vector<at::Tensor> tensors,
                                    std::vector<P2POp> ops, bool async_op);
-  // Wraps a collective's body with the checked-mode fingerprint exchange;
-  // assigns the collective sequence number when the body runs (execution
-  // order, which is what pairs ops across ranks).
-  std::function<void(const Context&)> checked(Fingerprint fp,
-                                              std::function<void(const Context&)> body);
+  // Wraps a collective's body: assigns the collective sequence number when
+  // the body runs (execution order, which is what pairs ops across ranks),
+  // hands the op header to the transport (checked against the peers' on
+  // every transport, op_header.h), then runs the checked-mode fingerprint
+  // exchange when enabled.
+  std::function<void(const Context&)> collective(OpHeader h,
+                                                 std::function<void(const Context&)> body);
   bool poll_deferred();  // on the executing thread; true while any is pending
   void fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e);
   void check_open(const char* op) const;
@@ -139,7 +141,7 @@ class Comm {
   std::string transport_name_;
   std::vector<char> scratch_;
   std::atomic<uint64_t> seq_{0};
-  std::atomic<uint64_t> coll_seq_{0};  // collectives only (checked mode)
+  std::atomic<uint64_t> coll_seq_{0};  // collectives only (op headers, checked mode)
   long pid_;                           // creating process (fork detection)
   std::atomic<bool> closed_{false};
   std::atomic<bool> aborted_{false};
