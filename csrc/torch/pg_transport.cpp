@@ -105,11 +105,24 @@ void ProcessGroupTransport::accept_header(Message& m) {
     broadcast_abort(msg);
     throw CommError(msg);
   }
-  const OpHeader theirs = OpHeader::unpack(w.seq, w.count, w.packed);
-  if (m.channel == kCollective && theirs != m.hdr) {
-    const std::string msg = "gloo transport: " + mismatch_message(rank_, m.hdr, m.peer, theirs);
+  // On a mismatch, take the payload into scratch memory first (its sender
+  // then completes and learns the reason at its next receive from this
+  // rank), then tell every peer and raise.
+  auto reject = [&](const std::string& msg) {
+    if (w.bytes > 0 && w.bytes <= (uint64_t{1} << 32)) {
+      try {
+        std::vector<at::Tensor> t{at::empty({static_cast<int64_t>(w.bytes)},
+                                            at::TensorOptions().dtype(at::kByte))};
+        backend_->recv(t, m.peer, payload_tag(m.channel, m.index))->wait(kAbortNotice);
+      } catch (const std::exception&) {
+      }
+    }
     broadcast_abort(msg);
     throw CommError(msg);
+  };
+  const OpHeader theirs = OpHeader::unpack(w.seq, w.count, w.packed);
+  if (m.channel == kCollective && theirs != m.hdr) {
+    reject("gloo transport: " + mismatch_message(rank_, m.hdr, m.peer, theirs));
   }
   if (w.bytes != m.bytes) {
     std::ostringstream msg;
@@ -117,8 +130,7 @@ void ProcessGroupTransport::accept_header(Message& m) {
         << " bytes from rank " << m.peer << " but it sent " << w.bytes << " bytes"
         << (m.channel == kUser ? " (point-to-point: the send and the recv tensors differ in size)"
                                : " (mismatched collective calls across ranks?)");
-    broadcast_abort(msg.str());
-    throw CommError(msg.str());
+    reject(msg.str());
   }
   if (m.bytes > 0) {
     std::vector<at::Tensor> t{bytes_of(m.buf, m.bytes)};
@@ -188,6 +200,11 @@ void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeo
       std::ostringstream msg;
       msg << "gloo " << describe(m.kind, m.peer) << " failed (" << part << ", timeout "
           << timeout.count() << " ms): " << e.what();
+      if (m.kind == P2POp::kSend) {
+        msg << " (a gloo send waits for the matching receive: did rank " << m.peer
+            << " fail, or does it run a different operation, e.g. a broadcast with another "
+               "root?)";
+      }
       for (auto& o : p.msgs) {
         for (auto* x : {&o.header_work, &o.payload_work}) {
           if (*x && x != &w) (*x)->abort();

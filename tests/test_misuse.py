@@ -1,0 +1,164 @@
+"""Misuse on default settings (no checked mode): mismatched calls across ranks
+raise CommError on every rank, naming the op, the ranks and what differs;
+nothing crashes (gloo used to SIGABRT), hangs or silently corrupts; the
+communicator is then marked failed and says so.
+
+Each case runs on a fresh communicator (a mismatch fails it), all cases of a
+transport in one set of spawned ranks (spawning costs seconds a process).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+
+from tests._dist import client_store, spawn_ranks
+
+COMM_TIMEOUT_S = 10.0
+
+
+def _cases(transport):
+    """(name, call(comm), fragments every rank's error must contain, or that
+    at least one rank's must where peers may learn of it only through the
+    abort)."""
+    def count(c):
+        c.all_reduce(torch.ones(4 + (c.rank == 1)))
+
+    def count_big(c):  # crosses a 256 KiB direct piece on one rank only
+        c.all_reduce(torch.ones(65536 + (c.rank == 1)))
+
+    def dtype(c):
+        c.all_reduce(torch.ones(8, dtype=torch.float64 if c.rank == 1 else torch.float32))
+
+    def op(c):
+        c.all_reduce(torch.ones(8), op="max" if c.rank == 1 else "sum")
+
+    def ring_count(c):
+        c.all_reduce(torch.ones(4 + (c.rank == 1)), algo="ring")
+
+    def both_roots(c):
+        c.broadcast(torch.ones(8), src=1 if c.rank == 1 else 0)
+        c.all_reduce(torch.ones(8))
+
+    def skipped(c):
+        if c.rank != 1:
+            c.all_reduce(torch.ones(8))
+        c.barrier()
+
+    def algo(c):
+        c.all_reduce(torch.ones(1024), algo="ring" if c.rank == 1 else "auto")
+
+    def p2p_sizes(c, n_send, n_recv):
+        if c.rank == 0:
+            c.send(torch.ones(n_send), 1)
+        elif c.rank == 1:
+            c.recv(torch.empty(n_recv), 0)
+        c.barrier()
+
+    cases = [
+        ("count", count, ["count differs", "all_reduce #1"]),
+        ("count across pieces", count_big, ["count differs", "65537"]),
+        ("dtype", dtype, ["dtype differs", "float32", "float64"]),
+        ("reduce op", op, ["reduce op differs", "sum", "max"]),
+        ("ring count", ring_count, ["count differs", "algo=ring"]),
+        ("both roots", both_roots, ["root"]),
+        ("skipped call", skipped, ["collective differs", "barrier", "all_reduce"]),
+        ("p2p big into small", lambda c: p2p_sizes(c, 8, 4),
+         ["expected a message of 16 bytes", "sent 32 bytes"]),
+        ("p2p 0 vs 3", lambda c: p2p_sizes(c, 0, 3),
+         ["expected a message of 12 bytes", "sent 0 bytes"]),
+    ]
+    if transport == "shm":
+        # gloo runs the ring for both
+        cases.append(("algo", algo, ["algo differs", "ring", "direct"]))
+    return cases
+
+
+# gloo: a rank blocked *sending* to the rank that failed (gloo sends wait for
+# the matching receive) learns of it only from its timeout or the failed
+# rank's exit; these cases allow that many ranks a plain CommError.
+_MAY_NOT_NAME = {("gloo", "both roots"): 3, ("gloo", "p2p big into small"): 1,
+                 ("gloo", "p2p 0 vs 3"): 1}
+
+
+def _run_cases(rank, world_size, port, transport):
+    import pycomm
+
+    out = []
+    for name, call, _ in _cases(transport):
+        comm = pycomm.init(rank=rank, world_size=world_size, store=client_store(port, world_size),
+                           transport=transport, timeout=timedelta(seconds=COMM_TIMEOUT_S))
+        err = None
+        try:
+            call(comm)
+        except pycomm.CommError as e:
+            err = str(e)
+        except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+            err = f"WRONG TYPE {type(e).__name__}: {e}"
+        after = None
+        if err is not None:
+            # marked failed, and says so
+            try:
+                comm.all_reduce(torch.ones(2))
+                after = "a later all_reduce succeeded"
+            except pycomm.CommError as e:
+                after = str(e)
+        comm.close()
+        out.append((name, err, after))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_mismatches_raise_on_every_rank(transport, world_size):
+    results = spawn_ranks(_run_cases, world_size, transport, timeout=600)
+    problems = []
+    for i, (name, _, fragments) in enumerate(_cases(transport)):
+        errs = [results[r][i][1] for r in range(world_size)]
+        afters = [results[r][i][2] for r in range(world_size)]
+        for r, (e, a) in enumerate(zip(errs, afters)):
+            if e is None:
+                problems.append(f"{name}: rank {r} raised nothing")
+                continue
+            if e.startswith("WRONG TYPE"):
+                problems.append(f"{name}: rank {r}: {e}")
+            if "aborted" not in a:
+                problems.append(f"{name}: rank {r}: later call gave {a!r}")
+        informed = [e for e in errs if e and all(f in e for f in fragments)]
+        need = max(0, world_size - _MAY_NOT_NAME.get((transport, name), 0))
+        if len(informed) < need:
+            problems.append(f"{name}: {len(informed)} of {world_size} ranks name what differs "
+                            f"({fragments}): {errs}")
+    assert not problems, "\n".join(problems)
+
+
+def _tunable(rank, world_size, port, check):
+    import pycomm
+
+    # PYCOMM_DIRECT_MAX_BYTES differs: rank 1 runs the ring where rank 0 runs direct
+    if rank == 1:
+        os.environ["PYCOMM_DIRECT_MAX_BYTES"] = "0"
+    comm = pycomm.init(rank=rank, world_size=world_size, store=client_store(port, world_size),
+                       transport="shm", timeout=timedelta(seconds=COMM_TIMEOUT_S), check=check)
+    try:
+        comm.all_reduce(torch.ones(1024))
+    except (ValueError, pycomm.CommError) as e:
+        return type(e).__name__, str(e)
+    finally:
+        comm.close()
+    return None, None
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_tunable_mismatch(check):
+    """Default: the op header's algo differs (CommError). Checked mode: the
+    fingerprint names the tunable (ValueError, before any payload moved)."""
+    res = spawn_ranks(_tunable, 2, check, timeout=300)
+    for kind, msg in res:
+        assert kind == ("ValueError" if check else "CommError"), res
+        assert "ring" in msg and "direct" in msg, msg
+        if check:
+            assert "PYCOMM_DIRECT_MAX_BYTES=0" in msg and "PYCOMM_DIRECT_MAX_BYTES=unset" in msg
