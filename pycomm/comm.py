@@ -203,6 +203,7 @@ class Communicator:
             non-contiguous tensor, unknown op/algo, AVG on integers.
             CommError: the collective failed on this or a peer rank.
         """
+        _need_tensors("all_reduce", tensor=tensor)
         return self._impl.all_reduce(tensor, _to_op(op), algo, async_op)
 
     def reduce_scatter(
@@ -212,6 +213,7 @@ class Communicator:
         """``output`` (m elements) on rank r gets op over ranks of
         ``input[r*m:(r+1)*m]``; ``input`` has world_size * m elements
         (like ``torch.distributed.reduce_scatter_tensor``)."""
+        _need_tensors("reduce_scatter", output=output, input=input)
         return self._impl.reduce_scatter(output, input, _to_op(op), algo, async_op)
 
     def all_gather(
@@ -220,6 +222,7 @@ class Communicator:
     ) -> Work | None:
         """``output`` (world_size * m elements) gets every rank's ``input`` (m
         elements) in rank order (like ``all_gather_into_tensor``)."""
+        _need_tensors("all_gather", output=output, input=input)
         return self._impl.all_gather(output, input, algo, async_op)
 
     def broadcast(
@@ -227,6 +230,7 @@ class Communicator:
     ) -> Work | None:
         """Copies ``tensor`` of rank ``src`` into ``tensor`` on every rank
         (pipelined chain from src)."""
+        _need_tensors("broadcast", tensor=tensor)
         return self._impl.broadcast(tensor, src, algo, async_op)
 
     def barrier(self) -> None:
@@ -237,18 +241,22 @@ class Communicator:
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Sends ``tensor`` to rank ``dst`` (blocks until it is delivered to
         the transport)."""
+        _need_tensors("send", tensor=tensor)
         self._impl.send(tensor, dst, False)
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         """Receives into ``tensor`` from rank ``src``."""
+        _need_tensors("recv", tensor=tensor)
         self._impl.recv(tensor, src, False)
 
     def isend(self, tensor: torch.Tensor, dst: int) -> Work:
         """Asynchronous :meth:`send`."""
+        _need_tensors("isend", tensor=tensor)
         return self._impl.send(tensor, dst, True)
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Work:
         """Asynchronous :meth:`recv`."""
+        _need_tensors("irecv", tensor=tensor)
         return self._impl.recv(tensor, src, True)
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
@@ -261,6 +269,8 @@ class Communicator:
         for o in ops:
             if not isinstance(o, P2POp):
                 raise TypeError(f"batch_isend_irecv takes pycomm.P2POp items, got {type(o).__name__}")
+        for o in ops:
+            _need_tensors("batch_isend_irecv", tensor=o.tensor)
         work = self._impl.batch_p2p([(o.is_send(), o.tensor, o.peer) for o in ops])
         return [work] * len(ops)
 
@@ -299,16 +309,39 @@ _init_count = 0
 _forked_leaks: list[Any] = []
 
 
+def _need_tensors(op: str, **args: Any) -> None:
+    """TypeError naming the argument when one is not a torch.Tensor (a list
+    or a numpy array would otherwise get pybind's signature dump)."""
+    for name, value in args.items():
+        if not isinstance(value, torch.Tensor):
+            hint = " (wrap it with torch.as_tensor)" if hasattr(value, "__len__") else ""
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}{hint}")
+
+
 def _check_from(check: bool | None) -> bool:
     if check is None:
         return os.environ.get("PYCOMM_CHECK", "0").strip().lower() not in ("", "0", "false", "no")
     return bool(check)
 
 
+def _env_number(name: str, kind: type, what: str, value: Any = None) -> Any:
+    """Environment variable ``name`` (or ``value`` when given) as an int or a
+    float; a ValueError that names the variable when it is not one."""
+    raw = os.environ.get(name) if value is None else value
+    try:
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"environment variable {name}={raw!r} is not {what}") from None
+
+
 def _timeout_from(timeout: timedelta | float | None) -> timedelta:
     if timeout is None:
-        env = os.environ.get("PYCOMM_TIMEOUT")
-        return timedelta(seconds=float(env)) if env else DEFAULT_TIMEOUT
+        if not os.environ.get("PYCOMM_TIMEOUT"):
+            return DEFAULT_TIMEOUT
+        seconds = _env_number("PYCOMM_TIMEOUT", float, "a number of seconds")
+        if not seconds > 0:
+            raise ValueError(f"environment variable PYCOMM_TIMEOUT={seconds!r} must be positive")
+        return timedelta(seconds=seconds)
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=float(timeout))
     if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
@@ -344,7 +377,10 @@ def _rendezvous(
             "pycomm.init() needs a rendezvous: run under torchrun (RANK, WORLD_SIZE, "
             "MASTER_ADDR, MASTER_PORT), or pass rank=, world_size= and store=, or group="
         )
-    st, r, n = next(dist.rendezvous("env://", int(env_rank), int(env_world), timeout=timeout))
+    r = _env_number("RANK", int, "an integer rank", env_rank)
+    n = _env_number("WORLD_SIZE", int, "an integer world size", env_world)
+    _validate_world(r, n)  # before the rendezvous, which would wait for the missing rank
+    st, r, n = next(dist.rendezvous("env://", r, n, timeout=timeout))
     return st, r, n, f"pycomm/{_init_count}"
 
 
@@ -377,10 +413,37 @@ def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes:
     global _shm_count
     _shm_count += 1
     key = f"shm/{_shm_count}"
-    impl, err = None, ""
+    # Rank 0 publishes the name before it creates the segment, so that if it
+    # dies or is interrupted before every rank has mapped it (the last one to
+    # do so unlinks it, shm_transport.h), the survivors can remove it: every
+    # rank unlinks the name when init fails here, whatever the reason.
     if rank == 0:
         # Unique per job (rank 0's pid + random) and per communicator.
-        name = f"/pycomm-{os.getpid()}-{_shm_count}-{uuid.uuid4().hex[:12]}"
+        st.set(f"{key}/intent", f"/pycomm-{os.getpid()}-{_shm_count}-{uuid.uuid4().hex[:12]}")
+    st.wait([f"{key}/intent"])
+    intent = st.get(f"{key}/intent").decode()
+    try:
+        impl, errors = _map_shm(st, key, intent, rank, world_size, timeout_ms, slice_bytes)
+    except BaseException:
+        _C.shm_unlink(intent)  # ENOENT is fine
+        raise
+    _C.shm_unlink(intent)
+    if errors:
+        if impl is not None:
+            impl.close()
+        if fallback_ok:
+            return None
+        raise CommError("could not set up the shm transport: " + "; ".join(e[1:] for e in errors))
+    return impl
+
+
+def _map_shm(st: Any, key: str, name: str, rank: int, world_size: int, timeout_ms: int,
+             slice_bytes: int) -> tuple[Any, list[str]]:
+    """_init_shm's steps: rank 0 creates segment ``name``, the others map it,
+    then a store barrier. Returns (this rank's communicator or None, every
+    rank's error)."""
+    impl, err = None, ""
+    if rank == 0:
         try:
             impl = _C.make_shm_comm(name, rank, world_size, True, timeout_ms, slice_bytes)
             st.set(f"{key}/name", name)
@@ -389,9 +452,9 @@ def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes:
             st.set(f"{key}/name", "!" + err)
     else:
         st.wait([f"{key}/name"])
-        name = st.get(f"{key}/name").decode()
-        if name.startswith("!"):
-            err = name[1:]
+        published = st.get(f"{key}/name").decode()
+        if published.startswith("!"):
+            err = published[1:]
         else:
             try:
                 impl = _C.make_shm_comm(name, rank, world_size, False, timeout_ms, slice_bytes)
@@ -401,16 +464,7 @@ def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes:
     st.set(f"{key}/mapped/{rank}", "!" + err if err else "ok")
     keys = [f"{key}/mapped/{r}" for r in range(world_size)]
     st.wait(keys)
-    errors = [v for v in (st.get(k).decode() for k in keys) if v != "ok"]
-    if not name.startswith("!"):
-        _C.shm_unlink(name)
-    if errors:
-        if impl is not None:
-            impl.close()
-        if fallback_ok:
-            return None
-        raise CommError("could not set up the shm transport: " + "; ".join(e[1:] for e in errors))
-    return impl
+    return impl, [v for v in (st.get(k).decode() for k in keys) if v != "ok"]
 
 
 def _auto_table() -> dict[str, list[tuple[int, str]]]:
@@ -550,7 +604,9 @@ def init(
             return int(slice_bytes)
         default = {"nccl": DEFAULT_CUDA_SLICE_BYTES, "gloo": DEFAULT_GLOO_SLICE_BYTES}.get(
             kind, DEFAULT_SLICE_BYTES)
-        return int(os.environ.get("PYCOMM_SLICE_BYTES", default))
+        if not os.environ.get("PYCOMM_SLICE_BYTES"):
+            return default
+        return _env_number("PYCOMM_SLICE_BYTES", int, "a whole number of bytes (no K/M suffix)")
 
     st, r, n, prefix = _rendezvous(rank, world_size, store, group, timeout)
     _validate_world(r, n)

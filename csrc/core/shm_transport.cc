@@ -138,6 +138,7 @@ struct alignas(kLine) Header {
   uint64_t bufop_offset;
   alignas(kLine) std::atomic<uint32_t> abort;  // 0, or 1 + the rank that aborted
   std::atomic<uint32_t> reason_ready;          // 1 once `reason` is written (release)
+  std::atomic<uint32_t> attached;              // ranks that mapped the segment
   char reason[kReasonBytes];                   // written by the rank that set `abort`
 };
 
@@ -278,6 +279,7 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
     h->bufop_offset = bufop_offset;
     h->abort.store(0, std::memory_order_relaxed);
     h->reason_ready.store(0, std::memory_order_relaxed);
+    h->attached.store(0, std::memory_order_relaxed);
     for (int r = 0; r < n; ++r) {
       RankInfo* ri = new (base + ranks_offset + r * sizeof(RankInfo)) RankInfo();
       ri->pid.store(0, std::memory_order_relaxed);
@@ -334,6 +336,13 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
                         static_cast<size_t>(h->direct_bytes),
                         static_cast<size_t>(h->direct_buffers)};
   seg_->ranks[rank_].pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
+  // The last rank to map the segment removes its name at once: from then on
+  // nothing is left in /dev/shm whoever dies, without waiting for the
+  // store barrier in pycomm/comm.py (which a dying rank may never reach).
+  if (h->attached.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint32_t>(n)) {
+    unlink(name_);
+    unlinked_ = true;
+  }
 
   sendq_.resize(n * kNumChannels);
   recvq_.resize(n * kNumChannels);

@@ -39,8 +39,11 @@
 //
 // Lifetime: rank 0 creates the segment (O_CREAT | O_EXCL, mode 0600) and the
 // others attach after rank 0 has published its name (through the c10d Store,
-// in pycomm/comm.py); once every rank has mapped it, it is unlinked, so
-// nothing is left in /dev/shm even if a process is killed later. The
+// in pycomm/comm.py); the last rank to map it unlinks it (a counter in the
+// header), so nothing is left in /dev/shm even if a process is killed later.
+// A rank that dies before every rank mapped it leaves the name to the
+// survivors: pycomm/comm.py publishes the name before creating the segment
+// and every rank unlinks it when init fails or is interrupted. The
 // destructor unmaps (and unlinks, in case that step never ran).
 #pragma once
 
