@@ -162,3 +162,58 @@ def test_tunable_mismatch(check):
         assert "ring" in msg and "direct" in msg, msg
         if check:
             assert "PYCOMM_DIRECT_MAX_BYTES=0" in msg and "PYCOMM_DIRECT_MAX_BYTES=unset" in msg
+
+
+def _interrupted(rank, world_size, port, transport):
+    import signal
+    import threading
+    import time
+
+    import pycomm
+
+    # A timeout far beyond the interrupt: a rank that ignored SIGINT would
+    # raise CommError (timeout), not KeyboardInterrupt.
+    comm = pycomm.init(rank=rank, world_size=world_size, store=client_store(port, world_size),
+                       transport=transport, timeout=timedelta(seconds=60))
+    comm.barrier()
+    out = {}
+    if rank == 0:
+        # Ctrl-C while blocked in a collective that rank 1 never joins
+        sent = []
+        timer = threading.Timer(1.0, lambda: (sent.append(time.monotonic()),
+                                              os.kill(os.getpid(), signal.SIGINT)))
+        timer.start()
+        try:
+            comm.all_reduce(torch.ones(1024))
+            out["raised"] = None
+        except KeyboardInterrupt as e:
+            out["raised"] = "KeyboardInterrupt"
+            out["after_signal_s"] = time.monotonic() - sent[0]
+            out["msg"] = str(e)
+        timer.join()
+    else:
+        try:
+            comm.recv(torch.empty(4), 0)  # blocked on rank 0, which never sends
+            out["raised"] = None
+        except pycomm.CommError as e:
+            out["raised"] = "CommError"
+            out["msg"] = str(e)
+    try:
+        comm.barrier()
+        out["later"] = "succeeded"
+    except pycomm.CommError as e:
+        out["later"] = str(e)
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_sigint_interrupts_blocked_collective(transport):
+    """SIGINT on a rank blocked in a collective raises KeyboardInterrupt there
+    (checked every 20 ms, not after the 60 s timeout); the peer blocked on it
+    gets CommError saying it was interrupted; both communicators are failed."""
+    r0, r1 = spawn_ranks(_interrupted, 2, transport, timeout=300)
+    assert r0["raised"] == "KeyboardInterrupt", r0
+    print(f"\n[sigint] {transport}: KeyboardInterrupt {r0['after_signal_s']:.2f} s after SIGINT")
+    assert r1["raised"] == "CommError" and "interrupted" in r1["msg"], r1
+    assert "aborted" in r0["later"] and "aborted" in r1["later"], (r0, r1)

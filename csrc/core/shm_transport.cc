@@ -37,6 +37,7 @@ constexpr uint32_t kVersion = 3;
 constexpr size_t kLine = 64;
 constexpr size_t kPage = 4096;
 constexpr int64_t kHealthEveryNs = 1000000;  // liveness check period while waiting: 1 ms
+constexpr int64_t kInterruptEveryNs = 20000000;  // SIGINT check period while waiting: 20 ms
 // slot_bytes = 0: the automatic slot size (see ShmConfig).
 constexpr size_t kAutoSlotMin = 64 * 1024, kAutoSlotMax = 256 * 1024;
 constexpr size_t kAutoRingBudget = 32u << 20;
@@ -482,6 +483,15 @@ void ShmTransport::check_health(const char* what, int64_t deadline_ns) {
       fail(std::string("shm transport: ") + what + " on rank " + std::to_string(rank_) +
            ": peer rank " + std::to_string(who) + " (pid " +
            std::to_string(seg_->ranks[who].pid.load()) + ") has died; " + pending_desc());
+    }
+  }
+  if (interrupt_check_ && now - last_interrupt_ns_ >= kInterruptEveryNs) {
+    last_interrupt_ns_ = now;
+    try {
+      interrupt_check_();
+    } catch (const std::exception& e) {
+      abort_with("rank " + std::to_string(rank_) + " was interrupted (" + e.what() + ")");
+      throw;
     }
   }
   if (now >= deadline_ns) {

@@ -114,6 +114,8 @@ class ShmTransport final : public Transport, public SharedBuffers {
   bool idle_wait(int64_t max_ns) override;
   void interrupt() override;
   void abort() override;
+  void abort_because(const std::string& why) override { abort_with(why); }
+  bool checks_interrupts() const override { return true; }
   SharedBuffers* shared_buffers() override { return this; }
 
   // SharedBuffers
@@ -181,6 +183,7 @@ class ShmTransport final : public Transport, public SharedBuffers {
   std::vector<int> pidfds_;     // per rank, -1 when not open (yet)
   std::vector<bool> pidfd_ok_;  // false: pidfd_open unavailable, use kill + /proc
   int64_t last_health_ns_ = 0;
+  int64_t last_interrupt_ns_ = 0;
 };
 
 }  // namespace pycomm

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "op_header.h"
@@ -143,6 +144,18 @@ class Transport {
   // Makes pending and future waits fail fast (called after an error, or from
   // another thread to unblock a hung collective). Idempotent.
   virtual void abort() {}
+  // abort(), and tells the peers `why` where the transport can (shm: in the
+  // segment; gloo: an abort header), so they fail with this reason.
+  virtual void abort_because(const std::string& why) {
+    (void)why;
+    abort();
+  }
+
+  // Interrupts (SIGINT): a transport whose waits call `check` every few
+  // tens of milliseconds while blocked says so; `check` throws Interrupted
+  // to end the wait (the transport then aborts, telling the peers).
+  virtual bool checks_interrupts() const { return false; }
+  void set_interrupt_check(std::function<void()> check) { interrupt_check_ = std::move(check); }
 
   // Optional capabilities (nullptr when the transport lacks them).
   virtual SharedBuffers* shared_buffers() { return nullptr; }
@@ -153,6 +166,7 @@ class Transport {
  protected:
   std::chrono::milliseconds timeout_{std::chrono::minutes(5)};
   OpHeader op_;  // the collective now running (seq 0 before the first)
+  std::function<void()> interrupt_check_;
 };
 
 }  // namespace pycomm

@@ -4,13 +4,36 @@
 
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <sstream>
+#include <thread>
 
 namespace py = pybind11;
 
 namespace pycomm {
+
+// ---------------------------------------------------------------- interrupts
+
+namespace {
+// The extension is loaded by `import pycomm`, on the main thread.
+const std::thread::id g_main_thread = std::this_thread::get_id();
+constexpr auto kInterruptPoll = std::chrono::milliseconds(20);
+}  // namespace
+
+bool on_main_thread() { return std::this_thread::get_id() == g_main_thread; }
+
+void check_interrupt() {
+  if (!on_main_thread() || !Py_IsInitialized()) return;
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return;
+  // A handler raised (KeyboardInterrupt, for SIGINT's default one): the op is
+  // abandoned and the binding raises KeyboardInterrupt in its place.
+  py::error_already_set raised;  // takes (and clears) the Python error
+  throw Interrupted(raised.what());
+}
 
 // ---------------------------------------------------------------- Work
 
@@ -31,8 +54,36 @@ void Work::wait() {
         "before the op completed; it would deadlock. Return the op's future from the "
         "callback, or chain with then(), instead of waiting inside it");
   }
+  if (!future_->completed() && on_main_thread()) wait_interruptibly();
   future_->wait();
   if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+}
+
+void Work::wait_interruptibly() {
+  struct Flag {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto flag = std::make_shared<Flag>();
+  future_->addCallback([flag](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lk(flag->mu);
+    flag->done = true;
+    flag->cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lk(flag->mu);
+  while (!flag->cv.wait_for(lk, kInterruptPoll, [&] { return flag->done; })) {
+    lk.unlock();
+    try {
+      check_interrupt();
+    } catch (const Interrupted& e) {
+      const std::string why = op_ + " #" + std::to_string(seq_) +
+                              ": interrupted while waiting for it (" + e.what() + ")";
+      if (on_interrupt_) on_interrupt_(why);  // aborts: the op fails, peers are told
+      throw Interrupted(why);
+    }
+    lk.lock();
+  }
 }
 
 void Work::complete() { future_->markCompleted(c10::IValue(outputs_)); }
@@ -199,6 +250,7 @@ Comm::Comm(std::unique_ptr<Transport> transport, CommOptions options)
   if (const char* v = std::getenv("PYCOMM_DIRECT_MAX_BYTES")) {
     direct_max_bytes_ = static_cast<size_t>(std::strtoull(v, nullptr, 10));
   }
+  if (transport_->checks_interrupts()) transport_->set_interrupt_check(&check_interrupt);
   worker_ = std::make_unique<Worker>();
   worker_->set_idle_poll([this] { return poll_deferred(); });
   worker_->set_idle_wait([this](int64_t ns) { return transport_->idle_wait(ns); },
@@ -240,7 +292,7 @@ void Comm::abort(const std::string& why) {
     abort_reason_ = why;
     aborted_ = true;
   }
-  if (transport_) transport_->abort();
+  if (transport_) transport_->abort_because(why);
 }
 
 void Comm::fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e) {
@@ -248,7 +300,9 @@ void Comm::fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e
   msg << work->op() << " #" << work->seq() << " on rank " << rank_ << " (" << transport_name_
       << " transport, world_size " << size_ << ") failed: " << e.what();
   abort(msg.str());
-  work->fail(std::make_exception_ptr(CommError(msg.str())));
+  work->fail(dynamic_cast<const Interrupted*>(&e) != nullptr
+                 ? std::make_exception_ptr(Interrupted(msg.str()))
+                 : std::make_exception_ptr(CommError(msg.str())));
 }
 
 std::function<void(const Context&)> Comm::collective(OpHeader h,
@@ -316,6 +370,7 @@ c10::intrusive_ptr<Work> Comm::new_work(const char* op, std::vector<at::Tensor> 
   check_open(op);
   auto work = c10::make_intrusive<Work>(op, ++seq_, std::move(tensors));
   work->set_worker(worker_.get());
+  work->set_on_interrupt([this](const std::string& why) { abort(why); });
   return work;
 }
 
@@ -387,7 +442,10 @@ c10::intrusive_ptr<Work> Comm::run(const char* op, std::vector<at::Tensor> outpu
     // (queueing it and waiting would wait for ourselves). Every rank runs it
     // at the same point of its op sequence.
     task();
-  } else if (!worker_->try_run_inline(task)) {
+  } else if (!(transport_->checks_interrupts() || !on_main_thread()) ||
+             !worker_->try_run_inline(task)) {
+    // Queued behind other work, or on a transport whose waits cannot check
+    // for SIGINT (gloo): Work::wait below can.
     worker_->submit(std::move(task));
   }
   work->wait();

@@ -43,6 +43,9 @@ class Work : public c10::intrusive_ptr_target {
   // The worker that runs this op: wait() on that thread before completion
   // (from a Future callback) would wait for itself, so it throws instead.
   void set_worker(const Worker* w) { worker_ = w; }
+  // Called (with a reason) when wait() on the main thread is interrupted
+  // by SIGINT before the op completed: the communicator aborts it.
+  void set_on_interrupt(std::function<void(const std::string&)> f) { on_interrupt_ = std::move(f); }
 
  private:
   std::string op_;
@@ -50,6 +53,9 @@ class Work : public c10::intrusive_ptr_target {
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   const Worker* worker_ = nullptr;
+  std::function<void(const std::string&)> on_interrupt_;
+  // wait() on the main thread: sleeps in short slices, checking for signals.
+  void wait_interruptibly();
 };
 
 struct CommOptions {
@@ -160,6 +166,14 @@ class Comm {
   // transport shares memory: no limit unless PYCOMM_DIRECT_MAX_BYTES (ctor).
   size_t direct_max_bytes_ = 0;
 };
+
+// SIGINT handling, in one place: on the Python main thread, runs pending
+// signal handlers (PyErr_CheckSignals, with the GIL) and throws Interrupted
+// if one raised (KeyboardInterrupt). Elsewhere it returns at once. Called
+// every few tens of milliseconds by blocked waits: the shm transport's
+// (Transport::set_interrupt_check) and Work::wait's.
+void check_interrupt();
+bool on_main_thread();
 
 // at::ScalarType -> DType; throws TypeError-mapped exception for the rest.
 DType to_dtype(at::ScalarType t, const char* arg);

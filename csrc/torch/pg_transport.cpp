@@ -272,6 +272,11 @@ bool ProcessGroupTransport::test(Handle h) {
   return true;
 }
 
+void ProcessGroupTransport::abort_because(const std::string& why) {
+  broadcast_abort(why);
+  abort();
+}
+
 void ProcessGroupTransport::abort() {
   // Any thread. Wakes every blocked wait (they then throw); the entries stay
   // until their wait() or the destructor erases them.

@@ -39,6 +39,7 @@ class ProcessGroupTransport final : public Transport {
   void wait(Handle h) override;
   bool test(Handle h) override;
   void abort() override;
+  void abort_because(const std::string& why) override;
 
  private:
   struct Wire {  // the header message, plain bytes
