@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import uuid
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence, Union
@@ -431,10 +432,25 @@ def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes:
     if errors:
         if impl is not None:
             impl.close()
+        reason = "could not set up the shm transport: " + "; ".join(e[1:] for e in errors)
         if fallback_ok:
+            _warn_fallback_once(reason)
             return None
-        raise CommError("could not set up the shm transport: " + "; ".join(e[1:] for e in errors))
+        raise CommError(reason)
     return impl
+
+
+_fallback_warned = False
+
+
+def _warn_fallback_once(reason: str) -> None:
+    """transport="auto" falls back from shm to gloo (much slower): say why,
+    once per process."""
+    global _fallback_warned
+    if not _fallback_warned:
+        _fallback_warned = True
+        warnings.warn(f"pycomm: transport='auto' uses gloo instead of shm ({reason}); pass "
+                      "transport='shm' to make this an error", RuntimeWarning, stacklevel=4)
 
 
 def _map_shm(st: Any, key: str, name: str, rank: int, world_size: int, timeout_ms: int,

@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests._dist import client_store, spawn_ranks
+from tests._dist import client_store, run_ranks, spawn_ranks
 
 COMM_TIMEOUT_S = 10.0
 
@@ -217,3 +217,124 @@ def test_sigint_interrupts_blocked_collective(transport):
     print(f"\n[sigint] {transport}: KeyboardInterrupt {r0['after_signal_s']:.2f} s after SIGINT")
     assert r1["raised"] == "CommError" and "interrupted" in r1["msg"], r1
     assert "aborted" in r0["later"] and "aborted" in r1["later"], (r0, r1)
+
+
+def _second_thread(comm, key):
+    import threading
+    import time
+
+    out = {}
+    if comm.rank == 0:
+        t = torch.empty(4)
+        inside = threading.Event()
+
+        def blocked_recv():
+            inside.set()
+            comm.recv(t, 1)  # blocks until rank 1 sends, after the probe below
+
+        a = threading.Thread(target=blocked_recv)
+        a.start()
+        inside.wait()
+        time.sleep(0.2)  # let thread a get into recv (it blocks there until rank 1 sends)
+        try:
+            comm.all_reduce(torch.ones(3))
+            out["second"] = "accepted"
+        except RuntimeError as e:
+            out["second"] = str(e)
+        comm._store.set(key, "probed")
+        a.join()
+        out["recv"] = t.tolist()
+    else:
+        comm._store.wait([key])
+        comm.send(torch.arange(4.0), 0)
+    # one after the other from another thread: fine
+    res = []
+    th = __import__("threading").Thread(target=lambda: res.append(comm.all_reduce(torch.ones(2))))
+    th.start()
+    th.join()
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    out["after"] = t.tolist()
+    return out
+
+
+def test_concurrent_calls_from_two_threads_are_rejected(transport):
+    import uuid
+
+    r0, r1 = run_ranks(_second_thread, 2, transport, f"thread-{uuid.uuid4().hex}")
+    assert "another thread is inside a call" in r0["second"], r0
+    assert r0["recv"] == [0.0, 1.0, 2.0, 3.0]
+    assert r0["after"] == r1["after"] == [2.0, 2.0]
+
+
+def _set_result_on_pending(comm, key):
+    out = {}
+    if comm.rank == 0:
+        w = comm.irecv(torch.empty(3), 1)
+        mine = [torch.full((1,), 7.0)]
+        w.get_future().set_result(mine)  # the user completes it first
+        comm._store.set(key, "set")
+        out["value"] = w.get_future().value()[0].tolist()
+    else:
+        comm._store.wait([key])
+        comm.send(torch.ones(3), 0)
+    t = torch.ones(2)
+    comm.all_reduce(t)  # the op completed underneath without killing the process
+    out["after"] = t.tolist()
+    return out
+
+
+def test_set_result_on_a_pending_op_does_not_abort(transport):
+    import uuid
+
+    r0, r1 = run_ranks(_set_result_on_pending, 2, transport, f"setres-{uuid.uuid4().hex}")
+    assert r0["value"] == [7.0]
+    assert r0["after"] == r1["after"] == [2.0, 2.0]
+
+
+def _auto_fallback(rank, world_size, port):
+    import warnings
+
+    import pycomm
+
+    # a segment far larger than /dev/shm: the shm transport cannot be set up
+    os.environ["PYCOMM_SHM_SLOT_BYTES"] = str(1 << 40)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm = pycomm.init(rank=rank, world_size=world_size,
+                           store=client_store(port, world_size), transport="auto")
+        comm2 = pycomm.init(rank=rank, world_size=world_size,
+                            store=client_store(port, world_size), transport="auto")
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    transports = (comm.transport, comm2.transport)
+    comm2.close()
+    comm.close()
+    return transports, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def test_auto_fallback_to_gloo_warns_once_with_the_reason():
+    for transports, warned in spawn_ranks(_auto_fallback, 2, timeout=300):
+        assert transports == ("gloo", "gloo")
+        assert len(warned) == 1, warned
+        assert "uses gloo instead of shm" in warned[0] and "shm transport" in warned[0], warned
+
+
+@pytest.mark.parametrize("env, fragment", [
+    ({"RANK": "abc", "WORLD_SIZE": "2"}, "RANK='abc' is not an integer rank"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "rank=2 is out of range for world_size 2"),
+    ({"PYCOMM_TIMEOUT": "abc"}, "PYCOMM_TIMEOUT='abc' is not a number of seconds"),
+    ({"PYCOMM_TIMEOUT": "0"}, "PYCOMM_TIMEOUT=0.0 must be positive"),
+    ({"PYCOMM_SLICE_BYTES": "4K"}, "PYCOMM_SLICE_BYTES='4K' is not a whole number of bytes"),
+])
+def test_environment_errors_name_the_variable(monkeypatch, env, fragment):
+    import pycomm
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    kwargs = {} if "RANK" in env else {"rank": 0, "world_size": 1,
+                                       "store": torch.distributed.HashStore()}
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
+        pycomm.init(**kwargs)

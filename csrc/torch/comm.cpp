@@ -86,9 +86,21 @@ void Work::wait_interruptibly() {
   }
 }
 
-void Work::complete() { future_->markCompleted(c10::IValue(outputs_)); }
+void Work::complete() {
+  if (future_->completed()) return;  // the user set a result already
+  try {
+    future_->markCompleted(c10::IValue(outputs_));
+  } catch (const std::exception&) {  // lost a race with the user's set_result
+  }
+}
 
-void Work::fail(std::exception_ptr e) { future_->setError(std::move(e)); }
+void Work::fail(std::exception_ptr e) {
+  if (future_->completed()) return;
+  try {
+    future_->setError(std::move(e));
+  } catch (const std::exception&) {
+  }
+}
 
 // ---------------------------------------------------------------- checks
 
@@ -366,6 +378,40 @@ bool Comm::poll_deferred() {
   return !deferred_.empty();
 }
 
+// Ops pair up across ranks by the order each rank issues them. Two threads
+// issuing on one communicator at once would interleave differently on each
+// rank and silently cross-match data, so a call made while another thread is
+// inside one (issuing, or waiting for a synchronous op) is rejected. Calls
+// one after the other from different threads (autograd's, say) are fine, and
+// so are ops issued by Future callbacks on the worker, which orders them.
+class Comm::CallGuard {
+ public:
+  CallGuard(Comm& c, const char* op) : c_(c) {
+    if (c.worker_ && c.worker_->is_current()) return;
+    std::thread::id none;
+    if (c.caller_.compare_exchange_strong(none, std::this_thread::get_id())) {
+      owner_ = true;
+      return;
+    }
+    if (none == std::this_thread::get_id()) return;  // nested (the same thread)
+    throw std::runtime_error(join_msg(
+        {op, ": another thread is inside a call on this communicator. Calls issued from "
+             "several threads at once pair up in different orders on different ranks (wrong "
+             "results), so pycomm rejects them: issue ops from one thread at a time (a lock "
+             "around each call, taken in the same order on every rank), or use one "
+             "communicator per thread"}));
+  }
+  ~CallGuard() {
+    if (owner_) c_.caller_.store(std::thread::id());
+  }
+  CallGuard(const CallGuard&) = delete;
+  CallGuard& operator=(const CallGuard&) = delete;
+
+ private:
+  Comm& c_;
+  bool owner_ = false;
+};
+
 c10::intrusive_ptr<Work> Comm::new_work(const char* op, std::vector<at::Tensor> tensors) {
   check_open(op);
   auto work = c10::make_intrusive<Work>(op, ++seq_, std::move(tensors));
@@ -384,6 +430,7 @@ bool Comm::fail_if_aborted(const c10::intrusive_ptr<Work>& work) {
 
 c10::intrusive_ptr<Work> Comm::run_p2p(const char* op, std::vector<at::Tensor> tensors,
                                        std::vector<P2POp> ops, bool async_op) {
+  CallGuard guard(*this, op);
   for (auto& o : ops) o.channel = kUser;
   if (!async_op) {
     return run(op, std::move(tensors),
@@ -414,6 +461,7 @@ c10::intrusive_ptr<Work> Comm::run_p2p(const char* op, std::vector<at::Tensor> t
 
 c10::intrusive_ptr<Work> Comm::run(const char* op, std::vector<at::Tensor> outputs,
                                    std::function<void(const Context&)> body, bool async_op) {
+  CallGuard guard(*this, op);
   auto work = new_work(op, std::move(outputs));
   std::function<void()> task = [this, work, body = std::move(body), op]() {
     if (fail_if_aborted(work)) return;

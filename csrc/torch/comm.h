@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../core/algorithms.h"
@@ -38,6 +39,8 @@ class Work : public c10::intrusive_ptr_target {
   const std::string& op() const { return op_; }
   uint64_t seq() const { return seq_; }
 
+  // Both ignore a future the user already completed (set_result on the
+  // future of a pending op): the op's own outcome is then dropped.
   void complete();
   void fail(std::exception_ptr e);
   // The worker that runs this op: wait() on that thread before completion
@@ -161,6 +164,9 @@ class Comm {
   };
   std::deque<Deferred> deferred_;  // touched only by the executing thread
   std::unique_ptr<Worker> worker_;
+  // Thread safety: one thread at a time issues ops (see CallGuard).
+  class CallGuard;
+  std::atomic<std::thread::id> caller_{};
   bool has_shared_buffers_ = false;
   // algo="auto" runs direct_all_reduce up to this many bytes when the
   // transport shares memory: no limit unless PYCOMM_DIRECT_MAX_BYTES (ctor).
