@@ -4,15 +4,19 @@
 // Segment layout (all offsets page aligned, every shared word on its own
 // cache line):
 //
-//   Header      magic, version, world size, ring geometry, abort word,
-//               RankInfo[n] { pid, doorbell (futex), sleeping, epoch }
+//   Header      magic, version, world size, ring geometry, abort word and
+//               the first aborting rank's reason, attach counter,
+//               RankInfo[n] { pid, doorbell (futex), sleeping, epoch,
+//                             current op header (op_header.h) }
 //   Channels    one per ordered pair (src -> dst), src != dst, and per
 //               message channel (kCollective, kUser: independent streams):
 //                 Ctrl { head  (written by src: slots published),
 //                        tail  (written by dst: slots consumed),
-//                        len[slots] (bytes in each slot) }
+//                        meta[slots] { bytes in the slot, bytes of its
+//                                      message, sender's op header } }
 //                 data[slots][slot_bytes]
 //   Direct      per rank direct_buffers buffers of direct_bytes (SharedBuffers)
+//   BufferOp    per direct buffer: the op header of the piece in it
 //
 // Protocol of a channel (single producer, single consumer): head and tail are
 // 64-bit sequence numbers that never wrap; slot = seq % slots. The producer
@@ -21,7 +25,8 @@
 // acquire load, copies the slot out, then publishes tail + 1 (release). A
 // message of B bytes occupies ceil(B / slot_bytes) consecutive slots; since
 // both sides post their ops in the same order, messages match in order, and
-// len[] lets the receiver detect a size mismatch.
+// meta lets the receiver detect a size mismatch and, on the collective
+// channel, a different op (count, dtype, reduce op, root, algo, sequence).
 //
 // Progress: post() queues its ops per peer and pushes as much as fits at once;
 // wait() keeps making progress on *every* pending op (all groups, all peers,
