@@ -338,3 +338,26 @@ def test_environment_errors_name_the_variable(monkeypatch, env, fragment):
                                        "store": torch.distributed.HashStore()}
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
         pycomm.init(**kwargs)
+
+
+def _pending_irecv_then_collective(comm):
+    # rank 1 joins the all_reduce only after its send completed, while rank 0
+    # has the matching irecv pending and already blocks in the all_reduce:
+    # the pending receive must progress on its own (gloo: its payload is
+    # posted once its header arrives, in the background)
+    got = torch.empty(3)
+    if comm.rank == 0:
+        w = comm.irecv(got, 1)
+    else:
+        comm.send(torch.arange(3.0), 0)
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    if comm.rank == 0:
+        w.wait()
+        return got.tolist(), t.tolist()
+    return None, t.tolist()
+
+
+def test_pending_irecv_progresses_during_a_collective(transport):
+    (got, t0), (_, t1) = run_ranks(_pending_irecv_then_collective, 2, transport)
+    assert got == [0.0, 1.0, 2.0] and t0 == t1 == [2.0, 2.0]

@@ -85,6 +85,19 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
     }
     p.msgs.push_back(std::move(m));
   }
+  // A user receive's payload is posted only once its header arrived. Its
+  // group may stay pending while this rank blocks in a collective that the
+  // peer joins only after its send completed (irecv; all_reduce against
+  // send; all_reduce): so take the header in a background waiter at once,
+  // not when someone first waits for the group.
+  const bool user_recv = std::any_of(p.msgs.begin(), p.msgs.end(), [](const Message& m) {
+    return m.kind == P2POp::kRecv && m.channel == kUser;
+  });
+  if (user_recv) {
+    Pending* pp = &p;
+    const auto timeout = timeout_;
+    p.waiter = std::async(std::launch::async, [this, pp, timeout] { wait_all(*pp, timeout); });
+  }
   return h;
 }
 
