@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import uuid
+import warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, Union, overload
@@ -267,6 +268,7 @@ class Communicator:
             tensor, or with algo "direct" / "nccl".
             CommError: the collective failed on this or a peer rank.
         """
+        _need_tensors("all_reduce", tensor=tensor)
         if wire_dtype is None:
             return self._impl.all_reduce(tensor, _to_op(op), algo, async_op)
         return self._impl.all_reduce(tensor, _to_op(op), algo, async_op, _to_wire(wire_dtype))
@@ -278,6 +280,7 @@ class Communicator:
         """``output`` (m elements) on rank r gets op over ranks of
         ``input[r*m:(r+1)*m]``; ``input`` has world_size * m elements
         (like ``torch.distributed.reduce_scatter_tensor``)."""
+        _need_tensors("reduce_scatter", output=output, input=input)
         return self._impl.reduce_scatter(output, input, _to_op(op), algo, async_op)
 
     def all_gather(
@@ -286,6 +289,7 @@ class Communicator:
     ) -> Work | None:
         """``output`` (world_size * m elements) gets every rank's ``input`` (m
         elements) in rank order (like ``all_gather_into_tensor``)."""
+        _need_tensors("all_gather", output=output, input=input)
         return self._impl.all_gather(output, input, algo, async_op)
 
     def broadcast(
@@ -293,6 +297,7 @@ class Communicator:
     ) -> Work | None:
         """Copies ``tensor`` of rank ``src`` into ``tensor`` on every rank
         (pipelined chain from src)."""
+        _need_tensors("broadcast", tensor=tensor)
         return self._impl.broadcast(tensor, src, algo, async_op)
 
     def barrier(self) -> None:
@@ -303,18 +308,22 @@ class Communicator:
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Sends ``tensor`` to rank ``dst`` (blocks until it is delivered to
         the transport)."""
+        _need_tensors("send", tensor=tensor)
         self._impl.send(tensor, dst, False)
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         """Receives into ``tensor`` from rank ``src``."""
+        _need_tensors("recv", tensor=tensor)
         self._impl.recv(tensor, src, False)
 
     def isend(self, tensor: torch.Tensor, dst: int) -> Work:
         """Asynchronous :meth:`send`."""
+        _need_tensors("isend", tensor=tensor)
         return self._impl.send(tensor, dst, True)
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Work:
         """Asynchronous :meth:`recv`."""
+        _need_tensors("irecv", tensor=tensor)
         return self._impl.recv(tensor, src, True)
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
@@ -327,6 +336,8 @@ class Communicator:
         for o in ops:
             if not isinstance(o, P2POp):
                 raise TypeError(f"batch_isend_irecv takes pycomm.P2POp items, got {type(o).__name__}")
+        for o in ops:
+            _need_tensors("batch_isend_irecv", tensor=o.tensor)
         work = self._impl.batch_p2p([(o.is_send(), o.tensor, o.peer) for o in ops])
         return [work] * len(ops)
 
@@ -475,16 +486,39 @@ _init_count = 0
 _forked_leaks: list[Any] = []
 
 
+def _need_tensors(op: str, **args: Any) -> None:
+    """TypeError naming the argument when one is not a torch.Tensor (a list
+    or a numpy array would otherwise get pybind's signature dump)."""
+    for name, value in args.items():
+        if not isinstance(value, torch.Tensor):
+            hint = " (wrap it with torch.as_tensor)" if hasattr(value, "__len__") else ""
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}{hint}")
+
+
 def _check_from(check: bool | None) -> bool:
     if check is None:
         return os.environ.get("PYCOMM_CHECK", "0").strip().lower() not in ("", "0", "false", "no")
     return bool(check)
 
 
+def _env_number(name: str, kind: type, what: str, value: Any = None) -> Any:
+    """Environment variable ``name`` (or ``value`` when given) as an int or a
+    float; a ValueError that names the variable when it is not one."""
+    raw = os.environ.get(name) if value is None else value
+    try:
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"environment variable {name}={raw!r} is not {what}") from None
+
+
 def _timeout_from(timeout: timedelta | float | None) -> timedelta:
     if timeout is None:
-        env = os.environ.get("PYCOMM_TIMEOUT")
-        return timedelta(seconds=float(env)) if env else DEFAULT_TIMEOUT
+        if not os.environ.get("PYCOMM_TIMEOUT"):
+            return DEFAULT_TIMEOUT
+        seconds = _env_number("PYCOMM_TIMEOUT", float, "a number of seconds")
+        if not seconds > 0:
+            raise ValueError(f"environment variable PYCOMM_TIMEOUT={seconds!r} must be positive")
+        return timedelta(seconds=seconds)
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=float(timeout))
     if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
@@ -520,7 +554,10 @@ def _rendezvous(
             "pycomm.init() needs a rendezvous: run under torchrun (RANK, WORLD_SIZE, "
             "MASTER_ADDR, MASTER_PORT), or pass rank=, world_size= and store=, or group="
         )
-    st, r, n = next(dist.rendezvous("env://", int(env_rank), int(env_world), timeout=timeout))
+    r = _env_number("RANK", int, "an integer rank", env_rank)
+    n = _env_number("WORLD_SIZE", int, "an integer world size", env_world)
+    _validate_world(r, n)  # before the rendezvous, which would wait for the missing rank
+    st, r, n = next(dist.rendezvous("env://", r, n, timeout=timeout))
     return st, r, n, f"pycomm/{_init_count}"
 
 
@@ -568,10 +605,52 @@ def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes:
     global _shm_count
     _shm_count += 1
     key = "shm"  # ``st`` is this communicator's own prefixed store
-    impl, err = None, ""
+    # Rank 0 publishes the name before it creates the segment, so that if it
+    # dies or is interrupted before every rank has mapped it (the last one to
+    # do so unlinks it, shm_transport.h), the survivors can remove it: every
+    # rank unlinks the name when init fails here, whatever the reason.
     if rank == 0:
         # Unique per job (rank 0's pid + random) and per communicator.
-        name = f"/pycomm-{os.getpid()}-{_shm_count}-{uuid.uuid4().hex[:12]}"
+        st.set(f"{key}/intent", f"/pycomm-{os.getpid()}-{_shm_count}-{uuid.uuid4().hex[:12]}")
+    _wait_for(st, {0: f"{key}/intent"}, "shm setup")
+    intent = st.get(f"{key}/intent").decode()
+    try:
+        impl, errors = _map_shm(st, key, intent, rank, world_size, timeout_ms, slice_bytes)
+    except BaseException:
+        _C.shm_unlink(intent)  # ENOENT is fine
+        raise
+    _C.shm_unlink(intent)
+    if errors:
+        if impl is not None:
+            impl.close()
+        reason = "could not set up the shm transport: " + "; ".join(e[1:] for e in errors)
+        if fallback_ok:
+            _warn_fallback_once(reason)
+            return None
+        raise CommError(reason)
+    return impl
+
+
+_fallback_warned = False
+
+
+def _warn_fallback_once(reason: str) -> None:
+    """transport="auto" falls back from shm to gloo (much slower): say why,
+    once per process."""
+    global _fallback_warned
+    if not _fallback_warned:
+        _fallback_warned = True
+        warnings.warn(f"pycomm: transport='auto' uses gloo instead of shm ({reason}); pass "
+                      "transport='shm' to make this an error", RuntimeWarning, stacklevel=4)
+
+
+def _map_shm(st: Any, key: str, name: str, rank: int, world_size: int, timeout_ms: int,
+             slice_bytes: int) -> tuple[Any, list[str]]:
+    """_init_shm's steps: rank 0 creates segment ``name``, the others map it,
+    then a store barrier. Returns (this rank's communicator or None, every
+    rank's error)."""
+    impl, err = None, ""
+    if rank == 0:
         try:
             impl = _C.make_shm_comm(name, rank, world_size, True, timeout_ms, slice_bytes)
             st.set(f"{key}/name", name)
@@ -580,9 +659,9 @@ def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes:
             st.set(f"{key}/name", "!" + err)
     else:
         _wait_for(st, {0: f"{key}/name"}, "shm setup")
-        name = st.get(f"{key}/name").decode()
-        if name.startswith("!"):
-            err = name[1:]
+        published = st.get(f"{key}/name").decode()
+        if published.startswith("!"):
+            err = published[1:]
         else:
             try:
                 impl = _C.make_shm_comm(name, rank, world_size, False, timeout_ms, slice_bytes)
@@ -593,21 +672,11 @@ def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes:
     keys = {r: f"{key}/mapped/{r}" for r in range(world_size)}
     try:
         _wait_for(st, keys, "shm setup")
-    except CommError:
+    except BaseException:
         if impl is not None:
             impl.close()
         raise
-    finally:  # mapped everywhere, or given up: the name goes either way
-        if not name.startswith("!"):
-            _C.shm_unlink(name)
-    errors = [v for v in (st.get(k).decode() for k in keys.values()) if v != "ok"]
-    if errors:
-        if impl is not None:
-            impl.close()
-        if fallback_ok:
-            return None
-        raise CommError("could not set up the shm transport: " + "; ".join(e[1:] for e in errors))
-    return impl
+    return impl, [v for v in (st.get(k).decode() for k in keys.values()) if v != "ok"]
 
 
 def _auto_table() -> dict[str, list[tuple[int, str]]]:
@@ -802,7 +871,9 @@ def _slice_bytes(slice_bytes: int | None, transport: str) -> int:
         return int(slice_bytes)
     default = {"nccl": DEFAULT_CUDA_SLICE_BYTES, "gloo": DEFAULT_GLOO_SLICE_BYTES}.get(
         transport, DEFAULT_SLICE_BYTES)
-    return int(os.environ.get("PYCOMM_SLICE_BYTES", default))
+    if not os.environ.get("PYCOMM_SLICE_BYTES"):
+        return default
+    return _env_number("PYCOMM_SLICE_BYTES", int, "a whole number of bytes (no K/M suffix)")
 
 
 def _build(st: Any, r: int, n: int, transport: str, device: torch.device | None,

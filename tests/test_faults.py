@@ -33,12 +33,18 @@ WHENS = ["before", "during", "after"]
 SHM_PREFIX = "pycomm-"  # /dev/shm/pycomm-<pid>-... (shm transport segments)
 
 
+def _victim(case: int, trial: int) -> int:
+    """Rotates over every rank, rank 0 (which creates the shm segment and
+    whose pid names it) included."""
+    return (case + trial) % WORLD
+
+
 def _trial(rank, world, store, index, transport, cases, trials, timeout_s, count):
     import pycomm
 
     op, when = cases[index // trials]
     trial = index % trials
-    victim = (trial + 1) % world
+    victim = _victim(index // trials, trial)
     # Trials are not in lockstep across hosts (a survivor may still be waiting
     # out the last trial's timeout): meet first, under the store's own 60 s
     # timeout, so the short comm timeout bounds only the fault.
@@ -149,7 +155,7 @@ def _run_case(transport, op, when, trials):
     problems, worst, survivors, raised, pids, sample = [], 0.0, 0, 0, [], ""
     completed = 0  # "during": survivors whose op finished before the kill mattered
     for trial, recs in enumerate(records):
-        victim = (trial + 1) % WORLD
+        victim = _victim(i, trial)
         for r, rec in enumerate(recs):
             pids.append(rec["pid"])
             where = f"trial {trial}, rank {r}"
@@ -345,3 +351,71 @@ def test_stuck_peer_every_wait_times_out(transport):
         elif _STUCK_OP_NAMES.get(name, name.split()[0]) + " #" not in msg:
             problems.append(f"{name}: message lacks the op or its number: {msg[:200]}")
     assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------- init window
+
+# (victim, point): the victim dies by SIGKILL, or is interrupted (Ctrl-C's
+# KeyboardInterrupt), just before or just after it creates (rank 0) or maps
+# (others) the shm segment, i.e. before every rank has mapped it.
+_INIT_CASES = [(v, p) for v in (0, WORLD - 1) for p in ("kill_before_map", "kill_after_map",
+                                                        "interrupt_after_map")]
+_STORE_TIMEOUT_S = 3.0  # survivors give up waiting for the victim in the store
+
+
+def _init_trial(rank, world, store, index, cases):
+    from datetime import timedelta
+
+    import pycomm
+    import pycomm.comm as pc
+
+    victim, point = cases[index]
+    store.set(f"arrived/{rank}", "1")
+    store.wait([f"arrived/{r}" for r in range(world)])
+    store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
+    if rank == victim:
+        real = pc._C.make_shm_comm
+
+        def make_and_fail(*args):
+            if point == "kill_before_map":
+                os.kill(os.getpid(), signal.SIGKILL)
+            impl = real(*args)
+            if point == "kill_after_map":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise KeyboardInterrupt  # as if Ctrl-C came right after the mapping
+
+        pc._C.make_shm_comm = make_and_fail
+    try:
+        comm = pycomm.init(rank=rank, world_size=world, store=store, transport="shm",
+                           timeout=COMM_TIMEOUT_S, set_default=False)
+    except BaseException as e:  # noqa: BLE001 - the store's timeout, or the interrupt
+        return type(e).__name__
+    comm.close()
+    return "ok"
+
+
+def test_rank_dies_during_shm_init_leaves_nothing():
+    """A rank that dies or is interrupted inside init(transport="shm"),
+    rank 0 included, leaves nothing in /dev/shm; the others raise."""
+    shm_before = _shm_entries()
+    records = run_fault_trials(_init_trial, WORLD, len(_INIT_CASES), _INIT_CASES,
+                               trial_timeout=_STORE_TIMEOUT_S * 4 + 30)
+    problems, pids = [], []
+    for (victim, point), recs in zip(_INIT_CASES, records):
+        for r, rec in enumerate(recs):
+            pids.append(rec["pid"])
+            where = f"victim {victim} {point}, rank {r}"
+            if rec.get("hung"):
+                problems.append(f"{where}: hung")
+            elif r == victim and point.startswith("kill"):
+                if rec.get("died") != -signal.SIGKILL:
+                    problems.append(f"{where}: the victim did not die: {rec}")
+            elif r == victim:
+                if rec.get("result") != "KeyboardInterrupt":
+                    problems.append(f"{where}: expected KeyboardInterrupt: {rec}")
+            elif rec.get("result") in (None, "ok"):
+                problems.append(f"{where}: a survivor did not raise: {rec}")
+    leaked = sorted(n for n in _shm_entries() - shm_before
+                    if any(f"-{p}-" in n for p in pids))
+    assert not problems, "\n".join(problems)
+    assert not leaked, f"left in /dev/shm: {leaked}"

@@ -6,19 +6,22 @@
 
 namespace pycomm {
 
-const char* coll_name(CollKind k) {
-  switch (k) {
-    case CollKind::kAllReduce: return "all_reduce";
-    case CollKind::kReduceScatter: return "reduce_scatter";
-    case CollKind::kAllGather: return "all_gather";
-    case CollKind::kBroadcast: return "broadcast";
-    case CollKind::kBarrier: return "barrier";
-  }
-  return "?";
-}
-
 bool Fingerprint::operator==(const Fingerprint& o) const {
   return std::memcmp(this, &o, sizeof(Fingerprint)) == 0;
+}
+
+Fingerprint Fingerprint::of(const OpHeader& h, uint64_t slice_bytes, uint64_t direct_max_bytes) {
+  Fingerprint f;
+  f.seq = h.seq;
+  f.count = h.count;
+  f.slice_bytes = slice_bytes;
+  f.direct_max_bytes = direct_max_bytes;
+  f.kind = h.kind;
+  f.dtype = h.dtype;
+  f.op = h.op;
+  f.root = h.root;
+  f.algo = h.algo;
+  return f;
 }
 
 std::string Fingerprint::str() const {
@@ -27,15 +30,21 @@ std::string Fingerprint::str() const {
     s << "<not a checked-mode fingerprint: is check enabled on every rank?>";
     return s.str();
   }
-  const bool known = kind >= 1 && kind <= 5;
-  s << (known ? coll_name(static_cast<CollKind>(kind)) : "unknown-op") << " #" << seq;
-  if (kind == static_cast<int32_t>(CollKind::kBarrier)) return s.str();
-  s << " (count=" << count;
-  if (dtype >= 0 && dtype < kNumDTypes) s << ", dtype=" << dtype_name(static_cast<DType>(dtype));
-  if (op >= 0 && op < kNumReduceOps) s << ", op=" << op_name(static_cast<ReduceOp>(op));
-  if (root >= 0) s << ", root=" << root;
-  if (wire >= 0 && wire < kNumDTypes) s << ", wire=" << dtype_name(static_cast<DType>(wire));
-  s << ")";
+  OpHeader h;
+  h.seq = seq;
+  h.count = count;
+  h.kind = kind;
+  h.dtype = dtype;
+  h.op = op;
+  h.root = root;
+  h.algo = algo;
+  s << h.str() << " [slice_bytes=" << slice_bytes << ", PYCOMM_DIRECT_MAX_BYTES=";
+  if (direct_max_bytes == ~uint64_t{0}) {
+    s << "unset";
+  } else {
+    s << direct_max_bytes;
+  }
+  s << "]";
   return s.str();
 }
 

@@ -30,7 +30,7 @@ void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
     char* dst = base + begin * es;
     const int which = sb->next_buffer();
     red.copy(sb->local(which), dst, m * es);
-    sb->arrive_and_wait(sb->next_epoch());
+    sb->arrive_and_wait(sb->next_epoch(), which);
     auto in = [&](int r) { return static_cast<const char*>(sb->remote(r, which)); };
     // The first reduction reads this rank's own input from `dst` (identical
     // to its shared copy, and hot in L2) rather than from the shared buffer,
@@ -59,7 +59,7 @@ void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
       if (op == ReduceOp::kAvg) red.scale(out, len, dtype, 1.0 / n);
       red.copy(static_cast<char*>(sb->local(which)) + off, out, len * es);
     }
-    sb->arrive_and_wait(sb->next_epoch());
+    sb->arrive_and_wait(sb->next_epoch(), which);
     for (int r = 0; r < n; ++r) {
       if (r == me || ch.length(r) == 0) continue;
       const size_t o = ch.offset(r) * es;

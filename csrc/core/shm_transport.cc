@@ -33,10 +33,11 @@ namespace pycomm {
 namespace {
 
 constexpr uint64_t kMagic = 0x316d68735f6d6370ULL;  // "pcm_shm1"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr size_t kLine = 64;
 constexpr size_t kPage = 4096;
 constexpr int64_t kHealthEveryNs = 1000000;  // liveness check period while waiting: 1 ms
+constexpr int64_t kInterruptEveryNs = 20000000;  // SIGINT check period while waiting: 20 ms
 // slot_bytes = 0: the automatic slot size (see ShmConfig).
 constexpr size_t kAutoSlotMin = 64 * 1024, kAutoSlotMax = 256 * 1024;
 constexpr size_t kAutoRingBudget = 32u << 20;
@@ -44,6 +45,10 @@ constexpr int64_t kSleepSliceNs = 2000000;  // futex sleeps at most 2 ms between
 constexpr int64_t kSlowYieldNs = 50000;     // a yield this long gave the core away
 constexpr int64_t kNoYieldNs = 100000000;   // then no yields for 100 ms
 constexpr int kNumChannels = 2;             // kCollective, kUser (transport.h)
+// Per ring slot: {bytes in slot, bytes of its message, op seq, op count, op
+// packed} (OpHeader), padded to one cache line.
+constexpr size_t kMetaWords = 8;
+constexpr size_t kReasonBytes = 1024;  // Header::reason: why the first rank aborted
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "need lock-free 32-bit atomics");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
@@ -100,6 +105,23 @@ struct alignas(kLine) RankInfo {
   char pad1[kLine - 8];
   std::atomic<uint64_t> epoch;  // SharedBuffers: last epoch this rank arrived at
   char pad2[kLine - 8];
+  // The collective this rank runs now (OpHeader), for a blocked peer to
+  // compare with its own: seq is stored 0 first and last (release) after the
+  // other words, so a reader that sees the same nonzero seq before and after
+  // reading them has a consistent copy.
+  std::atomic<uint64_t> op_seq;
+  std::atomic<uint64_t> op_count;
+  std::atomic<uint64_t> op_packed;
+  char pad3[kLine - 24];
+};
+
+// Next to each direct buffer: the OpHeader of the piece in it, written before
+// the owner arrives (its epoch store releases it) and read by the peers after.
+struct alignas(kLine) BufferOp {
+  std::atomic<uint64_t> seq;
+  std::atomic<uint64_t> count;
+  std::atomic<uint64_t> packed;
+  char pad[kLine - 24];
 };
 
 struct alignas(kLine) Header {
@@ -116,7 +138,11 @@ struct alignas(kLine) Header {
   uint64_t chan_stride;
   uint64_t ctrl_bytes;
   uint64_t direct_offset;
+  uint64_t bufop_offset;
   alignas(kLine) std::atomic<uint32_t> abort;  // 0, or 1 + the rank that aborted
+  std::atomic<uint32_t> reason_ready;          // 1 once `reason` is written (release)
+  std::atomic<uint32_t> attached;              // ranks that mapped the segment
+  char reason[kReasonBytes];                   // written by the rank that set `abort`
 };
 
 struct alignas(kLine) ChanCtrl {
@@ -124,7 +150,7 @@ struct alignas(kLine) ChanCtrl {
   char pad0[kLine - 8];
   std::atomic<uint64_t> tail;  // slots consumed by the receiver
   char pad1[kLine - 8];
-  // followed by meta[2 * slots]: {bytes in slot, total bytes of its message}
+  // followed by meta[kMetaWords * slots] (kMetaWords)
 };
 
 struct ShmSegment {
@@ -151,6 +177,10 @@ struct ShmSegment {
   char* direct(int r, int which) const {
     return base + hdr->direct_offset +
            (static_cast<size_t>(r) * direct_buffers + which) * direct_bytes;
+  }
+  BufferOp* bufop(int r, int which) const {
+    return reinterpret_cast<BufferOp*>(base + hdr->bufop_offset) +
+           static_cast<size_t>(r) * direct_buffers + which;
   }
 };
 
@@ -194,10 +224,14 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
     const size_t direct_buffers = std::min<size_t>(std::max<size_t>(cfg.direct_buffers, 2), 64);
     const size_t ranks_offset = round_up(sizeof(Header), kLine);
     const size_t chan_offset = round_up(ranks_offset + n * sizeof(RankInfo), kPage);
-    const size_t ctrl_bytes = round_up(sizeof(ChanCtrl) + 2 * slots * sizeof(uint64_t), kPage);
+    const size_t ctrl_bytes =
+        round_up(sizeof(ChanCtrl) + kMetaWords * slots * sizeof(uint64_t), kPage);
     const size_t chan_stride = round_up(ctrl_bytes + slots * slot_bytes, kPage);
     const size_t direct_offset = chan_offset + nchan * chan_stride;
-    total = direct_offset + static_cast<size_t>(n) * direct_buffers * direct_bytes;
+    const size_t bufop_offset =
+        direct_offset + static_cast<size_t>(n) * direct_buffers * direct_bytes;
+    total = round_up(bufop_offset + static_cast<size_t>(n) * direct_buffers * sizeof(BufferOp),
+                     kPage);
 
     fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) {
@@ -246,13 +280,20 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
     h->chan_stride = chan_stride;
     h->ctrl_bytes = ctrl_bytes;
     h->direct_offset = direct_offset;
+    h->bufop_offset = bufop_offset;
     h->abort.store(0, std::memory_order_relaxed);
+    h->reason_ready.store(0, std::memory_order_relaxed);
+    h->attached.store(0, std::memory_order_relaxed);
     for (int r = 0; r < n; ++r) {
       RankInfo* ri = new (base + ranks_offset + r * sizeof(RankInfo)) RankInfo();
       ri->pid.store(0, std::memory_order_relaxed);
       ri->doorbell.store(0, std::memory_order_relaxed);
       ri->sleeping.store(0, std::memory_order_relaxed);
       ri->epoch.store(0, std::memory_order_relaxed);
+      ri->op_seq.store(0, std::memory_order_relaxed);
+    }
+    for (size_t i = 0; i < static_cast<size_t>(n) * direct_buffers; ++i) {
+      new (base + bufop_offset + i * sizeof(BufferOp)) BufferOp();
     }
     for (size_t i = 0; i < nchan; ++i) {
       ChanCtrl* cc = new (base + chan_offset + i * chan_stride) ChanCtrl();
@@ -299,6 +340,13 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
                         static_cast<size_t>(h->direct_bytes),
                         static_cast<size_t>(h->direct_buffers)};
   seg_->ranks[rank_].pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
+  // The last rank to map the segment removes its name at once: from then on
+  // nothing is left in /dev/shm whoever dies, without waiting for the
+  // store barrier in pycomm/comm.py (which a dying rank may never reach).
+  if (h->attached.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint32_t>(n)) {
+    unlink(name_);
+    unlinked_ = true;
+  }
 
   sendq_.resize(n * kNumChannels);
   recvq_.resize(n * kNumChannels);
@@ -327,16 +375,25 @@ void ShmTransport::unlink(const std::string& name) { shm_unlink(name.c_str()); }
 // ------------------------------------------------------------ failure
 
 void ShmTransport::fail(const std::string& msg) {
-  // Tell the peers at once: they fail fast instead of waiting for a timeout.
-  abort();
+  // Tell the peers at once, and why: they fail fast with the same reason
+  // instead of waiting for a timeout.
+  abort_with(msg);
   throw CommError(msg);
 }
 
-void ShmTransport::abort() {
+void ShmTransport::abort() { abort_with(""); }
+
+void ShmTransport::abort_with(const std::string& reason) {
   aborted_.store(true, std::memory_order_release);
   if (!seg_) return;
   uint32_t zero = 0;
-  seg_->hdr->abort.compare_exchange_strong(zero, static_cast<uint32_t>(rank_ + 1));
+  if (seg_->hdr->abort.compare_exchange_strong(zero, static_cast<uint32_t>(rank_ + 1)) &&
+      !reason.empty()) {
+    const size_t m = std::min(reason.size(), kReasonBytes - 1);
+    std::memcpy(seg_->hdr->reason, reason.data(), m);
+    seg_->hdr->reason[m] = 0;
+    seg_->hdr->reason_ready.store(1, std::memory_order_release);
+  }
   for (int r = 0; r < size_; ++r) {
     seg_->ranks[r].doorbell.fetch_add(1);
     futex_wake(&seg_->ranks[r].doorbell);
@@ -390,35 +447,54 @@ bool ShmTransport::peer_dead(int* who) {
   return false;
 }
 
-// Throws if this rank or any peer aborted, naming the rank that did.
+std::string ShmTransport::aborted_by(uint32_t a) const {
+  std::string s = (a != 0 ? "rank " + std::to_string(a - 1) : std::string("this rank")) +
+                  " aborted the communicator";
+  if (a != 0 && seg_->hdr->reason_ready.load(std::memory_order_acquire)) {
+    return s + ": " + seg_->hdr->reason;
+  }
+  return s + " (it hit an error or was aborted)";
+}
+
+// Throws if this rank or any peer aborted, naming the rank that did and why.
 void ShmTransport::check_not_aborted(const char* what) {
   const uint32_t a = seg_->hdr->abort.load(std::memory_order_acquire);
   if (a == 0 && !aborted_.load(std::memory_order_acquire)) return;
-  std::string who = a != 0 ? "rank " + std::to_string(a - 1) : "this rank";
   throw CommError(std::string("shm transport: ") + what + " on rank " + std::to_string(rank_) +
-                  ": " + who + " aborted the communicator (it hit an error or was aborted)");
+                  ": " + aborted_by(a));
 }
 
 void ShmTransport::check_health(const char* what, int64_t deadline_ns) {
-  if (aborted_.load(std::memory_order_acquire)) {
+  const uint32_t a = seg_->hdr->abort.load(std::memory_order_acquire);
+  if (aborted_.load(std::memory_order_acquire) && (a == 0 || a == uint32_t(rank_ + 1))) {
     throw CommError(std::string("shm transport: ") + what + " on rank " + std::to_string(rank_) +
                     ": the communicator was aborted");
   }
-  const uint32_t a = seg_->hdr->abort.load(std::memory_order_acquire);
   if (a != 0) {
     aborted_.store(true, std::memory_order_release);
     throw CommError(std::string("shm transport: ") + what + " on rank " + std::to_string(rank_) +
-                    ": rank " + std::to_string(a - 1) +
-                    " aborted the communicator (it hit an error or was aborted)");
+                    ": " + aborted_by(a));
   }
   const int64_t now = now_ns();
   if (now - last_health_ns_ >= kHealthEveryNs) {
     last_health_ns_ = now;
+    // A peer running another op with our sequence number (say, direct while
+    // we run a ring) would never send what we wait for: say what differs.
+    check_peer_ops();
     int who = -1;
     if (peer_dead(&who)) {
       fail(std::string("shm transport: ") + what + " on rank " + std::to_string(rank_) +
            ": peer rank " + std::to_string(who) + " (pid " +
            std::to_string(seg_->ranks[who].pid.load()) + ") has died; " + pending_desc());
+    }
+  }
+  if (interrupt_check_ && now - last_interrupt_ns_ >= kInterruptEveryNs) {
+    last_interrupt_ns_ = now;
+    try {
+      interrupt_check_();
+    } catch (const std::exception& e) {
+      abort_with("rank " + std::to_string(rank_) + " was interrupted (" + e.what() + ")");
+      throw;
     }
   }
   if (now >= deadline_ns) {
@@ -446,6 +522,11 @@ std::string ShmTransport::pending_desc() const {
     }
   }
   if (!any) s << " waiting for peers to arrive";
+  s << "; this rank " << (op_.seq ? "runs " + op_.str() : std::string("ran no collective yet"));
+  for (int r = 0; r < size_; ++r) {
+    OpHeader h;
+    if (r != rank_ && peer_op(r, &h)) s << ", rank " << r << " runs " << h.str();
+  }
   return s.str();
 }
 
@@ -539,7 +620,7 @@ bool ShmTransport::progress_send(int peer, int ch) {
   bool moved = false;
   while (!q.empty()) {
     Op& op = q.front();
-    while (op.done < op.bytes) {
+    while (op.done < op.bytes || op.first) {
       if (head - tail >= slots) {
         tail = c->tail.load(std::memory_order_acquire);
         if (head - tail >= slots) break;  // ring full
@@ -547,15 +628,20 @@ bool ShmTransport::progress_send(int peer, int ch) {
       const size_t slot = static_cast<size_t>(head % slots);
       const size_t m = std::min(slot_bytes, op.bytes - op.done);
       std::memcpy(data + slot * slot_bytes, op.buf + op.done, m);
-      meta[2 * slot].store(m, std::memory_order_relaxed);
-      meta[2 * slot + 1].store(op.bytes, std::memory_order_relaxed);
+      std::atomic<uint64_t>* sm = meta + kMetaWords * slot;
+      sm[0].store(m, std::memory_order_relaxed);
+      sm[1].store(op.bytes, std::memory_order_relaxed);
+      sm[2].store(op.hdr.seq, std::memory_order_relaxed);
+      sm[3].store(op.hdr.count, std::memory_order_relaxed);
+      sm[4].store(op.packed, std::memory_order_relaxed);
       ++head;
       c->head.store(head, std::memory_order_release);
       op.done += m;
+      op.first = false;
       moved = true;
       notify(peer);
     }
-    if (op.done < op.bytes) break;
+    if (op.done < op.bytes || op.first) break;
     const Handle g = op.group;
     q.pop_front();
     complete_op(g);
@@ -577,30 +663,43 @@ bool ShmTransport::progress_recv(int peer, int ch) {
   bool moved = false;
   while (!q.empty()) {
     Op& op = q.front();
-    while (op.done < op.bytes) {
+    while (op.done < op.bytes || op.first) {
       if (tail == head) {
         head = c->head.load(std::memory_order_acquire);
         if (tail == head) break;  // nothing published yet
       }
       const size_t slot = static_cast<size_t>(tail % slots);
-      const size_t m = meta[2 * slot].load(std::memory_order_relaxed);
-      const size_t total = meta[2 * slot + 1].load(std::memory_order_relaxed);
+      const std::atomic<uint64_t>* sm = meta + kMetaWords * slot;
+      const size_t m = sm[0].load(std::memory_order_relaxed);
+      const size_t total = sm[1].load(std::memory_order_relaxed);
       const size_t want = std::min(slot_bytes, op.bytes - op.done);
+      // The sender's op header: on the collective channel it must be ours.
+      const uint64_t seq = sm[2].load(std::memory_order_relaxed);
+      if (ch == kCollective && (seq != op.hdr.seq || sm[4].load(std::memory_order_relaxed) != op.packed ||
+                                sm[3].load(std::memory_order_relaxed) != op.hdr.count)) {
+        recv_tail_[qi] = tail;
+        fail("shm transport: " +
+             mismatch_message(rank_, op.hdr, peer,
+                              OpHeader::unpack(seq, sm[3].load(std::memory_order_relaxed),
+                                               sm[4].load(std::memory_order_relaxed))));
+      }
       if (m != want || total != op.bytes) {
         recv_tail_[qi] = tail;
         fail("shm transport: rank " + std::to_string(rank_) + " expected a message of " +
              std::to_string(op.bytes) + " bytes from rank " + std::to_string(peer) +
-             " but it sent " + std::to_string(total) +
-             " bytes (mismatched collective calls across ranks?)");
+             " but it sent " + std::to_string(total) + " bytes" +
+             (ch == kUser ? " (point-to-point: the send and the recv tensors differ in size)"
+                          : " (mismatched collective calls across ranks?)"));
       }
       std::memcpy(op.buf + op.done, data + slot * slot_bytes, m);
       ++tail;
       c->tail.store(tail, std::memory_order_release);
       op.done += m;
+      op.first = false;
       moved = true;
       notify(peer);
     }
-    if (op.done < op.bytes) break;
+    if (op.done < op.bytes || op.first) break;
     const Handle g = op.group;
     q.pop_front();
     complete_op(g);
@@ -638,10 +737,15 @@ Handle ShmTransport::post(const P2POp* ops, size_t n) {
     if (op.channel < 0 || op.channel >= kNumChannels) {
       throw CommError("shm transport: unknown channel " + std::to_string(op.channel));
     }
-    if (op.bytes == 0) continue;
+    // Collectives post matching empty chunks on both sides: skip them. A
+    // user message takes a slot even when empty, so that 0 elements sent
+    // against 3 expected is a size error, not a wait for the timeout.
+    if (op.bytes == 0 && op.channel == kCollective) continue;
     const int qi = op.peer * kNumChannels + op.channel;
     auto& q = op.kind == P2POp::kSend ? sendq_[qi] : recvq_[qi];
-    q.push_back(Op{static_cast<char*>(op.buf), op.bytes, 0, h});
+    // User p2p carries no op header (seq 0): only its size is checked.
+    const OpHeader hdr = op.channel == kCollective ? op_ : OpHeader{};
+    q.push_back(Op{static_cast<char*>(op.buf), op.bytes, 0, true, h, hdr, hdr.packed()});
     ++cnt;
   }
   if (cnt == 0) return h;
@@ -704,8 +808,13 @@ void* ShmTransport::local(int which) { return seg_->direct(rank_, which); }
 
 const void* ShmTransport::remote(int r, int which) const { return seg_->direct(r, which); }
 
-void ShmTransport::arrive_and_wait(uint64_t epoch) {
+void ShmTransport::arrive_and_wait(uint64_t epoch, int which) {
   check_not_aborted("direct all-reduce");
+  BufferOp* mine = seg_->bufop(rank_, which);
+  const uint64_t packed = op_.packed();
+  mine->seq.store(op_.seq, std::memory_order_relaxed);
+  mine->count.store(op_.count, std::memory_order_relaxed);
+  mine->packed.store(packed, std::memory_order_relaxed);
   seg_->ranks[rank_].epoch.store(epoch, std::memory_order_release);
   for (int r = 0; r < size_; ++r) {
     if (r != rank_) notify(r);
@@ -718,6 +827,78 @@ void ShmTransport::arrive_and_wait(uint64_t epoch) {
         return true;
       },
       "arrive_and_wait");
+  // Every peer wrote its op header next to its buffer before arriving, and
+  // cannot rewrite it before we arrive at a later epoch (the reuse rule).
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const BufferOp* b = seg_->bufop(r, which);
+    const uint64_t seq = b->seq.load(std::memory_order_relaxed);
+    const uint64_t count = b->count.load(std::memory_order_relaxed);
+    const uint64_t p = b->packed.load(std::memory_order_relaxed);
+    if (seq != op_.seq || count != op_.count || p != packed) {
+      fail("shm transport: " + mismatch_message(rank_, op_, r, OpHeader::unpack(seq, count, p)));
+    }
+  }
+}
+
+void ShmTransport::begin_op(const OpHeader& h) {
+  const OpHeader prev = op_;
+  op_ = h;
+  RankInfo& me = seg_->ranks[rank_];
+  me.op_seq.store(0, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  me.op_count.store(h.count, std::memory_order_relaxed);
+  me.op_packed.store(h.packed(), std::memory_order_relaxed);
+  me.op_seq.store(h.seq, std::memory_order_release);
+  // A message of an earlier collective that nobody here received (say both
+  // ranks broadcast as root: each only sends) would otherwise be taken by a
+  // later ring op, or sit there under direct ones. Every collective receives
+  // all it was sent before it returns, so an unread slot of an earlier op
+  // now is a mismatch.
+  // The fence pairs with the peer's: of two ranks that both only sent, at
+  // least one sees the other's message here.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    const int qi = p * kNumChannels + kCollective;
+    if (!recvq_[qi].empty()) continue;
+    const uint64_t tail = recv_tail_[qi];
+    if (seg_->ctrl(p, rank_, kCollective)->head.load(std::memory_order_acquire) == tail) continue;
+    const std::atomic<uint64_t>* sm =
+        seg_->meta(p, rank_, kCollective) + kMetaWords * (tail % seg_->slots);
+    const OpHeader theirs = OpHeader::unpack(sm[2].load(std::memory_order_relaxed),
+                                             sm[3].load(std::memory_order_relaxed),
+                                             sm[4].load(std::memory_order_relaxed));
+    // The peer may have started this op already (its first message): fine.
+    if (theirs.seq == 0 || theirs.seq >= h.seq) continue;
+    fail("shm transport: " +
+         mismatch_message(rank_, theirs.seq == prev.seq ? prev : h, p, theirs) +
+         "; rank " + std::to_string(p) + " sent data that this rank never received");
+  }
+}
+
+bool ShmTransport::peer_op(int r, OpHeader* out) const {
+  const RankInfo& ri = seg_->ranks[r];
+  const uint64_t s1 = ri.op_seq.load(std::memory_order_acquire);
+  const uint64_t count = ri.op_count.load(std::memory_order_relaxed);
+  const uint64_t p = ri.op_packed.load(std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (s1 == 0 || ri.op_seq.load(std::memory_order_relaxed) != s1) return false;
+  *out = OpHeader::unpack(s1, count, p);
+  return true;
+}
+
+void ShmTransport::check_peer_ops() {
+  // Checked mode's exchange shares its op's number: a peer may still be in
+  // it while this rank runs the op itself.
+  constexpr int32_t kCheck = static_cast<int32_t>(CollKind::kCheck);
+  if (op_.seq == 0 || op_.kind == kCheck) return;
+  for (int r = 0; r < size_; ++r) {
+    OpHeader h;
+    if (r != rank_ && peer_op(r, &h) && h.seq == op_.seq && h.kind != kCheck && h != op_) {
+      fail("shm transport: " + mismatch_message(rank_, op_, r, h));
+    }
+  }
 }
 
 }  // namespace pycomm

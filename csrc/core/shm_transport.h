@@ -4,15 +4,19 @@
 // Segment layout (all offsets page aligned, every shared word on its own
 // cache line):
 //
-//   Header      magic, version, world size, ring geometry, abort word,
-//               RankInfo[n] { pid, doorbell (futex), sleeping, epoch }
+//   Header      magic, version, world size, ring geometry, abort word and
+//               the first aborting rank's reason, attach counter,
+//               RankInfo[n] { pid, doorbell (futex), sleeping, epoch,
+//                             current op header (op_header.h) }
 //   Channels    one per ordered pair (src -> dst), src != dst, and per
 //               message channel (kCollective, kUser: independent streams):
 //                 Ctrl { head  (written by src: slots published),
 //                        tail  (written by dst: slots consumed),
-//                        len[slots] (bytes in each slot) }
+//                        meta[slots] { bytes in the slot, bytes of its
+//                                      message, sender's op header } }
 //                 data[slots][slot_bytes]
 //   Direct      per rank direct_buffers buffers of direct_bytes (SharedBuffers)
+//   BufferOp    per direct buffer: the op header of the piece in it
 //
 // Protocol of a channel (single producer, single consumer): head and tail are
 // 64-bit sequence numbers that never wrap; slot = seq % slots. The producer
@@ -21,7 +25,8 @@
 // acquire load, copies the slot out, then publishes tail + 1 (release). A
 // message of B bytes occupies ceil(B / slot_bytes) consecutive slots; since
 // both sides post their ops in the same order, messages match in order, and
-// len[] lets the receiver detect a size mismatch.
+// meta lets the receiver detect a size mismatch and, on the collective
+// channel, a different op (count, dtype, reduce op, root, algo, sequence).
 //
 // Progress: post() queues its ops per peer and pushes as much as fits at once;
 // wait() keeps making progress on *every* pending op (all groups, all peers,
@@ -39,8 +44,11 @@
 //
 // Lifetime: rank 0 creates the segment (O_CREAT | O_EXCL, mode 0600) and the
 // others attach after rank 0 has published its name (through the c10d Store,
-// in pycomm/comm.py); once every rank has mapped it, it is unlinked, so
-// nothing is left in /dev/shm even if a process is killed later. The
+// in pycomm/comm.py); the last rank to map it unlinks it (a counter in the
+// header), so nothing is left in /dev/shm even if a process is killed later.
+// A rank that dies before every rank mapped it leaves the name to the
+// survivors: pycomm/comm.py publishes the name before creating the segment
+// and every rank unlinks it when init fails or is interrupted. The
 // destructor unmaps (and unlinks, in case that step never ran).
 #pragma once
 
@@ -111,6 +119,8 @@ class ShmTransport final : public Transport, public SharedBuffers {
   bool idle_wait(int64_t max_ns) override;
   void interrupt() override;
   void abort() override;
+  void abort_because(const std::string& why) override { abort_with(why); }
+  bool checks_interrupts() const override { return true; }
   SharedBuffers* shared_buffers() override { return this; }
 
   // SharedBuffers
@@ -118,7 +128,8 @@ class ShmTransport final : public Transport, public SharedBuffers {
   int num_buffers() const override;
   void* local(int which) override;
   const void* remote(int r, int which) const override;
-  void arrive_and_wait(uint64_t epoch) override;
+  void arrive_and_wait(uint64_t epoch, int which) override;
+  void begin_op(const OpHeader& h) override;
 
   const std::string& segment_name() const { return name_; }
   size_t segment_bytes() const { return map_bytes_; }
@@ -128,7 +139,10 @@ class ShmTransport final : public Transport, public SharedBuffers {
     char* buf;
     size_t bytes;
     size_t done;
+    bool first;  // no slot moved yet (an empty user message still takes one)
     Handle group;
+    OpHeader hdr;     // the collective it belongs to (seq 0: user p2p)
+    uint64_t packed;  // hdr.packed(), computed once
   };
   bool progress_send(int peer, int channel);
   bool progress_recv(int peer, int channel);
@@ -142,6 +156,13 @@ class ShmTransport final : public Transport, public SharedBuffers {
   void check_not_aborted(const char* what);
   void check_health(const char* what, int64_t deadline_ns);
   std::string pending_desc() const;
+  // Rank r's current op (RankInfo), false while it is being rewritten.
+  bool peer_op(int r, OpHeader* out) const;
+  // Fails if a peer runs a different op under our sequence number.
+  void check_peer_ops();
+  // Sets the shared abort word; the first rank to do so leaves `reason`.
+  void abort_with(const std::string& reason);
+  std::string aborted_by(uint32_t abort_word) const;
   bool peer_dead(int* who);
   [[noreturn]] void fail(const std::string& msg);
 
@@ -170,6 +191,7 @@ class ShmTransport final : public Transport, public SharedBuffers {
   std::vector<int> pidfds_;               // per rank, -1 when not open (yet)
   std::vector<bool> pidfd_ok_;            // false: pidfd_open unavailable, use kill + /proc
   int64_t last_health_ns_ = 0;
+  int64_t last_interrupt_ns_ = 0;
 };
 
 }  // namespace pycomm

@@ -19,8 +19,10 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
+#include "op_header.h"
 #include "types.h"
 
 namespace pycomm {
@@ -68,7 +70,10 @@ class SharedBuffers {
   virtual const void* remote(int r, int which) const = 0;
   // Publishes "this rank reached epoch e" (release) and blocks until every
   // rank has (acquire). Honours the timeout, abort and dead peers like wait().
-  virtual void arrive_and_wait(uint64_t epoch) = 0;
+  // `which` is the buffer this rank just filled for the piece: the transport
+  // publishes the current op header (Transport::begin_op) next to it and
+  // throws CommError, naming what differs, if a peer's op differs.
+  virtual void arrive_and_wait(uint64_t epoch, int which) = 0;
   // Epochs are counted per communicator; all ranks call next_epoch() the same
   // number of times because they run the same collectives in the same order.
   uint64_t next_epoch() { return ++epoch_; }
@@ -124,6 +129,14 @@ class Transport {
   // Ends an idle_wait in progress, or the next one, promptly. Thread-safe.
   virtual void interrupt() {}
 
+  // Called before each collective runs (on the executing thread): the
+  // transport carries `h` with the op's messages and checks it against the
+  // peers' (op_header.h), throwing CommError that names what differs. Ops
+  // posted until the next begin_op belong to this collective, except user
+  // p2p (channel kUser), which carries no header.
+  virtual void begin_op(const OpHeader& h) { op_ = h; }
+  const OpHeader& current_op() const { return op_; }
+
   // Bounds every blocking wait from now on.
   virtual void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
   std::chrono::milliseconds timeout() const { return timeout_; }
@@ -131,6 +144,18 @@ class Transport {
   // Makes pending and future waits fail fast (called after an error, or from
   // another thread to unblock a hung collective). Idempotent.
   virtual void abort() {}
+  // abort(), and tells the peers `why` where the transport can (shm: in the
+  // segment; gloo: an abort header), so they fail with this reason.
+  virtual void abort_because(const std::string& why) {
+    (void)why;
+    abort();
+  }
+
+  // Interrupts (SIGINT): a transport whose waits call `check` every few
+  // tens of milliseconds while blocked says so; `check` throws Interrupted
+  // to end the wait (the transport then aborts, telling the peers).
+  virtual bool checks_interrupts() const { return false; }
+  void set_interrupt_check(std::function<void()> check) { interrupt_check_ = std::move(check); }
 
   // Optional capabilities (nullptr when the transport lacks them).
   virtual SharedBuffers* shared_buffers() { return nullptr; }
@@ -140,6 +165,8 @@ class Transport {
 
  protected:
   std::chrono::milliseconds timeout_{std::chrono::minutes(5)};
+  OpHeader op_;  // the collective now running (seq 0 before the first)
+  std::function<void()> interrupt_check_;
 };
 
 }  // namespace pycomm

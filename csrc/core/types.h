@@ -44,6 +44,13 @@ class CommError : public std::runtime_error {
   explicit CommError(const std::string& what) : std::runtime_error(what) {}
 };
 
+// This rank was interrupted (SIGINT) while blocked in an operation; the
+// communicator is aborted. The binding maps it to KeyboardInterrupt.
+class Interrupted : public CommError {
+ public:
+  explicit Interrupted(const std::string& what) : CommError(what) {}
+};
+
 // A caller's mistake: a bad argument (the binding's checks) or one that only
 // the core can see (e.g. fingerprint mismatch across ranks in checked mode).
 // Maps to ValueError.

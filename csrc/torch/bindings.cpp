@@ -88,6 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const pycomm::Interrupted& e) {
+      py::set_error(PyExc_KeyboardInterrupt, e.what());
     } catch (const pycomm::CommError& e) {
       py::set_error(comm_error, e.what());
     } catch (const pycomm::UsageError& e) {

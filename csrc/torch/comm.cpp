@@ -1,12 +1,38 @@
 #include "comm.h"
 
+#include <pybind11/pybind11.h>  // check_interrupt: signals, with the GIL
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <sstream>
+#include <thread>
+
+namespace py = pybind11;
 
 namespace pycomm {
+
+// ---------------------------------------------------------------- interrupts
+
+namespace {
+// The extension is loaded by `import pycomm`, on the main thread.
+const std::thread::id g_main_thread = std::this_thread::get_id();
+constexpr auto kInterruptPoll = std::chrono::milliseconds(20);
+}  // namespace
+
+bool on_main_thread() { return std::this_thread::get_id() == g_main_thread; }
+
+void check_interrupt() {
+  if (!on_main_thread() || !Py_IsInitialized()) return;
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return;
+  // A handler raised (KeyboardInterrupt, for SIGINT's default one): the op is
+  // abandoned and the binding raises KeyboardInterrupt in its place.
+  py::error_already_set raised;  // takes (and clears) the Python error
+  throw Interrupted(raised.what());
+}
 
 // ---------------------------------------------------------------- Work
 
@@ -27,13 +53,53 @@ void Work::wait() {
         "before the op completed; it would deadlock. Return the op's future from the "
         "callback, or chain with then(), instead of waiting inside it");
   }
+  if (!future_->completed() && on_main_thread()) wait_interruptibly();
   future_->wait();
   if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
 }
 
-void Work::complete() { future_->markCompleted(c10::IValue(outputs_)); }
+void Work::wait_interruptibly() {
+  struct Flag {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto flag = std::make_shared<Flag>();
+  future_->addCallback([flag](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lk(flag->mu);
+    flag->done = true;
+    flag->cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lk(flag->mu);
+  while (!flag->cv.wait_for(lk, kInterruptPoll, [&] { return flag->done; })) {
+    lk.unlock();
+    try {
+      check_interrupt();
+    } catch (const Interrupted& e) {
+      const std::string why = op_ + " #" + std::to_string(seq_) +
+                              ": interrupted while waiting for it (" + e.what() + ")";
+      if (on_interrupt_) on_interrupt_(why);  // aborts: the op fails, peers are told
+      throw Interrupted(why);
+    }
+    lk.lock();
+  }
+}
 
-void Work::fail(std::exception_ptr e) { future_->setError(std::move(e)); }
+void Work::complete() {
+  if (future_->completed()) return;  // the user set a result already
+  try {
+    future_->markCompleted(c10::IValue(outputs_));
+  } catch (const std::exception&) {  // lost a race with the user's set_result
+  }
+}
+
+void Work::fail(std::exception_ptr e) {
+  if (future_->completed()) return;
+  try {
+    future_->setError(std::move(e));
+  } catch (const std::exception&) {
+  }
+}
 
 // ---------------------------------------------------------------- checks
 
@@ -219,6 +285,7 @@ Comm::Comm(std::unique_ptr<Transport> transport, CommOptions options)
   if (const char* v = std::getenv("PYCOMM_DIRECT_MAX_BYTES")) {
     direct_max_bytes_ = static_cast<size_t>(std::strtoull(v, nullptr, 10));
   }
+  if (transport_->checks_interrupts()) transport_->set_interrupt_check(&check_interrupt);
   worker_ = std::make_unique<Worker>();
   worker_->set_idle_poll([this] { return poll_deferred(); });
   worker_->set_idle_wait([this](int64_t ns) { return transport_->idle_wait(ns); },
@@ -260,7 +327,7 @@ void Comm::abort(const std::string& why) {
     abort_reason_ = why;
     aborted_ = true;
   }
-  if (transport_) transport_->abort();
+  if (transport_) transport_->abort_because(why);
 }
 
 void Comm::fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e) {
@@ -268,18 +335,44 @@ void Comm::fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e
   msg << work->op() << " #" << work->seq() << " on rank " << rank_ << " (" << transport_name_
       << " transport, world_size " << size_ << ") failed: " << e.what();
   abort(msg.str());
-  work->fail(std::make_exception_ptr(CommError(msg.str())));
+  work->fail(dynamic_cast<const Interrupted*>(&e) != nullptr
+                 ? std::make_exception_ptr(Interrupted(msg.str()))
+                 : std::make_exception_ptr(CommError(msg.str())));
 }
 
-std::function<void(const Context&)> Comm::checked(Fingerprint fp,
-                                                  std::function<void(const Context&)> body) {
-  if (!options_.check) return body;
-  return [this, fp, body = std::move(body)](const Context& ctx) mutable {
-    fp.seq = ++coll_seq_;  // ops run one at a time: execution order
-    check_fingerprints(ctx, fp);
+std::function<void(const Context&)> Comm::collective(OpHeader h,
+                                                     std::function<void(const Context&)> body) {
+  return [this, h, check = options_.check, body = std::move(body)](const Context& ctx) mutable {
+    h.seq = ++coll_seq_;  // ops run one at a time: execution order
+    if (check) {
+      // The exchange carries a header equal on every rank, so that a
+      // mismatch surfaces as checked mode's report (ValueError, communicator
+      // usable) rather than as a header mismatch of its own messages.
+      OpHeader x;
+      x.seq = h.seq;
+      x.kind = static_cast<int32_t>(CollKind::kCheck);
+      ctx.transport.begin_op(x);
+      check_fingerprints(ctx, Fingerprint::of(h, static_cast<uint64_t>(options_.slice_bytes),
+                                              static_cast<uint64_t>(direct_max_bytes_)));
+    }
+    ctx.transport.begin_op(h);
     body(ctx);
   };
 }
+
+namespace {
+OpHeader header(CollKind kind, size_t count, int32_t dtype = -1, int32_t op = -1,
+                int32_t root = -1, AlgoKind algo = AlgoKind::kRing) {
+  OpHeader h;
+  h.kind = static_cast<int32_t>(kind);
+  h.count = count;
+  h.dtype = dtype;
+  h.op = op;
+  h.root = root;
+  h.algo = static_cast<int32_t>(algo);
+  return h;
+}
+}  // namespace
 
 bool Comm::poll_deferred() {
   for (auto it = deferred_.begin(); it != deferred_.end();) {
@@ -308,10 +401,45 @@ bool Comm::poll_deferred() {
   return !deferred_.empty();
 }
 
+// Ops pair up across ranks by the order each rank issues them. Two threads
+// issuing on one communicator at once would interleave differently on each
+// rank and silently cross-match data, so a call made while another thread is
+// inside one (issuing, or waiting for a synchronous op) is rejected. Calls
+// one after the other from different threads (autograd's, say) are fine, and
+// so are ops issued by Future callbacks on the worker, which orders them.
+class Comm::CallGuard {
+ public:
+  CallGuard(Comm& c, const char* op) : c_(c) {
+    if (c.worker_ && c.worker_->is_current()) return;
+    std::thread::id none;
+    if (c.caller_.compare_exchange_strong(none, std::this_thread::get_id())) {
+      owner_ = true;
+      return;
+    }
+    if (none == std::this_thread::get_id()) return;  // nested (the same thread)
+    throw std::runtime_error(join_msg(
+        {op, ": another thread is inside a call on this communicator. Calls issued from "
+             "several threads at once pair up in different orders on different ranks (wrong "
+             "results), so pycomm rejects them: issue ops from one thread at a time (a lock "
+             "around each call, taken in the same order on every rank), or use one "
+             "communicator per thread"}));
+  }
+  ~CallGuard() {
+    if (owner_) c_.caller_.store(std::thread::id());
+  }
+  CallGuard(const CallGuard&) = delete;
+  CallGuard& operator=(const CallGuard&) = delete;
+
+ private:
+  Comm& c_;
+  bool owner_ = false;
+};
+
 c10::intrusive_ptr<Work> Comm::new_work(const char* op, std::vector<at::Tensor> tensors) {
   check_open(op);
   auto work = c10::make_intrusive<Work>(op, ++seq_, std::move(tensors));
   work->set_worker(worker_.get());
+  work->set_on_interrupt([this](const std::string& why) { abort(why); });
   return work;
 }
 
@@ -325,6 +453,7 @@ bool Comm::fail_if_aborted(const c10::intrusive_ptr<Work>& work) {
 
 c10::intrusive_ptr<Work> Comm::run_p2p(const char* op, std::vector<at::Tensor> tensors,
                                        std::vector<P2POp> ops, bool async_op) {
+  CallGuard guard(*this, op);
   for (auto& o : ops) o.channel = kUser;
   if (!async_op) {
     return run(op, std::move(tensors),
@@ -355,6 +484,7 @@ c10::intrusive_ptr<Work> Comm::run_p2p(const char* op, std::vector<at::Tensor> t
 
 c10::intrusive_ptr<Work> Comm::run(const char* op, std::vector<at::Tensor> outputs,
                                    std::function<void(const Context&)> body, bool async_op) {
+  CallGuard guard(*this, op);
   auto work = new_work(op, std::move(outputs));
   std::function<void()> task = [this, work, body = std::move(body), op]() {
     if (fail_if_aborted(work)) return;
@@ -383,7 +513,10 @@ c10::intrusive_ptr<Work> Comm::run(const char* op, std::vector<at::Tensor> outpu
     // (queueing it and waiting would wait for ourselves). Every rank runs it
     // at the same point of its op sequence.
     task();
-  } else if (!worker_->try_run_inline(task)) {
+  } else if (!(transport_->checks_interrupts() || !on_main_thread()) ||
+             !worker_->try_run_inline(task)) {
+    // Queued behind other work, or on a transport whose waits cannot check
+    // for SIGINT (gloo): Work::wait below can.
     worker_->submit(std::move(task));
   }
   work->wait();
@@ -401,10 +534,10 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   const bool direct = all_reduce_algo(algo, t.nbytes(), wire.has_value()) == "direct";
   void* data = t.data_ptr();
   const size_t count = t.numel();
-  Fingerprint fp{0, count, 0, int32_t(CollKind::kAllReduce), int32_t(dt), int32_t(rop)};
-  fp.wire = wire ? int32_t(*wire) : -1;
+  AlgoKind algo_kind = direct ? AlgoKind::kDirect : AlgoKind::kRing;
+  if (wire) algo_kind = *wire == DType::kFloat16 ? AlgoKind::kRingWireF16 : AlgoKind::kRingWireBF16;
   return run(kOp, {t},
-             checked(fp,
+             collective(header(CollKind::kAllReduce, count, int32_t(dt), int32_t(rop), -1, algo_kind),
                      [=](const Context& ctx) {
                        if (wire) {
                          ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire, rop);
@@ -432,8 +565,8 @@ c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::T
   const size_t m = out.numel();
   const int r = rank_;
   return run(kOp, {out, work_buf},
-             checked({0, size_t(in.numel()), 0, int32_t(CollKind::kReduceScatter), int32_t(dt),
-                      int32_t(rop)},
+             collective(header(CollKind::kReduceScatter, size_t(in.numel()), int32_t(dt),
+                               int32_t(rop)),
                      [=](const Context& ctx) {
                ring_reduce_scatter(ctx, work_buf.data_ptr(), Chunks{m, 0}, dt, rop);
                const size_t es = dtype_size(dt);
@@ -455,8 +588,8 @@ c10::intrusive_ptr<Work> Comm::all_gather(const at::Tensor& out, const at::Tenso
   const size_t m = in.numel();
   const int r = rank_;
   return run(kOp, {out, in},
-             checked({0, m, 0, int32_t(CollKind::kAllGather),
-                      int32_t(to_dtype(in.scalar_type(), "input"))},
+             collective(header(CollKind::kAllGather, m,
+                               int32_t(to_dtype(in.scalar_type(), "input"))),
                      [=](const Context& ctx) {
                char* dst = static_cast<char*>(out.data_ptr()) + r * m * es;
                ctx.reducer.copy(dst, in.data_ptr(), m * es);
@@ -475,8 +608,8 @@ c10::intrusive_ptr<Work> Comm::broadcast(const at::Tensor& t, int src, const std
   void* data = t.data_ptr();
   const size_t bytes = t.nbytes();
   return run(kOp, {t},
-             checked({0, size_t(t.numel()), 0, int32_t(CollKind::kBroadcast),
-                      int32_t(to_dtype(t.scalar_type(), "tensor")), -1, src},
+             collective(header(CollKind::kBroadcast, size_t(t.numel()),
+                               int32_t(to_dtype(t.scalar_type(), "tensor")), -1, src),
                      [=](const Context& ctx) { chain_broadcast(ctx, data, bytes, src); }),
              async_op);
 }
@@ -518,8 +651,8 @@ c10::intrusive_ptr<Work> Comm::batch_p2p(const std::vector<TensorP2P>& reqs) {
 
 c10::intrusive_ptr<Work> Comm::barrier(bool async_op) {
   return run("barrier", {},
-             checked({0, 0, 0, int32_t(CollKind::kBarrier)},
-                     [](const Context& ctx) { dissemination_barrier(ctx); }),
+             collective(header(CollKind::kBarrier, 0),
+                        [](const Context& ctx) { dissemination_barrier(ctx); }),
              async_op);
 }
 

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../core/algorithms.h"
@@ -39,11 +40,16 @@ class Work : public c10::intrusive_ptr_target {
   const std::string& op() const { return op_; }
   uint64_t seq() const { return seq_; }
 
+  // Both ignore a future the user already completed (set_result on the
+  // future of a pending op): the op's own outcome is then dropped.
   void complete();
   void fail(std::exception_ptr e);
   // The worker that runs this op: wait() on that thread before completion
   // (from a Future callback) would wait for itself, so it throws instead.
   void set_worker(const Worker* w) { worker_ = w; }
+  // Called (with a reason) when wait() on the main thread is interrupted
+  // by SIGINT before the op completed: the communicator aborts it.
+  void set_on_interrupt(std::function<void(const std::string&)> f) { on_interrupt_ = std::move(f); }
 
  private:
   std::string op_;
@@ -51,6 +57,9 @@ class Work : public c10::intrusive_ptr_target {
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   const Worker* worker_ = nullptr;
+  std::function<void(const std::string&)> on_interrupt_;
+  // wait() on the main thread: sleeps in short slices, checking for signals.
+  void wait_interruptibly();
 };
 
 struct CommOptions {
@@ -122,11 +131,13 @@ class Comm {
   // pending isend never blocks a later irecv or collective.
   c10::intrusive_ptr<Work> run_p2p(const char* op, std::vector<at::Tensor> tensors,
                                    std::vector<P2POp> ops, bool async_op);
-  // Wraps a collective's body with the checked-mode fingerprint exchange;
-  // assigns the collective sequence number when the body runs (execution
-  // order, which is what pairs ops across ranks).
-  std::function<void(const Context&)> checked(Fingerprint fp,
-                                              std::function<void(const Context&)> body);
+  // Wraps a collective's body: assigns the collective sequence number when
+  // the body runs (execution order, which is what pairs ops across ranks),
+  // hands the op header to the transport (checked against the peers' on
+  // every transport, op_header.h), then runs the checked-mode fingerprint
+  // exchange when enabled.
+  std::function<void(const Context&)> collective(OpHeader h,
+                                                 std::function<void(const Context&)> body);
   bool poll_deferred();  // on the executing thread; true while any is pending
   void fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e);
   void check_open(const char* op) const;
@@ -143,7 +154,7 @@ class Comm {
   std::string transport_name_;
   std::vector<char> scratch_;
   std::atomic<uint64_t> seq_{0};
-  std::atomic<uint64_t> coll_seq_{0};  // collectives only (checked mode)
+  std::atomic<uint64_t> coll_seq_{0};  // collectives only (op headers, checked mode)
   long pid_;                           // creating process (fork detection)
   std::atomic<bool> closed_{false};
   std::atomic<bool> aborted_{false};
@@ -157,11 +168,22 @@ class Comm {
   };
   std::deque<Deferred> deferred_;  // touched only by the executing thread
   std::unique_ptr<Worker> worker_;
+  // Thread safety: one thread at a time issues ops (see CallGuard).
+  class CallGuard;
+  std::atomic<std::thread::id> caller_{};
   bool has_shared_buffers_ = false;
   // algo="auto" runs direct_all_reduce up to this many bytes when the
   // transport shares memory: no limit unless PYCOMM_DIRECT_MAX_BYTES (ctor).
   size_t direct_max_bytes_ = 0;
 };
+
+// SIGINT handling, in one place: on the Python main thread, runs pending
+// signal handlers (PyErr_CheckSignals, with the GIL) and throws Interrupted
+// if one raised (KeyboardInterrupt). Elsewhere it returns at once. Called
+// every few tens of milliseconds by blocked waits: the shm transport's
+// (Transport::set_interrupt_check) and Work::wait's.
+void check_interrupt();
+bool on_main_thread();
 
 // at::ScalarType -> DType; throws UsageTypeError (-> TypeError) for the rest.
 DType to_dtype(at::ScalarType t, const char* arg);

@@ -2,16 +2,35 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cstring>
 #include <sstream>
 
 namespace pycomm {
 
 namespace {
-constexpr int kTagBase = 0x7c0;  // tag = base + channel; gloo matches per (peer, tag) in order
+constexpr int kTagBase = 0x7c0;  // header tag = base + channel; gloo matches per (peer, tag) in order
+constexpr int kPayloadTagBase = 0x10000;  // + (index mod 2^20) * channels + channel
+constexpr uint32_t kPayloadIndices = 1u << 20;
+constexpr int kChannels = 2;
+constexpr uint64_t kAbortSeq = ~uint64_t{0};  // an abort header: the payload is the reason
+constexpr auto kAbortNotice = std::chrono::milliseconds(200);  // broadcast_abort's patience
+
+at::Tensor bytes_of(void* p, size_t n) {
+  return at::from_blob(p, {static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte));
 }
 
+std::string describe(int kind, int peer) {
+  return std::string(kind == P2POp::kSend ? "send to" : "recv from") + " rank " +
+         std::to_string(peer);
+}
+}  // namespace
+
 ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> backend)
-    : backend_(std::move(backend)), rank_(backend_->getRank()), size_(backend_->getSize()) {}
+    : backend_(std::move(backend)), rank_(backend_->getRank()), size_(backend_->getSize()) {
+  sent_.assign(static_cast<size_t>(size_) * kChannels, 0);
+  received_.assign(static_cast<size_t>(size_) * kChannels, 0);
+}
 
 ProcessGroupTransport::~ProcessGroupTransport() {
   // Outstanding transfers would write into freed memory: cancel them, and
@@ -23,48 +42,202 @@ ProcessGroupTransport::~ProcessGroupTransport() {
   pending_.clear();
 }
 
+int ProcessGroupTransport::payload_tag(int channel, uint32_t index) const {
+  return kPayloadTagBase + static_cast<int>(index % kPayloadIndices) * kChannels + channel;
+}
+
 Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
   std::lock_guard<std::mutex> lk(mu_);
   if (aborted_)
     throw CommError("gloo transport was aborted (by an earlier error or Communicator.abort())");
   const Handle h = next_++;
   Pending& p = pending_[h];  // references into an unordered_map stay valid
+  p.msgs.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const P2POp& op = ops[i];
-    if (op.bytes == 0) continue;
-    std::vector<at::Tensor> t{at::from_blob(op.buf, {static_cast<int64_t>(op.bytes)},
-                                            at::TensorOptions().dtype(at::kByte))};
+    // Collectives post matching empty chunks on both sides; a user message
+    // is sent even when empty, so that 0 elements against 3 is a size error.
+    if (op.bytes == 0 && op.channel == kCollective) continue;
+    const size_t qi = static_cast<size_t>(op.peer) * kChannels + op.channel;
+    Message m;
+    m.kind = op.kind;
+    m.peer = op.peer;
+    m.channel = op.channel;
+    m.buf = op.buf;
+    m.bytes = op.bytes;
+    m.hdr = op.channel == kCollective ? op_ : OpHeader{};
+    m.index = op.kind == P2POp::kSend ? sent_[qi]++ : received_[qi]++;
+    m.wire = at::empty({static_cast<int64_t>(sizeof(Wire))}, at::TensorOptions().dtype(at::kByte));
     try {
-      p.works.push_back(op.kind == P2POp::kSend
-                            ? backend_->send(t, op.peer, kTagBase + op.channel)
-                            : backend_->recv(t, op.peer, kTagBase + op.channel));
+      std::vector<at::Tensor> w{m.wire};
+      if (op.kind == P2POp::kSend) {
+        *reinterpret_cast<Wire*>(m.wire.data_ptr()) =
+            Wire{op.bytes, m.hdr.seq, m.hdr.count, m.hdr.packed()};
+        m.header_work = backend_->send(w, op.peer, kTagBase + op.channel);
+        if (op.bytes > 0) {
+          std::vector<at::Tensor> t{bytes_of(op.buf, op.bytes)};
+          m.payload_work = backend_->send(t, op.peer, payload_tag(op.channel, m.index));
+        }
+      } else {
+        m.header_work = backend_->recv(w, op.peer, kTagBase + op.channel);
+      }
     } catch (const std::exception& e) {
-      std::ostringstream msg;
-      msg << "gloo " << (op.kind == P2POp::kSend ? "send to" : "recv from") << " rank " << op.peer
-          << " failed to start: " << e.what();
-      throw CommError(msg.str());
+      throw CommError("gloo " + describe(op.kind, op.peer) + " failed to start: " + e.what());
     }
-    p.peers.push_back(op.peer);
-    p.kinds.push_back(op.kind);
+    p.msgs.push_back(std::move(m));
+  }
+  // A user receive's payload is posted only once its header arrived. Its
+  // group may stay pending while this rank blocks in a collective that the
+  // peer joins only after its send completed (irecv; all_reduce against
+  // send; all_reduce): so take the header in a background waiter at once,
+  // not when someone first waits for the group.
+  const bool user_recv = std::any_of(p.msgs.begin(), p.msgs.end(), [](const Message& m) {
+    return m.kind == P2POp::kRecv && m.channel == kUser;
+  });
+  if (user_recv) {
+    Pending* pp = &p;
+    const auto timeout = timeout_;
+    p.waiter = std::async(std::launch::async, [this, pp, timeout] { wait_all(*pp, timeout); });
   }
   return h;
 }
 
+void ProcessGroupTransport::accept_header(Message& m) {
+  const Wire w = *reinterpret_cast<const Wire*>(m.wire.data_ptr());
+  if (w.seq == kAbortSeq) {
+    // The peer failed and says why (the reason is its payload).
+    std::string reason(std::min<uint64_t>(w.bytes, 4096), '\0');
+    if (!reason.empty()) {
+      std::vector<at::Tensor> t{bytes_of(&reason[0], reason.size())};
+      try {
+        backend_->recv(t, m.peer, payload_tag(m.channel, m.index))->wait(kAbortNotice);
+      } catch (const std::exception&) {
+        reason = "(its reason did not arrive)";
+      }
+    }
+    const std::string msg = "rank " + std::to_string(m.peer) + " aborted the communicator: " + reason;
+    broadcast_abort(msg);
+    throw CommError(msg);
+  }
+  // On a mismatch, take the payload into scratch memory first (its sender
+  // then completes and learns the reason at its next receive from this
+  // rank), then tell every peer and raise.
+  auto reject = [&](const std::string& msg) {
+    if (w.bytes > 0 && w.bytes <= (uint64_t{1} << 32)) {
+      try {
+        std::vector<at::Tensor> t{at::empty({static_cast<int64_t>(w.bytes)},
+                                            at::TensorOptions().dtype(at::kByte))};
+        backend_->recv(t, m.peer, payload_tag(m.channel, m.index))->wait(kAbortNotice);
+      } catch (const std::exception&) {
+      }
+    }
+    broadcast_abort(msg);
+    throw CommError(msg);
+  };
+  const OpHeader theirs = OpHeader::unpack(w.seq, w.count, w.packed);
+  if (m.channel == kCollective && theirs != m.hdr) {
+    reject("gloo transport: " + mismatch_message(rank_, m.hdr, m.peer, theirs));
+  }
+  if (w.bytes != m.bytes) {
+    std::ostringstream msg;
+    msg << "gloo transport: rank " << rank_ << " expected a message of " << m.bytes
+        << " bytes from rank " << m.peer << " but it sent " << w.bytes << " bytes"
+        << (m.channel == kUser ? " (point-to-point: the send and the recv tensors differ in size)"
+                               : " (mismatched collective calls across ranks?)");
+    reject(msg.str());
+  }
+  if (m.bytes > 0) {
+    std::vector<at::Tensor> t{bytes_of(m.buf, m.bytes)};
+    m.payload_work = backend_->recv(t, m.peer, payload_tag(m.channel, m.index));
+  }
+}
+
+void ProcessGroupTransport::broadcast_abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (rank_of_abort_ >= 0) return;  // once
+    rank_of_abort_ = rank_;
+  }
+  // Peers blocked on a header from this rank get this one instead. Headers
+  // and payload tags continue this rank's message counts, so they pair with
+  // the receives the peers posted.
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<at::Tensor> keep;
+  std::unique_lock<std::mutex> lk(mu_);  // sent_ is shared with post()
+  try {
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      for (int ch = 0; ch < kChannels; ++ch) {
+        const uint32_t index = sent_[static_cast<size_t>(r) * kChannels + ch]++;
+        at::Tensor wire = at::empty({static_cast<int64_t>(sizeof(Wire))},
+                                    at::TensorOptions().dtype(at::kByte));
+        *reinterpret_cast<Wire*>(wire.data_ptr()) = Wire{reason.size(), kAbortSeq, 0, 0};
+        at::Tensor text = at::empty({static_cast<int64_t>(reason.size())},
+                                    at::TensorOptions().dtype(at::kByte));
+        std::memcpy(text.data_ptr(), reason.data(), reason.size());
+        std::vector<at::Tensor> w{wire}, t{text};
+        works.push_back(backend_->send(w, r, kTagBase + ch));
+        works.push_back(backend_->send(t, r, payload_tag(ch, index)));
+        keep.push_back(wire);
+        keep.push_back(text);
+      }
+    }
+  } catch (const std::exception&) {
+  }
+  lk.unlock();
+  // Delivered only to peers that wait for this rank; don't wait for others.
+  const auto deadline = std::chrono::steady_clock::now() + kAbortNotice;
+  for (auto& w : works) {
+    try {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      w->wait(std::max(left, std::chrono::milliseconds(1)));
+    } catch (const std::exception&) {
+      try {
+        w->abort();
+      } catch (...) {
+      }
+    }
+  }
+}
+
 void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  for (size_t i = 0; i < p.works.size(); ++i) {
+  auto wait_one = [&](Message& m, c10::intrusive_ptr<c10d::Work>& w, const char* part) {
+    if (!w) return;
     try {
       // One budget for the whole group, not `timeout` per op.
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
           deadline - std::chrono::steady_clock::now());
-      p.works[i]->wait(std::max(left, std::chrono::milliseconds(1)));
+      w->wait(std::max(left, std::chrono::milliseconds(1)));
     } catch (const std::exception& e) {
       std::ostringstream msg;
-      msg << "gloo " << (p.kinds[i] == P2POp::kSend ? "send to" : "recv from") << " rank "
-          << p.peers[i] << " failed (timeout " << timeout.count() << " ms): " << e.what();
-      for (size_t j = i + 1; j < p.works.size(); ++j) p.works[j]->abort();
+      msg << "gloo " << describe(m.kind, m.peer) << " failed (" << part << ", timeout "
+          << timeout.count() << " ms): " << e.what();
+      if (m.kind == P2POp::kSend) {
+        msg << " (a gloo send waits for the matching receive: did rank " << m.peer
+            << " fail, or does it run a different operation, e.g. a broadcast with another "
+               "root?)";
+      }
+      for (auto& o : p.msgs) {
+        for (auto* x : {&o.header_work, &o.payload_work}) {
+          if (*x && x != &w) (*x)->abort();
+        }
+      }
       throw CommError(msg.str());
     }
+  };
+  // Receives' headers first, posting their payloads: a send's payload
+  // completes only once the peer posted the matching receive, which it does
+  // in this same step of its own wait.
+  for (auto& m : p.msgs) {
+    if (m.kind != P2POp::kRecv) continue;
+    wait_one(m, m.header_work, "header");
+    accept_header(m);
+  }
+  for (auto& m : p.msgs) {
+    if (m.kind == P2POp::kSend) wait_one(m, m.header_work, "header");
+    wait_one(m, m.payload_work, "payload");
   }
 }
 
@@ -106,11 +279,16 @@ bool ProcessGroupTransport::test(Handle h) {
   if (!p.waiter.valid()) {
     // The Pending entry (and its works) stays in pending_ until consumed.
     const auto timeout = timeout_;
-    p.waiter = std::async(std::launch::async, [pp, timeout] { wait_all(*pp, timeout); });
+    p.waiter = std::async(std::launch::async, [this, pp, timeout] { wait_all(*pp, timeout); });
   }
   if (p.waiter.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
   wait(h);  // consumes the handle, rethrows the waiter's error
   return true;
+}
+
+void ProcessGroupTransport::abort_because(const std::string& why) {
+  broadcast_abort(why);
+  abort();
 }
 
 void ProcessGroupTransport::abort() {
@@ -119,10 +297,12 @@ void ProcessGroupTransport::abort() {
   std::lock_guard<std::mutex> lk(mu_);
   aborted_ = true;
   for (auto& kv : pending_) {
-    for (auto& w : kv.second.works) {
-      try {
-        w->abort();
-      } catch (...) {
+    for (auto& m : kv.second.msgs) {
+      for (auto* w : {&m.header_work, &m.payload_work}) {
+        try {
+          if (*w) (*w)->abort();
+        } catch (...) {
+        }
       }
     }
   }

@@ -1,6 +1,17 @@
 // The `gloo` transport: point-to-point through a torch.distributed backend
 // (ProcessGroupGloo on CPU tensors). It needs c10d, so it lives in the binding
 // layer; the algorithms see only the core Transport interface.
+//
+// Every message is a 32-byte header {bytes, op seq, op count, op packed}
+// (op_header.h) on the header tag of its channel, then its payload on a tag
+// of its own (k-th message between the pair on that channel). A receiver
+// posts only the header at first, and the payload's receive once the header
+// says the sizes and (on the collective channel) the op match. gloo aborts
+// the whole process when a message does not fit the posted receive (an
+// enforce in its I/O thread); posting only receives of the announced size
+// means that can never happen: a mismatch raises CommError instead. The
+// failing rank then sends an "abort" header carrying its reason to every
+// peer, so those blocked on it fail with the same reason at once.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -28,19 +39,43 @@ class ProcessGroupTransport final : public Transport {
   void wait(Handle h) override;
   bool test(Handle h) override;
   void abort() override;
+  void abort_because(const std::string& why) override;
 
  private:
+  struct Wire {  // the header message, plain bytes
+    uint64_t bytes;
+    uint64_t seq;
+    uint64_t count;
+    uint64_t packed;
+  };
+  struct Message {
+    int kind;  // P2POp::Kind
+    int peer;
+    int channel;
+    void* buf;
+    size_t bytes;
+    uint32_t index;      // k-th message of its kind between the pair on its channel
+    OpHeader hdr;        // of the op that posted it (seq 0: user p2p)
+    at::Tensor wire;     // the header (sent, or received into)
+    c10::intrusive_ptr<c10d::Work> header_work;
+    c10::intrusive_ptr<c10d::Work> payload_work;  // receives: posted once the header checked out
+  };
   struct Pending {
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    std::vector<int> peers;
-    std::vector<int> kinds;
+    std::vector<Message> msgs;
     // Set once test() handed the group to a background waiter: gloo's
     // send/recv works report completion only through a blocking wait().
     std::future<void> waiter;
   };
-  // Blocks on every work of p, all within one `timeout` (throws CommError
-  // naming the failed op).
-  static void wait_all(Pending& p, std::chrono::milliseconds timeout);
+  // Blocks on every message of p, all within one `timeout`, posting each
+  // receive's payload once its header checked out (throws CommError naming
+  // the failed message and, for a mismatch, what differs).
+  void wait_all(Pending& p, std::chrono::milliseconds timeout);
+  // Checks a received header against the receive; posts its payload.
+  void accept_header(Message& m);
+  // Best effort: tells every peer why this rank fails (an abort header and
+  // the reason as its payload), waiting at most a moment for each.
+  void broadcast_abort(const std::string& reason);
+  int payload_tag(int channel, uint32_t index) const;
   c10::intrusive_ptr<c10d::Backend> backend_;
   int rank_;
   int size_;
@@ -53,6 +88,9 @@ class ProcessGroupTransport final : public Transport {
   std::mutex mu_;
   std::unordered_map<Handle, Pending> pending_;
   std::atomic<bool> aborted_{false};
+  // Messages posted so far per (peer, channel), to pair payload tags.
+  std::vector<uint32_t> sent_, received_;
+  int rank_of_abort_ = -1;
 };
 
 }  // namespace pycomm

@@ -1,0 +1,112 @@
+#include "op_header.h"
+
+#include <sstream>
+
+#include "types.h"
+
+namespace pycomm {
+
+const char* coll_name(CollKind k) {
+  switch (k) {
+    case CollKind::kAllReduce: return "all_reduce";
+    case CollKind::kReduceScatter: return "reduce_scatter";
+    case CollKind::kAllGather: return "all_gather";
+    case CollKind::kBroadcast: return "broadcast";
+    case CollKind::kBarrier: return "barrier";
+    case CollKind::kCheck: return "checked-mode fingerprint exchange";
+  }
+  return "?";
+}
+
+namespace {
+
+const char* algo_name(int32_t a) {
+  switch (static_cast<AlgoKind>(a)) {
+    case AlgoKind::kRing: return "ring";
+    case AlgoKind::kDirect: return "direct";
+    case AlgoKind::kRingWireF16: return "ring, wire=float16";
+    case AlgoKind::kRingWireBF16: return "ring, wire=bfloat16";
+    case AlgoKind::kNone: break;
+  }
+  return "-";
+}
+
+const char* kind_name(int32_t k) {
+  return k >= 1 && k <= 6 ? coll_name(static_cast<CollKind>(k)) : "unknown-op";
+}
+
+// 8 bits each for kind, dtype + 1, op + 1, algo; 32 bits for root + 1.
+uint64_t byte_of(int32_t v) { return static_cast<uint64_t>(static_cast<uint8_t>(v)); }
+
+}  // namespace
+
+uint64_t OpHeader::packed() const {
+  return byte_of(kind) | byte_of(dtype + 1) << 8 | byte_of(op + 1) << 16 | byte_of(algo) << 24 |
+         static_cast<uint64_t>(static_cast<uint32_t>(root + 1)) << 32;
+}
+
+OpHeader OpHeader::unpack(uint64_t seq, uint64_t count, uint64_t p) {
+  OpHeader h;
+  h.seq = seq;
+  h.count = count;
+  h.kind = static_cast<int32_t>(p & 0xff);
+  h.dtype = static_cast<int32_t>((p >> 8) & 0xff) - 1;
+  h.op = static_cast<int32_t>((p >> 16) & 0xff) - 1;
+  h.algo = static_cast<int32_t>((p >> 24) & 0xff);
+  h.root = static_cast<int32_t>(static_cast<uint32_t>(p >> 32)) - 1;
+  return h;
+}
+
+std::string OpHeader::str() const {
+  std::ostringstream s;
+  s << kind_name(kind) << " #" << seq;
+  if (kind == static_cast<int32_t>(CollKind::kBarrier)) return s.str();
+  s << " (count=" << count;
+  if (dtype >= 0 && dtype < kNumDTypes) s << ", dtype=" << dtype_name(static_cast<DType>(dtype));
+  if (op >= 0 && op < kNumReduceOps) s << ", op=" << op_name(static_cast<ReduceOp>(op));
+  if (root >= 0) s << ", root=" << root;
+  if (algo != 0) s << ", algo=" << algo_name(algo);
+  s << ")";
+  return s.str();
+}
+
+std::string mismatch_message(int me, const OpHeader& mine, int peer, const OpHeader& theirs) {
+  std::ostringstream s;
+  s << "mismatched collective calls: rank " << me << " called " << mine.str() << " but rank "
+    << peer << " called " << theirs.str() << ":";
+  const char* sep = " ";
+  auto differs = [&](const char* what, const std::string& a, const std::string& b) {
+    s << sep << what << " differs (" << a << " on rank " << me << " vs " << b << " on rank "
+      << peer << ")";
+    sep = ", ";
+  };
+  if (mine.seq != theirs.seq) {
+    differs("call number", std::to_string(mine.seq), std::to_string(theirs.seq));
+  }
+  auto dname = [](int32_t d) {
+    return d >= 0 && d < kNumDTypes ? dtype_name(static_cast<DType>(d)) : "-";
+  };
+  auto oname = [](int32_t o) {
+    return o >= 0 && o < kNumReduceOps ? op_name(static_cast<ReduceOp>(o)) : "-";
+  };
+  if (mine.kind != theirs.kind) {
+    // Different collectives: their other fields differ anyway.
+    differs("collective", kind_name(mine.kind), kind_name(theirs.kind));
+  } else {
+    if (mine.count != theirs.count) {
+      differs("count", std::to_string(mine.count), std::to_string(theirs.count));
+    }
+    if (mine.dtype != theirs.dtype) differs("dtype", dname(mine.dtype), dname(theirs.dtype));
+    if (mine.op != theirs.op) differs("reduce op", oname(mine.op), oname(theirs.op));
+    if (mine.root != theirs.root) {
+      differs("root", std::to_string(mine.root), std::to_string(theirs.root));
+    }
+    if (mine.algo != theirs.algo) differs("algo", algo_name(mine.algo), algo_name(theirs.algo));
+  }
+  if (mine.seq != theirs.seq) {
+    s << " (a rank skipped or added a collective call, or ranks issue them in different orders)";
+  }
+  return s.str();
+}
+
+}  // namespace pycomm

@@ -1,0 +1,65 @@
+// The op header: what a collective call was on one rank (sequence number,
+// collective, count, dtype, reduce op, root, algorithm), carried with its data
+// so that a receiver can tell mismatched calls apart on default settings:
+//
+//   shm   in every ring slot's metadata and next to every direct buffer
+//         (shm_transport.cc), plus a "current op" line per rank that a
+//         blocked rank peeks at (a peer waiting in a different algorithm)
+//   gloo  in a small header message ahead of every payload (pg_transport.cpp)
+//
+// Comm sets it (Transport::begin_op) before each collective runs; user p2p
+// messages carry seq 0 and are checked for their size only.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace pycomm {
+
+enum class CollKind : int32_t {
+  kAllReduce = 1,
+  kReduceScatter = 2,
+  kAllGather = 3,
+  kBroadcast = 4,
+  kBarrier = 5,
+  kCheck = 6,  // checked mode's fingerprint exchange ahead of a collective
+};
+const char* coll_name(CollKind k);
+
+// Algorithm of an op, as far as it changes the messages (the ring with a
+// 16-bit wire, all_reduce(wire_dtype=...), sends other bytes than the ring).
+enum class AlgoKind : int32_t {
+  kNone = 0,
+  kRing = 1,
+  kDirect = 2,
+  kRingWireF16 = 3,
+  kRingWireBF16 = 4,
+};
+
+struct OpHeader {
+  uint64_t seq = 0;    // collective number on this rank (1, 2, ...); 0 = user p2p
+  uint64_t count = 0;  // elements per rank (input of reduce_scatter / all_gather)
+  int32_t kind = 0;    // CollKind
+  int32_t dtype = -1;  // DType, -1 when irrelevant (barrier)
+  int32_t op = -1;     // ReduceOp, -1 when the collective has none
+  int32_t root = -1;   // broadcast root, -1 otherwise
+  int32_t algo = 0;    // AlgoKind
+
+  // kind, dtype, op, algo and root in one word (for shared slots / the wire).
+  uint64_t packed() const;
+  static OpHeader unpack(uint64_t seq, uint64_t count, uint64_t packed);
+  bool operator==(const OpHeader& o) const {
+    return seq == o.seq && count == o.count && packed() == o.packed();
+  }
+  bool operator!=(const OpHeader& o) const { return !(*this == o); }
+  // "all_reduce #3 (count=8, dtype=float32, op=sum, algo=direct)"
+  std::string str() const;
+};
+
+// The message for a receiver whose own call `mine` met data of `theirs` from
+// rank `peer`: names both calls and every field that differs, e.g.
+// "rank 0 ran all_reduce #3 (count=4, ...) but rank 1 ran all_reduce #3
+// (count=5, ...): count differs (4 vs 5)".
+std::string mismatch_message(int me, const OpHeader& mine, int peer, const OpHeader& theirs);
+
+}  // namespace pycomm
