@@ -76,8 +76,8 @@ std::string mismatch_message(int me, const OpHeader& mine, int peer, const OpHea
     << peer << " called " << theirs.str() << ":";
   const char* sep = " ";
   auto differs = [&](const char* what, const std::string& a, const std::string& b) {
-    s << sep << what << " differs (" << a << " on rank " << me << " vs " << b << " on rank "
-      << peer << ")";
+    s << sep << what << " differs (" << a << " on rank " << me << " vs " << b << " on rank " << peer
+      << ")";
     sep = ", ";
   };
   if (mine.seq != theirs.seq) {

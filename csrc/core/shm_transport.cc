@@ -36,7 +36,7 @@ constexpr uint64_t kMagic = 0x316d68735f6d6370ULL;  // "pcm_shm1"
 constexpr uint32_t kVersion = 3;
 constexpr size_t kLine = 64;
 constexpr size_t kPage = 4096;
-constexpr int64_t kHealthEveryNs = 1000000;  // liveness check period while waiting: 1 ms
+constexpr int64_t kHealthEveryNs = 1000000;      // liveness check period while waiting: 1 ms
 constexpr int64_t kInterruptEveryNs = 20000000;  // SIGINT check period while waiting: 20 ms
 // slot_bytes = 0: the automatic slot size (see ShmConfig).
 constexpr size_t kAutoSlotMin = 64 * 1024, kAutoSlotMax = 256 * 1024;
@@ -230,8 +230,8 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
     const size_t direct_offset = chan_offset + nchan * chan_stride;
     const size_t bufop_offset =
         direct_offset + static_cast<size_t>(n) * direct_buffers * direct_bytes;
-    total = round_up(bufop_offset + static_cast<size_t>(n) * direct_buffers * sizeof(BufferOp),
-                     kPage);
+    total =
+        round_up(bufop_offset + static_cast<size_t>(n) * direct_buffers * sizeof(BufferOp), kPage);
 
     fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) {
@@ -675,8 +675,9 @@ bool ShmTransport::progress_recv(int peer, int ch) {
       const size_t want = std::min(slot_bytes, op.bytes - op.done);
       // The sender's op header: on the collective channel it must be ours.
       const uint64_t seq = sm[2].load(std::memory_order_relaxed);
-      if (ch == kCollective && (seq != op.hdr.seq || sm[4].load(std::memory_order_relaxed) != op.packed ||
-                                sm[3].load(std::memory_order_relaxed) != op.hdr.count)) {
+      if (ch == kCollective &&
+          (seq != op.hdr.seq || sm[4].load(std::memory_order_relaxed) != op.packed ||
+           sm[3].load(std::memory_order_relaxed) != op.hdr.count)) {
         recv_tail_[qi] = tail;
         fail("shm transport: " +
              mismatch_message(rank_, op.hdr, peer,
@@ -871,8 +872,7 @@ void ShmTransport::begin_op(const OpHeader& h) {
                                              sm[4].load(std::memory_order_relaxed));
     // The peer may have started this op already (its first message): fine.
     if (theirs.seq == 0 || theirs.seq >= h.seq) continue;
-    fail("shm transport: " +
-         mismatch_message(rank_, theirs.seq == prev.seq ? prev : h, p, theirs) +
+    fail("shm transport: " + mismatch_message(rank_, theirs.seq == prev.seq ? prev : h, p, theirs) +
          "; rank " + std::to_string(p) + " sent data that this rank never received");
   }
 }

@@ -9,7 +9,8 @@
 namespace pycomm {
 
 namespace {
-constexpr int kTagBase = 0x7c0;  // header tag = base + channel; gloo matches per (peer, tag) in order
+constexpr int kTagBase =
+    0x7c0;  // header tag = base + channel; gloo matches per (peer, tag) in order
 constexpr int kPayloadTagBase = 0x10000;  // + (index mod 2^20) * channels + channel
 constexpr uint32_t kPayloadIndices = 1u << 20;
 constexpr int kChannels = 2;
@@ -115,7 +116,8 @@ void ProcessGroupTransport::accept_header(Message& m) {
         reason = "(its reason did not arrive)";
       }
     }
-    const std::string msg = "rank " + std::to_string(m.peer) + " aborted the communicator: " + reason;
+    const std::string msg =
+        "rank " + std::to_string(m.peer) + " aborted the communicator: " + reason;
     broadcast_abort(msg);
     throw CommError(msg);
   }
@@ -125,8 +127,8 @@ void ProcessGroupTransport::accept_header(Message& m) {
   auto reject = [&](const std::string& msg) {
     if (w.bytes > 0 && w.bytes <= (uint64_t{1} << 32)) {
       try {
-        std::vector<at::Tensor> t{at::empty({static_cast<int64_t>(w.bytes)},
-                                            at::TensorOptions().dtype(at::kByte))};
+        std::vector<at::Tensor> t{
+            at::empty({static_cast<int64_t>(w.bytes)}, at::TensorOptions().dtype(at::kByte))};
         backend_->recv(t, m.peer, payload_tag(m.channel, m.index))->wait(kAbortNotice);
       } catch (const std::exception&) {
       }
@@ -169,11 +171,11 @@ void ProcessGroupTransport::broadcast_abort(const std::string& reason) {
       if (r == rank_) continue;
       for (int ch = 0; ch < kChannels; ++ch) {
         const uint32_t index = sent_[static_cast<size_t>(r) * kChannels + ch]++;
-        at::Tensor wire = at::empty({static_cast<int64_t>(sizeof(Wire))},
-                                    at::TensorOptions().dtype(at::kByte));
+        at::Tensor wire =
+            at::empty({static_cast<int64_t>(sizeof(Wire))}, at::TensorOptions().dtype(at::kByte));
         *reinterpret_cast<Wire*>(wire.data_ptr()) = Wire{reason.size(), kAbortSeq, 0, 0};
-        at::Tensor text = at::empty({static_cast<int64_t>(reason.size())},
-                                    at::TensorOptions().dtype(at::kByte));
+        at::Tensor text =
+            at::empty({static_cast<int64_t>(reason.size())}, at::TensorOptions().dtype(at::kByte));
         std::memcpy(text.data_ptr(), reason.data(), reason.size());
         std::vector<at::Tensor> w{wire}, t{text};
         works.push_back(backend_->send(w, r, kTagBase + ch));

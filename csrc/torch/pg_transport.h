@@ -54,9 +54,9 @@ class ProcessGroupTransport final : public Transport {
     int channel;
     void* buf;
     size_t bytes;
-    uint32_t index;      // k-th message of its kind between the pair on its channel
-    OpHeader hdr;        // of the op that posted it (seq 0: user p2p)
-    at::Tensor wire;     // the header (sent, or received into)
+    uint32_t index;   // k-th message of its kind between the pair on its channel
+    OpHeader hdr;     // of the op that posted it (seq 0: user p2p)
+    at::Tensor wire;  // the header (sent, or received into)
     c10::intrusive_ptr<c10d::Work> header_work;
     c10::intrusive_ptr<c10d::Work> payload_work;  // receives: posted once the header checked out
   };
