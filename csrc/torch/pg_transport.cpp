@@ -14,7 +14,12 @@ constexpr int kTagBase =
 constexpr int kPayloadTagBase = 0x10000;  // + (index mod 2^20) * channels + channel
 constexpr uint32_t kPayloadIndices = 1u << 20;
 constexpr int kChannels = 2;
-constexpr uint64_t kAbortSeq = ~uint64_t{0};  // an abort header: the payload is the reason
+constexpr uint64_t kAbortSeq = ~uint64_t{0};  // an abort header: its inline bytes are the reason
+// Every message starts with a frame of this fixed size: the header, then the
+// payload itself when it fits (one message, its receive posted in advance,
+// so small messages cost no extra round trip), else the payload follows on
+// its own tag, received once the header checked out.
+constexpr size_t kFrameBytes = 4096;
 constexpr auto kAbortNotice = std::chrono::milliseconds(200);  // broadcast_abort's patience
 
 at::Tensor bytes_of(void* p, size_t n) {
@@ -68,14 +73,17 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
     m.bytes = op.bytes;
     m.hdr = op.channel == kCollective ? op_ : OpHeader{};
     m.index = op.kind == P2POp::kSend ? sent_[qi]++ : received_[qi]++;
-    m.wire = at::empty({static_cast<int64_t>(sizeof(Wire))}, at::TensorOptions().dtype(at::kByte));
+    m.wire = at::empty({static_cast<int64_t>(kFrameBytes)}, at::TensorOptions().dtype(at::kByte));
     try {
       std::vector<at::Tensor> w{m.wire};
       if (op.kind == P2POp::kSend) {
         *reinterpret_cast<Wire*>(m.wire.data_ptr()) =
             Wire{op.bytes, m.hdr.seq, m.hdr.count, m.hdr.packed()};
+        if (op.bytes <= kInline) {
+          std::memcpy(static_cast<char*>(m.wire.data_ptr()) + sizeof(Wire), op.buf, op.bytes);
+        }
         m.header_work = backend_->send(w, op.peer, kTagBase + op.channel);
-        if (op.bytes > 0) {
+        if (op.bytes > kInline) {
           std::vector<at::Tensor> t{bytes_of(op.buf, op.bytes)};
           m.payload_work = backend_->send(t, op.peer, payload_tag(op.channel, m.index));
         }
@@ -105,17 +113,10 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
 
 void ProcessGroupTransport::accept_header(Message& m) {
   const Wire w = *reinterpret_cast<const Wire*>(m.wire.data_ptr());
+  const char* inline_bytes = static_cast<const char*>(m.wire.data_ptr()) + sizeof(Wire);
   if (w.seq == kAbortSeq) {
-    // The peer failed and says why (the reason is its payload).
-    std::string reason(std::min<uint64_t>(w.bytes, 4096), '\0');
-    if (!reason.empty()) {
-      std::vector<at::Tensor> t{bytes_of(&reason[0], reason.size())};
-      try {
-        backend_->recv(t, m.peer, payload_tag(m.channel, m.index))->wait(kAbortNotice);
-      } catch (const std::exception&) {
-        reason = "(its reason did not arrive)";
-      }
-    }
+    // The peer failed and says why (inline).
+    const std::string reason(inline_bytes, std::min<uint64_t>(w.bytes, kInline));
     const std::string msg =
         "rank " + std::to_string(m.peer) + " aborted the communicator: " + reason;
     broadcast_abort(msg);
@@ -125,7 +126,7 @@ void ProcessGroupTransport::accept_header(Message& m) {
   // then completes and learns the reason at its next receive from this
   // rank), then tell every peer and raise.
   auto reject = [&](const std::string& msg) {
-    if (w.bytes > 0 && w.bytes <= (uint64_t{1} << 32)) {
+    if (w.bytes > kInline && w.bytes <= (uint64_t{1} << 32)) {
       try {
         std::vector<at::Tensor> t{
             at::empty({static_cast<int64_t>(w.bytes)}, at::TensorOptions().dtype(at::kByte))};
@@ -148,7 +149,9 @@ void ProcessGroupTransport::accept_header(Message& m) {
                                : " (mismatched collective calls across ranks?)");
     reject(msg.str());
   }
-  if (m.bytes > 0) {
+  if (m.bytes <= kInline) {
+    std::memcpy(m.buf, inline_bytes, m.bytes);
+  } else {
     std::vector<at::Tensor> t{bytes_of(m.buf, m.bytes)};
     m.payload_work = backend_->recv(t, m.peer, payload_tag(m.channel, m.index));
   }
@@ -170,18 +173,15 @@ void ProcessGroupTransport::broadcast_abort(const std::string& reason) {
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
       for (int ch = 0; ch < kChannels; ++ch) {
-        const uint32_t index = sent_[static_cast<size_t>(r) * kChannels + ch]++;
+        ++sent_[static_cast<size_t>(r) * kChannels + ch];
         at::Tensor wire =
-            at::empty({static_cast<int64_t>(sizeof(Wire))}, at::TensorOptions().dtype(at::kByte));
-        *reinterpret_cast<Wire*>(wire.data_ptr()) = Wire{reason.size(), kAbortSeq, 0, 0};
-        at::Tensor text =
-            at::empty({static_cast<int64_t>(reason.size())}, at::TensorOptions().dtype(at::kByte));
-        std::memcpy(text.data_ptr(), reason.data(), reason.size());
-        std::vector<at::Tensor> w{wire}, t{text};
+            at::zeros({static_cast<int64_t>(kFrameBytes)}, at::TensorOptions().dtype(at::kByte));
+        const size_t n = std::min(reason.size(), kInline);
+        *reinterpret_cast<Wire*>(wire.data_ptr()) = Wire{n, kAbortSeq, 0, 0};
+        std::memcpy(static_cast<char*>(wire.data_ptr()) + sizeof(Wire), reason.data(), n);
+        std::vector<at::Tensor> w{wire};
         works.push_back(backend_->send(w, r, kTagBase + ch));
-        works.push_back(backend_->send(t, r, payload_tag(ch, index)));
         keep.push_back(wire);
-        keep.push_back(text);
       }
     }
   } catch (const std::exception&) {

@@ -2,11 +2,13 @@
 // (ProcessGroupGloo on CPU tensors). It needs c10d, so it lives in the binding
 // layer; the algorithms see only the core Transport interface.
 //
-// Every message is a 32-byte header {bytes, op seq, op count, op packed}
-// (op_header.h) on the header tag of its channel, then its payload on a tag
-// of its own (k-th message between the pair on that channel). A receiver
-// posts only the header at first, and the payload's receive once the header
-// says the sizes and (on the collective channel) the op match. gloo aborts
+// Every message is a fixed 4 KiB frame on the header tag of its channel: a
+// 32-byte header {bytes, op seq, op count, op packed} (op_header.h), then the
+// payload itself when it fits. A larger payload follows on a tag of its own
+// (k-th message between the pair on that channel), and the receiver posts
+// its receive only once the header says the sizes and (on the collective
+// channel) the op match. Small messages thus stay one message whose receive
+// is posted in advance; large ones pay one extra one-way latency. gloo aborts
 // the whole process when a message does not fit the posted receive (an
 // enforce in its I/O thread); posting only receives of the announced size
 // means that can never happen: a mismatch raises CommError instead. The
@@ -48,6 +50,8 @@ class ProcessGroupTransport final : public Transport {
     uint64_t count;
     uint64_t packed;
   };
+  // Payload bytes that travel inside the fixed-size first frame.
+  static constexpr size_t kInline = 4096 - sizeof(Wire);
   struct Message {
     int kind;  // P2POp::Kind
     int peer;
