@@ -42,7 +42,7 @@ constexpr int64_t kInterruptEveryNs = 20000000;  // SIGINT check period while wa
 constexpr size_t kAutoSlotMin = 64 * 1024, kAutoSlotMax = 256 * 1024;
 constexpr size_t kAutoRingBudget = 32u << 20;
 constexpr int64_t kSleepSliceNs = 2000000;  // futex sleeps at most 2 ms between checks
-constexpr int64_t kSlowYieldNs = 50000;     // a yield this long gave the core away
+constexpr int64_t kSlowYieldNs = 200000;    // a yield this long gave the core away
 constexpr int64_t kNoYieldNs = 100000000;   // then no yields for 100 ms
 constexpr int kNumChannels = 2;             // kCollective, kUser (transport.h)
 // Per ring slot: {bytes in slot, bytes of its message, op seq, op count, op
@@ -558,12 +558,19 @@ void ShmTransport::block(Poll&& poll, const char* what) {
       // scheduler slice instead, every wait: a 40 MiB all-reduce with the
       // caller computing took 400-650 ms instead of 17 ms idle (2 ranks,
       // 2 cores; 45 ms without yields). The futex sleep below does not pay
-      // that, since the peer's wake-up preempts the computing thread. So one
-      // slow yield turns yielding off for a while.
+      // that, since the peer's wake-up preempts the computing thread, but a
+      // sleep costs tens of microseconds per op where a yield costs one. So
+      // two slow yields in a row (one alone is a hiccup) turn yielding off
+      // for a while.
       const int64_t t = now_ns();
       if (t >= no_yield_until_) {
         sched_yield();
-        if (now_ns() - t > kSlowYieldNs) no_yield_until_ = now_ns() + kNoYieldNs;
+        if (now_ns() - t <= kSlowYieldNs) {
+          slow_yields_ = 0;
+        } else if (++slow_yields_ >= 2) {
+          slow_yields_ = 0;
+          no_yield_until_ = now_ns() + kNoYieldNs;
+        }
         continue;
       }
       idle = cfg_.spin + cfg_.yields;  // yields off: straight to the sleep

@@ -185,6 +185,7 @@ class ShmTransport final : public Transport, public SharedBuffers {
   // Yields are skipped until this time (steady ns) after one was slow: see
   // block(). Touched only by the executing thread.
   int64_t no_yield_until_ = 0;
+  int slow_yields_ = 0;  // slow yields in a row
 
   std::atomic<bool> aborted_{false};
   std::atomic<bool> interrupted_{false};  // interrupt() since the last idle_wait
