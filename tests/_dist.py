@@ -322,9 +322,11 @@ def run_fault_trials(trial_fn: Callable[..., Any], world_size: int, trials: int,
 
 # ------------------------------------------------------------ torchrun
 
-def run_torchrun(script: str, nproc: int, timeout: float = 120) -> "subprocess.CompletedProcess[str]":
-    """Runs ``script`` (a path) under ``torchrun --nproc-per-node nproc`` on a
-    free port with this checkout on PYTHONPATH; returns the finished process
+def run_torchrun(script: str, nproc: int, *args: str,
+                 timeout: float = 180) -> "subprocess.CompletedProcess[str]":
+    """Runs ``script`` (a path relative to the checkout) with ``args`` under
+    ``torchrun --nproc-per-node nproc`` on a free port, with this checkout on
+    PYTHONPATH and one OpenMP thread per rank; returns the finished process
     (the caller checks returncode and stdout)."""
     import socket
     import subprocess
@@ -338,5 +340,5 @@ def run_torchrun(script: str, nproc: int, timeout: float = 120) -> "subprocess.C
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-         "--master-addr", "127.0.0.1", "--master-port", str(port), str(root / script)],
+         "--master-addr", "127.0.0.1", "--master-port", str(port), str(root / script), *args],
         env=env, capture_output=True, text=True, timeout=timeout)

@@ -18,17 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_torchrun_quickstart_three_ranks():
     """The README's quickstart under torchrun prints correct sums on 3 ranks."""
-    import socket
+    from tests._dist import run_torchrun
 
-    with socket.socket() as sk:  # torchrun's static rendezvous needs a concrete port
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-         "--master-addr", "127.0.0.1", "--master-port", str(port), str(ROOT / "examples" / "quickstart.py")],
-        env=env, capture_output=True, text=True, timeout=120,
-    )
+    proc = run_torchrun("examples/quickstart.py", 3)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     import re
 

@@ -6,18 +6,14 @@ fresh spawned process that calls init_process_group(backend="pycomm")."""
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests._dist import client_store, spawn_ranks
+from tests._dist import client_store, run_torchrun, spawn_ranks
 from tests.reference import assert_matches, rank_input, reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -408,16 +404,7 @@ def test_torch_pipelining_equals_one_process(schedule):
 # ---------------------------------------------------------------- example
 
 def test_example_under_torchrun():
-    with socket.socket() as sk:  # torchrun's static rendezvous needs a concrete port
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(port),
-         str(ROOT / "examples" / "torch_backend.py")],
-        env=env, capture_output=True, text=True, timeout=180,
-    )
+    proc = run_torchrun("examples/torch_backend.py", 2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # ranks print concurrently: lines may interleave, so match records, not lines
     records = re.findall(r"rank (\d)/2 backend=pycomm all_reduce=\[[^\]]*\] loss=[\d.]+ OK",

@@ -480,24 +480,11 @@ def test_hooks_module_is_exported():
 
 @pytest.mark.parametrize("hook", ["allreduce", "powersgd"])
 def test_example_ddp_hooks_under_torchrun(hook):
-    import os
     import re
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(port),
-         str(root / "examples" / "ddp_hooks.py"), "--hook", hook],
-        env=env, capture_output=True, text=True, timeout=180,
-    )
+    from tests._dist import run_torchrun
+
+    proc = run_torchrun("examples/ddp_hooks.py", 2, "--hook", hook)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     found = re.findall(rf"rank (\d)/2 hook={hook} \[shm\] last loss [\d.]+, "
                        r"max \|param - plain DDP's\| = ([\d.e+-]+)", proc.stdout)

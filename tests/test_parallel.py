@@ -4,9 +4,6 @@ own DistributedDataParallel over gloo on the same ranks."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from datetime import timedelta
 
 import pytest
@@ -590,12 +587,9 @@ def test_bad_arguments():
 # ---------------------------------------------------------------- example
 
 def test_example_ddp_train_runs_under_torchrun():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         os.path.join(root, "examples", "ddp_train.py")],
-        env=env, capture_output=True, text=True, timeout=300)
+    from tests._dist import run_torchrun
+
+    out = run_torchrun("examples/ddp_train.py", 2, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "pycomm DDP:" in out.stdout and "hidden behind backward" in out.stdout
     assert "replicas identical: True" in out.stdout

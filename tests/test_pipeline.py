@@ -529,23 +529,11 @@ def test_pipeline_x_data_parallel_matches_one_process():
 # ---------------------------------------------------------------- the example
 
 def test_example_pipeline_train_under_torchrun():
-    import os
     import re
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    with socket.socket() as sk:  # torchrun's static rendezvous needs a concrete port
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(port),
-         str(root / "examples" / "pipeline_train.py")],
-        env=env, capture_output=True, text=True, timeout=180)
+    from tests._dist import run_torchrun
+
+    proc = run_torchrun("examples/pipeline_train.py", 2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     losses = [float(v) for v in re.findall(r"step +\d+  loss (\d+\.\d+)", proc.stdout)]
     assert len(losses) == 4 and losses[-1] < 0.5 * losses[0], proc.stdout

@@ -33,6 +33,14 @@ void copy_back(const at::Tensor& dst, const at::Tensor& src) {
   dst.copy_(src.view(dst.sizes()));
 }
 
+// What an op on `buf` (contiguous_buffer(dst), or a flat staging buffer) must
+// do once it completes: copy the result into `dst`; nothing when `buf` is
+// `dst` itself (no callback is chained then).
+std::function<void()> copy_back_when_staged(const at::Tensor& dst, const at::Tensor& buf) {
+  if (buf.is_same(dst)) return {};
+  return [dst, buf] { copy_back(dst, buf); };
+}
+
 void check_one(const std::vector<at::Tensor>& tensors, const char* op) {
   TORCH_CHECK_VALUE(tensors.size() == 1, op, ": the pycomm backend takes one tensor per call, got ",
                     tensors.size());
@@ -222,8 +230,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
                               "allreduce: the pycomm backend does not support sparse tensors");
   const int rop = reduce_op(opts.reduceOp, kOp);
   at::Tensor buf = contiguous_buffer(t);
-  Finish finish;
-  if (!buf.is_same(t)) finish = [t, buf] { copy_back(t, buf); };
+  Finish finish = copy_back_when_staged(t, buf);
   return launch(
       c10d::OpType::ALLREDUCE, kOp, opts.asyncOp, {t},
       [this, buf, rop](bool async_op) { return comm_->all_reduce(buf, rop, algo_, async_op); },
@@ -258,8 +265,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(std::vector<at::Ten
   const at::Tensor t = tensors[0];
   check_cpu(t, "tensor", kOp);
   at::Tensor buf = contiguous_buffer(t);
-  Finish finish;
-  if (!buf.is_same(t)) finish = [t, buf] { copy_back(t, buf); };
+  Finish finish = copy_back_when_staged(t, buf);
   const int src = static_cast<int>(opts.rootRank);
   return launch(
       c10d::OpType::BROADCAST, kOp, opts.asyncOp, {t},
@@ -295,8 +301,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
   const at::Tensor out = output;
   at::Tensor buf = contiguous_buffer(out);
   at::Tensor src = contiguous_buffer(input);
-  Finish finish;
-  if (!buf.is_same(out)) finish = [out, buf] { copy_back(out, buf); };
+  Finish finish = copy_back_when_staged(out, buf);
   return launch(
       c10d::OpType::_ALLGATHER_BASE, kOp, opts.asyncOp, {out},
       [this, buf, src](bool async_op) { return comm_->all_gather(buf, src, "auto", async_op); },
@@ -317,8 +322,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
   // The list is concatenated into one flat input (Comm reduces in a copy of it).
   at::Tensor flat = flatten(inputs[0]);
   at::Tensor buf = contiguous_buffer(out);
-  Finish finish;
-  if (!buf.is_same(out)) finish = [out, buf] { copy_back(out, buf); };
+  Finish finish = copy_back_when_staged(out, buf);
   return launch(
       c10d::OpType::REDUCE_SCATTER, kOp, opts.asyncOp, {out},
       [this, buf, flat, rop](bool async_op) {
@@ -336,8 +340,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
   const at::Tensor out = output;
   at::Tensor buf = contiguous_buffer(out);
   at::Tensor src = contiguous_buffer(input);
-  Finish finish;
-  if (!buf.is_same(out)) finish = [out, buf] { copy_back(out, buf); };
+  Finish finish = copy_back_when_staged(out, buf);
   return launch(
       c10d::OpType::_REDUCE_SCATTER_BASE, kOp, opts.asyncOp, {out},
       [this, buf, src, rop](bool async_op) {
@@ -375,8 +378,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::p2p(c10d::OpType type, const 
     return c10::make_intrusive<BackendWork>(rank_, type, nullptr, future,
                                             std::vector<at::Tensor>{t});
   }
-  Finish finish;
-  if (!is_send && !buf.is_same(t)) finish = [t, buf] { copy_back(t, buf); };
+  Finish finish = is_send ? Finish{} : copy_back_when_staged(t, buf);
   // Always asynchronous: the send/recv of c10d returns a Work to wait on.
   return launch(
       type, op, /*async_op=*/true, {t},
