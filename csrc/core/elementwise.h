@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "types.h"
 
@@ -213,6 +214,20 @@ auto dispatch_dtype(DType t, F&& f) {
     case DType::kUInt8: return f(uint8_t{});
     case DType::kInt8:
     default: return f(int8_t{});
+  }
+}
+
+// Calls f(W{}) with the 16-bit storage type of a wire dtype (host code: the
+// CPU reducer and the CUDA launchers of all_reduce(wire_dtype=...) share it).
+template <class F>
+void dispatch_wire(DType wire, F&& f) {
+  if (wire == DType::kFloat16) {
+    f(Half{});
+  } else if (wire == DType::kBFloat16) {
+    f(BFloat16{});
+  } else {
+    throw UsageError(std::string("wire dtype must be float16 or bfloat16, got ") +
+                     dtype_name(wire));
   }
 }
 

@@ -162,19 +162,6 @@ PYCOMM_AVX2 void reduce_wire_avx2(float* dst, const float* a, const W* b, size_t
 }
 #endif  // PYCOMM_X86_SIMD
 
-// Calls f(W{}) with the 16-bit storage type of a wire dtype.
-template <class F>
-void dispatch_wire(DType wire, F&& f) {
-  if (wire == DType::kFloat16) {
-    f(Half{});
-  } else if (wire == DType::kBFloat16) {
-    f(BFloat16{});
-  } else {
-    throw UsageError(std::string("wire dtype must be float16 or bfloat16, got ") +
-                     dtype_name(wire));
-  }
-}
-
 }  // namespace
 
 void cpu_to_wire(void* dst, const float* src, size_t count, DType wire) {

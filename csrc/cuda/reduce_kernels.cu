@@ -185,19 +185,6 @@ unsigned grid_for(size_t n) {
       std::max<size_t>(1, std::min(max_blocks, (n + kThreads - 1) / kThreads)));
 }
 
-// Calls f(W{}) with the 16-bit storage type of a wire dtype.
-template <class F>
-void dispatch_wire(DType wire, F&& f) {
-  if (wire == DType::kFloat16) {
-    f(Half{});
-  } else if (wire == DType::kBFloat16) {
-    f(BFloat16{});
-  } else {
-    throw UsageError(std::string("wire dtype must be float16 or bfloat16, got ") +
-                     dtype_name(wire));
-  }
-}
-
 }  // namespace
 
 void launch_to_wire(void* dst, const float* src, size_t count, DType wire, cudaStream_t stream) {
