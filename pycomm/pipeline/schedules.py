@@ -208,6 +208,7 @@ class _Run:
         stage = self.s._stages[a.stage]
         key = (a.stage, a.microbatch)
         if stage.is_first:
+            assert self.inputs is not None  # step() checked the first stage's batch
             inputs = as_tuple(self.inputs[a.microbatch], "step's inputs")
         elif key in self.recv_acts:
             work, metas, bufs = self.recv_acts.pop(key)
@@ -215,11 +216,15 @@ class _Run:
             inputs = tuple(from_wire(b, m) for b, m in zip(bufs, metas))
         else:  # the previous stage is on this rank
             inputs = self.acts.pop((a.stage - 1, a.microbatch))
-        target = self.targets[a.microbatch] if stage.is_last else None
+        target = None
+        if stage.is_last:
+            assert self.targets is not None  # step() checked the last stage's target
+            target = self.targets[a.microbatch]
         outs, loss = stage.forward_microbatch(a.microbatch, inputs, self.s.n_microbatches,
                                               self.s.loss_fn, target)
         self.out_metas[key] = meta_of(outs, f"stage {a.stage}'s output")
         if stage.is_last:
+            assert loss is not None  # the last stage computes one
             self.losses[a.microbatch] = loss
             self.last_outputs[a.microbatch] = outs
             self.single_output = stage.returns_tensor
@@ -279,6 +284,7 @@ class _Run:
             self.recv_grads[key] = (rest_work, bufs)
         if not header_recvs:
             return
+        assert header_work is not None  # header_recvs were posted with it
         header_work.wait()
         payload_recvs: list[P2POp] = []
         pending = []

@@ -103,7 +103,7 @@ def balance_by_time(model: nn.Sequential, sample: Any, num_stages: int,
     return _balance(times, num_stages)
 
 
-def _balance(weights: list[float], num_stages: int) -> list[int]:
+def _balance(weights: Sequence[float], num_stages: int) -> list[int]:
     """Consecutive groups (each >= 1 item) minimising the heaviest group
     (dynamic programming over cut points)."""
     n = len(weights)

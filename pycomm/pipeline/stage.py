@@ -183,6 +183,7 @@ class PipelineStage:
         out = self.submod(*leaves)
         if not self.is_last:
             return out, None
+        assert loss_fn is not None  # the schedule passes it to the last stage
         loss = loss_fn(out, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("loss_fn must return a scalar tensor, got "
@@ -210,17 +211,23 @@ class PipelineStage:
             # statistics (BatchNorm); the recomputation must not count it again
             # (put back after the backward, which may need the buffers' version).
             buffers = [b.clone() for b in self.submod.buffers()]
-            cuda = [self.device] if state.cuda_rng_state is not None else []
+            assert state.rng_state is not None  # saved by a checkpointed forward
+            cuda_rng = state.cuda_rng_state
+            cuda = [self.device] if cuda_rng is not None else []
             with torch.random.fork_rng(devices=cuda):
                 torch.set_rng_state(state.rng_state)
-                if cuda:
-                    torch.cuda.set_rng_state(state.cuda_rng_state, self.device)
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state(cuda_rng, self.device)
                 with torch.enable_grad():
                     out, state.loss = self._run(state.inputs, loss_fn, state.target)
             state.outputs = as_tuple(out, f"stage {self.stage_index}'s output")
+        roots: list[torch.Tensor]
+        root_grads: list[torch.Tensor | None]
         if self.is_last:
+            assert state.loss is not None  # attached, or recomputed above
             roots, root_grads = [state.loss * loss_scale], [None]
         else:
+            assert state.outputs is not None  # attached, or recomputed above
             floats = [t for t in state.outputs if t.is_floating_point()]
             assert grads is not None and len(grads) == len(floats)
             pairs = [(t, g) for t, g in zip(floats, grads) if t.requires_grad]
