@@ -103,6 +103,25 @@ def test_wire_all_reduce_sum_and_ring_on_shm():
         run_ranks(_wire_cases, 2, "shm", wire, "sum", "ring")
 
 
+def _wire_one_rank(comm):
+    """One rank has nothing to send, but the result is still the owner's value
+    rounded to the wire dtype, as with more ranks (and as fp16_compress_hook)."""
+    out = []
+    for wire in WIRES.values():
+        for op in ("sum", "avg", "max"):
+            for count in (1, 1031):
+                x = _inputs(1, count, seed=5)[0]
+                t = x.clone()
+                comm.all_reduce(t, op=op, algo="ring", wire_dtype=wire)
+                out.append(int((t != x.to(wire).float()).sum()))
+    return out
+
+
+def test_wire_all_reduce_one_rank_rounds(transport):
+    mismatches = run_ranks(_wire_one_rank, 1, transport)[0]
+    assert mismatches == [0] * len(mismatches), mismatches
+
+
 def _wire_exact_two_ranks(comm, op: str):
     """With 2 ranks the wire all-reduce is short enough to write down: the
     owner r of chunk r adds the other rank's value rounded to the wire dtype to

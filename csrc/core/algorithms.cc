@@ -164,14 +164,23 @@ void ring_all_reduce_wire(const Context& ctx, float* data, size_t count, DType w
   Reducer& red = ctx.reducer;
   const int n = tr.world_size();
   const int r = tr.rank();
-  if (n == 1) return;
+  const size_t per = std::max<size_t>(1, ctx.slice_bytes / sizeof(float));  // elements per slice
+  const WireSlots slot = wire_slots(ctx, per, wire);
+  if (n == 1) {
+    // Nothing to send, but the result is still the owner's value rounded to
+    // the wire dtype, as with more ranks.
+    for (size_t b = 0; b < count; b += per) {
+      const size_t c = std::min(per, count - b);
+      red.to_wire(slot.send(0), data + b, c, wire);
+      red.from_wire(data + b, slot.send(0), c, wire);
+    }
+    return;
+  }
   const int next = mod(r + 1, n), prev = mod(r - 1, n);
   const size_t ws = dtype_size(wire);
   const Chunks chunks = Chunks::even(count, n);
-  const size_t per = std::max<size_t>(1, ctx.slice_bytes / sizeof(float));  // elements per slice
   const size_t slices = std::max<size_t>(1, ceil_div(max_chunk(chunks), per));
   const size_t K = static_cast<size_t>(n - 1) * slices;
-  const WireSlots slot = wire_slots(ctx, per, wire);
   auto at = [&](int c, const Slice& s) { return data + chunks.offset(c) + s.begin; };
 
   // Reduce-scatter: the chunk schedule of ring_reduce_scatter. Posting item
