@@ -596,6 +596,9 @@ def powerSGD_hook(state: PowerSGDState,
             state.error_dict[index] = torch.zeros_like(buffer)
         original = buffer.detach().clone()
     lr = _LowRank(state, bucket, buffer)
+    # Held here, not looked up in the callbacks: without warm start another
+    # bucket's chain clears the dicts while this one is still in flight.
+    p_memory, q_memory = state.p_memory_dict[index], state.q_memory_dict[index]
     uncompressed = (torch.cat([t.view(-1) for t in lr.uncompressed]) if lr.uncompressed
                     else buffer.new_empty(0))
 
@@ -619,7 +622,7 @@ def powerSGD_hook(state: PowerSGDState,
         for t in lr.uncompressed:
             t.copy_(summed[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
-        return comm.all_reduce(state.p_memory_dict[index], async_op=True).get_future()
+        return comm.all_reduce(p_memory, async_op=True).get_future()
 
     def compute_then_reduce_qs(fut: torch.futures.Future) -> torch.futures.Future:
         fut.value()
@@ -627,7 +630,7 @@ def powerSGD_hook(state: PowerSGDState,
             _orthonormalize(p, state.orthogonalization_epsilon)
         for m, p, q in zip(lr.matrices, lr.ps, lr.qs):
             torch.bmm(m.transpose(1, 2), p, out=q)
-        return comm.all_reduce(state.q_memory_dict[index], async_op=True).get_future()
+        return comm.all_reduce(q_memory, async_op=True).get_future()
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()[0].div_(n)

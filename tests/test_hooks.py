@@ -405,9 +405,10 @@ def _powersgd_case(comm, kwargs: dict):
     return _max_diff(ours, ref), _max_diff(ours, plain), state.compression_stats()
 
 
-def _powersgd_many_buckets(comm):
+def _powersgd_many_buckets(comm, kwargs: dict):
     pg = _torch_pg(comm, f"psgd-many-{next(_pg_count)}")
-    state = hooks.PowerSGDState(comm, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    state = hooks.PowerSGDState(comm, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                **kwargs)
     ours = _train(comm, pg, hooks.powerSGD_hook, state, steps=STEPS)
     plain = _train(comm, pg, steps=STEPS)
     return digest(torch.cat([p.flatten() for p in ours])), _max_diff(ours, plain)
@@ -432,8 +433,12 @@ def test_powerSGD_matches_torch(world_size, kwargs):
 # ---------------------------------------------------------------- errors
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_powerSGD_many_buckets_same_on_every_rank(world_size):
-    per_rank = run_ranks(_powersgd_many_buckets, world_size, "shm", timeout=300)
+@pytest.mark.parametrize("kwargs", [{}, dict(use_error_feedback=False, warm_start=False)],
+                         ids=["warm", "cold"])
+def test_powerSGD_many_buckets_same_on_every_rank(world_size, kwargs):
+    # cold: without warm start each bucket's P/Q memory is dropped when its
+    # chain ends, while later buckets' chains are still in flight.
+    per_rank = run_ranks(_powersgd_many_buckets, world_size, "shm", kwargs, timeout=300)
     assert len({d for d, _ in per_rank}) == 1, "ranks ended with different parameters"
     assert 1e-4 < per_rank[0][1] < 0.5, per_rank[0]  # compressed, and still training
 
