@@ -41,7 +41,9 @@ CommError = _C.CommError
 
 #: Handle of an asynchronous operation: ``wait()``, ``is_completed()``,
 #: ``is_success()``, ``get_future()`` (a ``torch.futures.Future`` completed with
-#: the list of output tensors, what DDP communication hooks return).
+#: the list of output tensors, what DDP communication hooks return; on GPU a
+#: CUDA-aware one, completed at the enqueue and ordered on the caller's stream,
+#: as ProcessGroupNCCL's).
 if TYPE_CHECKING:  # the compiled class, opaque to type checkers
     Work = Any
 else:
@@ -189,6 +191,7 @@ class Communicator:
         # key of a group counts only the groups with the same members, so a
         # group that other ranks never create cannot shift theirs.
         self._group_counts: dict[tuple[int, ...], int] = {}
+        self._nccl_splits = 0  # split() calls over NCCL (all ranks make them)
 
     # -- properties ------------------------------------------------------
     @property
@@ -387,7 +390,10 @@ class Communicator:
 
         A collective of this communicator: every rank calls it, in the same
         order as its other collectives. The ranks that pass the same color
-        form one group, ranked by ``(key, rank in this communicator)``.
+        form one group, ranked by ``(key, rank in this communicator)``. On
+        the ``nccl`` transport it is NCCL's own ``ncclCommSplit`` (color and
+        key must then fit in 32 bits); elsewhere the ranks exchange their
+        colors and keys, then each group sets up its own transport.
 
         Args:
             color: the group to join; None or a negative int joins none.
@@ -412,6 +418,8 @@ class Communicator:
         self._check_usable("split")
         color = -1 if color is None else _as_int64(color, "color")
         key = self.rank if key is None else _as_int64(key, "key")
+        if self.transport == "nccl":
+            return self._nccl_split(color, key, timeout)
         # Every rank learns every (color, key) through this communicator.
         mine = torch.tensor([max(color, -1), key], dtype=torch.int64, device=self.device)
         table = torch.empty(2 * self.world_size, dtype=torch.int64, device=self.device)
@@ -421,6 +429,25 @@ class Communicator:
             return None
         members = sorted((k, r) for r, (c, k) in enumerate(pairs) if c == color)
         return self._create_group(tuple(r for _, r in members), timeout)
+
+    def _nccl_split(self, color: int, key: int,
+                    timeout: timedelta | float | None) -> "Communicator | None":
+        """split() through ncclCommSplit on the collectives' communicator."""
+        for name, value in (("color", color), ("key", key)):
+            if not -2**31 <= value < 2**31:
+                raise ValueError(f"split: {name}={value} does not fit in 32 bits (NCCL's split)")
+        settings = self._settings
+        if timeout is not None:
+            settings = replace(settings, timeout=_timeout_from(timeout))
+        # Every rank splits in the same order: the count names the group's
+        # store (for its own groups later) identically on its members.
+        self._nccl_splits += 1
+        impl = self._impl.split(max(color, -1), key,
+                                int(settings.timeout.total_seconds() * 1000))
+        if impl is None:
+            return None
+        store = dist.PrefixStore(f"nccl-split/{self._nccl_splits}/{color}", self._store)
+        return Communicator(impl, store=store, settings=settings)
 
     def _check_usable(self, op: str) -> None:
         if self.closed:

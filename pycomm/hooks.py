@@ -17,7 +17,10 @@ return at once: on CPU the futures complete, and their ``then()`` callbacks
 run, on the communicator's worker thread, so the autograd thread keeps
 computing gradients while buckets are reduced. Ops that callbacks issue (the
 chained all-reduces of PowerSGD) run right after the op that triggered them on
-every rank, so all ranks run the same sequence of collectives.
+every rank, so all ranks run the same sequence of collectives. On GPU the
+futures are CUDA-aware, as ProcessGroupNCCL's: completed as soon as the op is
+enqueued, with their ``then()`` callbacks (and DDP's reading of the result)
+ordered on CUDA streams after the reduction, so the host never waits for it.
 
 Numerics:
 

@@ -556,6 +556,46 @@ def test_checked_mode_on_gpu():
     run_ranks(2, _checked_mode, check=True)
 
 
+def _groups_over_nccl(comm, store):
+    """split() is ncclCommSplit; new_group() builds a communicator of its own
+    for the members only. Both renumber the ranks and leave the parent usable."""
+    world, r = comm.world_size, comm.rank
+    # split by parity with reversed keys: {0, 2} -> ranks (2, 0); {1} alone
+    g = comm.split(r % 2, key=-r)
+    assert g is not None and g.transport == "nccl"
+    members = sorted((q for q in range(world) if q % 2 == r % 2), reverse=True)
+    assert g.world_size == len(members) and g.rank == members.index(r)
+    t = torch.full((1 << 16,), float(r + 1), device="cuda")
+    g.all_reduce(t)
+    torch.cuda.synchronize()
+    assert torch.all(t == sum(q + 1 for q in members)).item()
+    # a rank that joins none gets None, at the same point on every rank
+    h = comm.split(None if r == 0 else 7)
+    assert (h is None) == (r == 0)
+    if h is not None:
+        u = torch.ones(8, device="cuda")
+        h.all_reduce(u)
+        torch.cuda.synchronize()
+        assert torch.all(u == world - 1).item()
+        h.close()
+    pair = comm.new_group([1, 0])
+    if r < 2:
+        v = torch.full((4,), float(r), device="cuda")
+        pair.broadcast(v, src=0)  # group rank 0 is rank 1
+        torch.cuda.synchronize()
+        assert torch.all(v == 1.0).item()
+        pair.close()
+    g.close()
+    w = torch.ones(4, device="cuda")
+    comm.all_reduce(w)  # the parent after its groups closed
+    torch.cuda.synchronize()
+    assert torch.all(w == world).item()
+
+
+def test_groups_over_nccl():
+    run_ranks(3, _groups_over_nccl)
+
+
 def _timeout(comm, store, allow_close_error):
     import pycomm
 

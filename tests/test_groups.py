@@ -343,3 +343,19 @@ def _missing_member(comm):
 
 def test_member_that_never_creates_the_group_fails_cleanly(transport):
     assert run_ranks(_missing_member, 4, transport) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_native_split_is_nccl_only(transport):
+    """The binding's split (ncclCommSplit) exists on every communicator, but a
+    CPU transport says it has none instead of doing something else;
+    Communicator.split then uses the store path (the tests above)."""
+    import pycomm
+
+    with pycomm.init(rank=0, world_size=1, store=dist.HashStore(), transport=transport,
+                     set_default=False) as comm:
+        with pytest.raises(ValueError, match="has no split of its own"):
+            comm._impl.split(0, 0, 1000)
+        group = comm.split(0)
+        assert group is not None and group.world_size == 1 and group.transport == transport
+        group.close()

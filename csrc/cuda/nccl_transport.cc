@@ -89,17 +89,17 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int d
   wait_ready("ncclCommInitRankConfig");  // aborts and throws on error/timeout
 }
 
-NcclComm::NcclComm(NcclComm& parent, const char* name)
-    : rank_(parent.rank_), size_(parent.size_), device_(parent.device_), timeout_(parent.timeout_) {
-  DeviceScope scope(device_);
+ncclComm_t NcclComm::run_split(NcclComm& parent, const char* name, int color, int key) {
+  DeviceScope scope(parent.device_);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;    // like the parent: we poll (and can abort)
   config.splitShare = 0;  // resources of its own (NCCL_COMM_SPLIT_SHARE_RESOURCES overrides)
   config.commName = name;
+  const int nccl_color = color < 0 ? NCCL_SPLIT_NOCOLOR : color;
   // A nonblocking split returns ncclInProgress at once; NCCL's init thread
   // stores the new handle into *slot when the split has run (successfully or
-  // not), nullptr until then. On the heap: on a failure below it may outlive
-  // this object (see split_failed).
+  // not), nullptr until then (and for no color). On the heap: on a failure
+  // below it may outlive this call (see split_failed).
   auto* slot = new ncclComm_t(nullptr);
   auto split_failed = [&](const std::string& msg) {
     // ncclCommAbort on the parent also ends the split (NCCL joins the init
@@ -114,13 +114,20 @@ NcclComm::NcclComm(NcclComm& parent, const char* name)
   };
   try {
     parent.call([&](ncclComm_t p) {
-      PYCOMM_NCCL_CHECK(ncclCommSplit(p, /*color=*/0, /*key=*/rank_, slot, &config), p);
+      PYCOMM_NCCL_CHECK(ncclCommSplit(p, nccl_color, key, slot, &config), p);
     });
   } catch (const std::exception& e) {
     split_failed(e.what());  // call() has aborted the parent already
   }
+  if (nccl_color == NCCL_SPLIT_NOCOLOR) {
+    // No communicator for this rank: the split is over once the parent
+    // reports ncclSuccess again (wait_ready aborts the parent otherwise).
+    parent.wait_ready("ncclCommSplit");  // on a throw, slot is leaked on purpose
+    delete slot;
+    return nullptr;
+  }
   // Poll like wait_ready, on the new communicator once NCCL has published it.
-  const auto deadline = Clock::now() + timeout_;
+  const auto deadline = Clock::now() + parent.timeout_;
   int spins = 0;
   for (;;) {
     std::string err;
@@ -137,23 +144,48 @@ NcclComm::NcclComm(NcclComm& parent, const char* name)
       }
     }
     if (err.empty() && Clock::now() > deadline) {
-      err = "ncclCommSplit did not finish within the timeout of " + ms_str(timeout_) + " (rank " +
-            std::to_string(rank_) + " of " + std::to_string(size_) +
+      err = "ncclCommSplit did not finish within the timeout of " + ms_str(parent.timeout_) +
+            " (rank " + std::to_string(parent.rank_) + " of " + std::to_string(parent.size_) +
             "; a peer may be dead or not creating the communicator)";
     }
     if (!err.empty()) split_failed(err);
     backoff(spins);
   }
-  comm_.store(*slot);
+  ncclComm_t child = *slot;
   delete slot;
   // The split was an operation of the parent too: it must report ncclSuccess
   // (NCCL may have put the split's result there) before it is used again.
   try {
     parent.wait_ready("ncclCommSplit");
+  } catch (...) {
+    (void)ncclCommAbort(child);
+    throw;
+  }
+  return child;
+}
+
+NcclComm::NcclComm(NcclComm& parent, const char* name, int color, int key)
+    : rank_(-1), size_(0), device_(parent.device_), timeout_(parent.timeout_) {
+  const ncclComm_t c = run_split(parent, name, color, key);  // color >= 0: not null
+  comm_.store(c);
+  int r = -1, n = 0;
+  try {
+    PYCOMM_NCCL_CHECK(ncclCommUserRank(c, &r), c);
+    PYCOMM_NCCL_CHECK(ncclCommCount(c, &n), c);
   } catch (const std::exception& e) {
     abort(e.what());  // a throwing constructor runs no destructor
     throw;
   }
+  rank_ = r;
+  size_ = n;
+}
+
+std::unique_ptr<NcclComm> NcclComm::split(NcclComm& parent, const char* name, int color, int key) {
+  if (color < 0) {
+    (void)run_split(parent, name, color, key);
+    return nullptr;
+  }
+  return std::unique_ptr<NcclComm>(new NcclComm(parent, name, color, key));
 }
 
 NcclComm::~NcclComm() {

@@ -32,6 +32,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -56,7 +57,12 @@ class NcclComm {
   // same point of the parent's operation sequence. Waits at most
   // parent.timeout(); on an error or a timeout aborts the parent (which also
   // stops the split) and throws CommError. `name` must outlive the call.
-  NcclComm(NcclComm& parent, const char* name);
+  NcclComm(NcclComm& parent, const char* name) : NcclComm(parent, name, 0, parent.rank()) {}
+  // The general split, MPI_Comm_split-like: the ranks that pass the same
+  // color >= 0 form one communicator, ranked by (key, parent rank). Every rank
+  // of the parent calls it; a rank that passes a negative color joins none
+  // and gets nullptr (NCCL_SPLIT_NOCOLOR).
+  static std::unique_ptr<NcclComm> split(NcclComm& parent, const char* name, int color, int key);
   ~NcclComm();  // destroys (or aborts, if pending work cannot be flushed)
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
@@ -110,6 +116,9 @@ class NcclComm {
  private:
   void throw_if_aborted() const;                   // mu_ held
   [[noreturn]] void fail(const std::string& msg);  // abort + throw CommError
+  NcclComm(NcclComm& parent, const char* name, int color, int key);
+  // Runs ncclCommSplit and waits for it; the new handle, nullptr for no color.
+  static ncclComm_t run_split(NcclComm& parent, const char* name, int color, int key);
 
   int rank_, size_, device_;
   std::chrono::milliseconds timeout_;

@@ -150,6 +150,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("ops"))
       .def("barrier", &Comm::barrier, py::arg("async_op") = false,
            py::call_guard<py::gil_scoped_release>())
+      .def("split", &Comm::split, py::arg("color"), py::arg("key"), py::arg("timeout_ms"),
+           py::call_guard<py::gil_scoped_release>())
       .def("close", &Comm::close, py::call_guard<py::gil_scoped_release>())
       .def("abort", &Comm::abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>());
 

@@ -223,6 +223,12 @@ void check_options(const CommOptions& options) {
   }
 }
 
+std::unique_ptr<Executor> Executor::split(int, int, const CommOptions&) {
+  throw UsageError(join_msg({"split: the ", transport_name(),
+                             " transport has no split of its own (groups of it are built "
+                             "through the store: Communicator.new_group / split)"}));
+}
+
 // ---------------------------------------------------------------- CpuExecutor
 
 namespace {
@@ -799,6 +805,17 @@ c10::intrusive_ptr<Work> Comm::batch_p2p(const std::vector<TensorP2P>& reqs) {
     tensors.push_back(q.tensor);
   }
   return launch_p2p(kOp, tensors, ops, Wait::kAsync);
+}
+
+std::unique_ptr<Comm> Comm::split(int color, int key, int64_t timeout_ms) {
+  CallGuard guard(*this, "split");
+  check_open("split");
+  CommOptions options = options_;
+  options.timeout_ms = timeout_ms;
+  check_options(options);
+  auto exec = exec_->split(color, key, options);
+  if (!exec) return nullptr;
+  return std::make_unique<Comm>(std::move(exec), options);
 }
 
 c10::intrusive_ptr<Work> Comm::barrier(bool async_op) {

@@ -164,6 +164,12 @@ class Executor {
   // True on a thread of the executor's own (the CPU worker, which runs
   // Future callbacks): ops issued there run in order without the call guard.
   virtual bool on_own_thread() const = 0;
+  // The transport's own split (ncclCommSplit): an executor over the ranks
+  // that pass the same color >= 0, ranked by (key, rank); nullptr for a
+  // negative color. A collective: every rank calls it at the same point of
+  // its op sequence. Executors without one throw UsageError (pycomm/comm.py
+  // builds such groups through the store instead).
+  virtual std::unique_ptr<Executor> split(int color, int key, const CommOptions& options);
 
   // Waits for queued work (bounded by the timeout), then releases the
   // transport; rethrows a failure met on the way. Not on the own thread.
@@ -215,6 +221,12 @@ class Comm {
   c10::intrusive_ptr<Work> batch_p2p(const std::vector<TensorP2P>& ops);
   // Blocks the host until every rank has entered, unless async_op.
   c10::intrusive_ptr<Work> barrier(bool async_op = false);
+  // A communicator of the ranks that pass the same color >= 0 (ranked by
+  // (key, rank)) through the transport's own split (NCCL: ncclCommSplit), with
+  // this one's options but `timeout_ms`; nullptr for a negative color. Every
+  // rank calls it, in the same order as its collectives. UsageError where the
+  // transport has no split of its own (CPU transports).
+  std::unique_ptr<Comm> split(int color, int key, int64_t timeout_ms);
 
   // Waits for queued work, then releases the transport. Idempotent.
   void close();

@@ -181,15 +181,17 @@ struct Lane {
 
 class CudaExecutor final : public Executor {
  public:
-  CudaExecutor(const std::string& unique_id, int rank, int world_size, int device,
-               const CommOptions& options)
-      : rank_(rank),
-        size_(world_size),
-        device_(device),
+  // Over the collectives' NCCL communicator `nccl` (from a unique id, or split
+  // from another communicator's); splits the p2p lanes off it.
+  CudaExecutor(std::unique_ptr<cuda::NcclComm> nccl, const CommOptions& options)
+      : rank_(nccl->rank()),
+        size_(nccl->world_size()),
+        device_(nccl->device()),
         timeout_(options.timeout_ms),
         slice_bytes_(static_cast<size_t>(options.slice_bytes)) {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    auto nccl = std::make_unique<cuda::NcclComm>(unique_id, rank, world_size, device, timeout_);
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    nccl->set_timeout(timeout_);
+    const int device = device_;
     // The user p2p lanes (see the top). Split now, not lazily on the first
     // p2p: a split is collective, and this point is the same on all ranks.
     auto up = std::make_unique<cuda::NcclComm>(*nccl, "pycomm-p2p-up");
@@ -227,6 +229,20 @@ class CudaExecutor final : public Executor {
   bool shared_buffers() const override { return false; }
   bool native_collectives() const override { return true; }
   bool on_own_thread() const override { return false; }
+
+  // ncclCommSplit of the collectives' communicator (a collective of this
+  // one: every rank calls it at the same point of its op sequence).
+  std::unique_ptr<Executor> split(int color, int key, const CommOptions& options) override {
+    std::lock_guard<std::mutex> lk(enqueue_mu_);
+    if (aborted()) {
+      throw CommError(
+          join_msg({"split: the communicator was aborted earlier (", abort_reason(), ")"}));
+    }
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    auto nccl = cuda::NcclComm::split(*lanes_[kLaneCollective].nccl, "pycomm-split", color, key);
+    if (!nccl) return nullptr;
+    return std::make_unique<CudaExecutor>(std::move(nccl), options);
+  }
 
   at::Tensor empty_like(const at::Tensor& t) override {
     c10::cuda::CUDAStreamGuard g(reduction_stream(kLaneCollective));
@@ -629,7 +645,10 @@ void bind_cuda(py::module_& m) {
         opt.auto_table = std::move(auto_table);
         py::gil_scoped_release nogil;
         check_options(opt);
-        auto exec = std::make_unique<CudaExecutor>(id, rank, world_size, device, opt);
+        c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+        auto nccl = std::make_unique<cuda::NcclComm>(id, rank, world_size, device,
+                                                     std::chrono::milliseconds(timeout_ms));
+        auto exec = std::make_unique<CudaExecutor>(std::move(nccl), opt);
         return std::make_unique<Comm>(std::move(exec), opt);
       },
       py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), py::arg("device"),
