@@ -178,8 +178,10 @@ class DistributedDataParallel(nn.Module):
     and the write-back are enqueued on streams with no host wait per bucket;
     the end of backward reads the used flags on the host once per iteration
     (not with ``static_graph=True`` after the first), and comm hooks'
-    futures complete on the host (pycomm's CUDA futures), so a hook costs a
-    host wait at the end of backward. ``stats()`` times are host times.
+    futures are CUDA-aware (completed at the enqueue, read on the stream),
+    so a hook costs no host wait either. ``stats()`` times are host times:
+    on GPU an op's "done" is when it was enqueued, so its communication and
+    hidden times say nothing about the GPU (use the CUDA profiler).
 
     Raises:
         TypeError: ``module`` or ``comm`` of the wrong type, or a parameter
