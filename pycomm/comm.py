@@ -481,18 +481,28 @@ class Communicator:
     # -- lifetime ---------------------------------------------------------
     def close(self) -> None:
         """Waits for queued operations, then releases the transport. Later
-        calls raise. Idempotent."""
+        calls raise. Idempotent.
+
+        Raises:
+            CommError: an operation failed and aborted the communicator, and
+                no call has raised that failure yet (an async op whose Work
+                nobody waited for); everything is released all the same. Not
+                after :meth:`abort`, nor once a call raised the failure.
+        """
         global _default
-        self._impl.close()
-        if os.getpid() != self._pid:
-            # A forked child's copy: the transport objects (e.g. the Gloo
-            # process group) own the parent's threads and sockets; destroying
-            # them here could hang. Keep them alive until this process exits.
-            _forked_leaks.extend(self._keepalive)
-        self._keepalive.clear()
-        with _lock:
-            if _default is self:
-                _default = None
+        try:
+            self._impl.close()
+        finally:
+            if os.getpid() != self._pid:
+                # A forked child's copy: the transport objects (e.g. the Gloo
+                # process group) own the parent's threads and sockets;
+                # destroying them here could hang. Keep them alive until this
+                # process exits.
+                _forked_leaks.extend(self._keepalive)
+            self._keepalive.clear()
+            with _lock:
+                if _default is self:
+                    _default = None
 
     def abort(self, reason: str = "aborted by the user") -> None:
         """Fails pending and future operations of this communicator at once."""
@@ -501,8 +511,14 @@ class Communicator:
     def __enter__(self) -> "Communicator":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self.close()
+        except CommError:
+            if exc_type is None:
+                raise
+            # The block's own exception is the one to see: the failure that
+            # close() reports is the same one, or a consequence of it.
 
 
 # ------------------------------------------------------------------ init

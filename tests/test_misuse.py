@@ -10,6 +10,7 @@ transport in one set of spawned ranks (spawning costs seconds a process).
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import pytest
@@ -361,3 +362,44 @@ def _pending_irecv_then_collective(comm):
 def test_pending_irecv_progresses_during_a_collective(transport):
     (got, t0), (_, t1) = run_ranks(_pending_irecv_then_collective, 2, transport)
     assert got == [0.0, 1.0, 2.0] and t0 == t1 == [2.0, 2.0]
+
+
+def _close_after_failures(rank, world_size, port, transport):
+    """Three communicators, each failed by mismatched counts (all ranks
+    raise): nobody waits for the failed async op / the failure was raised by
+    a synchronous call / the user aborted. What close() says in each case."""
+    import pycomm
+
+    out = {}
+    for case in ("unseen", "seen", "aborted"):
+        comm = pycomm.init(rank=rank, world_size=world_size,
+                           store=client_store(port, world_size),
+                           transport=transport, timeout=timedelta(seconds=COMM_TIMEOUT_S))
+        t = torch.ones(4 + rank)
+        if case == "unseen":
+            w = comm.all_reduce(t, async_op=True)
+            while not w.is_completed():  # fails on the worker; never wait()ed
+                time.sleep(0.001)
+        elif case == "seen":
+            with pytest.raises(pycomm.CommError):
+                comm.all_reduce(t)
+        else:
+            comm.abort("the user gives up")
+        try:
+            comm.close()
+            out[case] = None
+        except pycomm.CommError as e:
+            out[case] = str(e)
+        assert comm.closed
+        comm.close()  # idempotent: says it once
+    return out
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_close_reports_a_failure_nobody_saw(transport):
+    for out in spawn_ranks(_close_after_failures, 2, transport, timeout=300):
+        assert out["unseen"] is not None and "no call has raised it yet" in out["unseen"]
+        assert "count differs" in out["unseen"] or "mismatched" in out["unseen"] \
+            or "aborted" in out["unseen"], out["unseen"]
+        assert out["seen"] is None
+        assert out["aborted"] is None

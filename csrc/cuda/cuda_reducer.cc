@@ -45,6 +45,15 @@ CudaReducer::~CudaReducer() {
 }
 
 void* CudaReducer::staging(size_t bytes) {
+  // Host reads of GPU data (checked mode's fingerprints) cannot be captured
+  // into a CUDA graph: say so before touching anything.
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  PYCOMM_CUDA_CHECK(cudaStreamIsCapturing(streams_.reduction(), &st));
+  if (st != cudaStreamCaptureStatusNone) {
+    throw UsageError(
+        "checked mode reads every collective's fingerprints on the host, which CUDA graph "
+        "capture does not allow; turn checked mode off (comm.check = False) while capturing");
+  }
   if (staged_ == nullptr) staged_ = make_event();
   // The previous upload may still be reading the buffer.
   host_wait_(staged_);

@@ -218,11 +218,14 @@ void NcclComm::abort(const std::string& why) {
     abort_reason_ = why;
     aborted_ = true;  // from here on call() and the polls throw instead of using comm_
   }
-  // Not under mu_: a thread inside call() holds it, possibly blocked in NCCL
-  // (an enqueue waiting on the host for a peer's lazy connection), and
-  // ncclCommAbort is what makes that call return. ncclCommAbort stops NCCL
-  // kernels and proxy threads and frees the communicator; the streams then
-  // drain. Errors here have nowhere better to go.
+  // Under mu_, after the flag: NCCL forbids using a communicator from two
+  // threads at once, and call() / the polls use the handle under mu_. They
+  // never block inside NCCL while holding it (the communicator is
+  // nonblocking: waits are polls that take mu_ per look), so this waits at
+  // most for one NCCL call. ncclCommAbort stops NCCL kernels and proxy
+  // threads and frees the communicator; the streams then drain. Errors here
+  // have nowhere better to go.
+  std::lock_guard<std::mutex> lk(mu_);
   const ncclComm_t c = comm_.exchange(nullptr);
   if (c != nullptr) (void)ncclCommAbort(c);
 }

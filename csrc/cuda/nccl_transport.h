@@ -107,8 +107,9 @@ class NcclComm {
   // After an abort, does nothing. Idempotent.
   void destroy();
 
-  // ncclCommAbort (idempotent, any thread, never waits for mu_: a call
-  // blocked inside NCCL holds it). Pending and later calls throw.
+  // ncclCommAbort (idempotent, any thread). Marks the communicator aborted
+  // first (pending and later calls throw), then aborts under mu_, which no
+  // thread holds across a wait.
   void abort(const std::string& why);
   bool aborted() const { return aborted_.load(); }
   std::string abort_reason() const;
@@ -123,7 +124,7 @@ class NcclComm {
   int rank_, size_, device_;
   std::chrono::milliseconds timeout_;
   mutable std::mutex mu_;
-  // Atomic: abort() takes it without mu_ (see abort in nccl_transport.cc).
+  // Atomic: read by throw_if_aborted without mu_; used and replaced under it.
   std::atomic<ncclComm_t> comm_{nullptr};
   mutable std::mutex reason_mu_;  // abort_reason_
   std::atomic<bool> aborted_{false};

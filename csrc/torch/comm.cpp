@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>  // check_interrupt: signals, with the GIL
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <cstdlib>
@@ -57,7 +58,12 @@ void Work::wait() {
   }
   if (!future_->completed() && on_main_thread()) wait_interruptibly();
   future_->wait();
-  if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+  if (future_->hasError()) report(future_->exception_ptr());
+}
+
+void Work::report(std::exception_ptr e) const {
+  if (reported_) reported_->store(true);
+  std::rethrow_exception(e);
 }
 
 void Work::wait_interruptibly() {
@@ -229,6 +235,10 @@ std::unique_ptr<Executor> Executor::split(int, int, const CommOptions&) {
                              "through the store: Communicator.new_group / split)"}));
 }
 
+size_t scratch_bytes(size_t slice_bytes, int world_size) {
+  return std::max(2 * slice_bytes + 64, static_cast<size_t>(world_size) * sizeof(Fingerprint));
+}
+
 // ---------------------------------------------------------------- CpuExecutor
 
 namespace {
@@ -239,7 +249,7 @@ class CpuExecutor final : public Executor {
       : transport_(std::move(transport)),
         timeout_(options.timeout_ms),
         slice_bytes_(static_cast<size_t>(options.slice_bytes)),
-        scratch_(2 * slice_bytes_ + 64) {
+        scratch_(scratch_bytes(slice_bytes_, transport_->world_size())) {
     transport_->set_timeout(timeout_);
     if (transport_->checks_interrupts()) transport_->set_interrupt_check(&check_interrupt);
     worker_ = std::make_unique<Worker>();
@@ -483,6 +493,7 @@ void Comm::check_open(const char* op) const {
   }
   if (closed_) throw std::runtime_error(join_msg({op, ": the communicator is closed"}));
   if (exec_->aborted()) {
+    failure_reported_->store(true);
     throw CommError(join_msg({op, ": the communicator was aborted earlier (", exec_->abort_reason(),
                               "); create a new one with pycomm.init()"}));
   }
@@ -504,13 +515,23 @@ void Comm::close() {
     // the parent: joining or tearing them down here would hang or break the
     // parent's. Leak this process's copies instead.
     exec_->leak();
+    (void)exec_.release();  // its destructor would touch the parent's threads too
     return;
   }
   exec_->close();
+  // A failure nobody waited for (an async op whose Work was dropped) must
+  // not vanish: close() reports it, after releasing everything.
+  if (exec_->aborted() && !user_aborted_ && !failure_reported_->load()) {
+    throw CommError(
+        join_msg({"close: an operation failed and aborted the communicator, and "
+                  "no call has raised it yet (",
+                  exec_->abort_reason(), "); its resources are released"}));
+  }
 }
 
 void Comm::abort(const std::string& why) {
   if (forked()) return;  // the parent's transport: not ours to abort
+  if (!exec_->aborted()) user_aborted_ = true;
   exec_->abort(why);
 }
 
@@ -604,7 +625,11 @@ std::string Comm::pick(const std::string& algo, const char* op, size_t bytes, bo
   auto it = options_.auto_table.find(op);
   if (it != options_.auto_table.end()) {
     for (const auto& [max_bytes, a] : it->second) {
-      if (max_bytes < 0 || bytes <= static_cast<size_t>(max_bytes)) return pick(a, op, bytes, wire);
+      // A rule this communicator cannot run (direct without shared memory,
+      // nccl without native collectives) is skipped.
+      const bool runnable = a == "ring" || (a == "nccl" && exec_->native_collectives()) ||
+                            (a == "direct" && is_all_reduce && exec_->shared_buffers());
+      if (runnable && (max_bytes < 0 || bytes <= static_cast<size_t>(max_bytes))) return a;
     }
   }
   if (is_all_reduce && exec_->shared_buffers() && bytes <= direct_max_bytes_) return "direct";
@@ -650,8 +675,17 @@ c10::intrusive_ptr<Work> Comm::launch(const char* op, std::vector<at::Tensor> ou
                                       Wait wait, std::vector<at::Tensor> keep) {
   CallGuard guard(*this, op);
   check_open(op);
+  // The outputs too: on GPU every tensor an op touches is recorded on the
+  // communicator's streams (the allocator must not reuse its memory early).
+  keep.insert(keep.end(), outputs.begin(), outputs.end());
   auto work = exec_->new_work(op, ++seq_, std::move(outputs));
-  exec_->run(work, std::move(body), wait, kCollective, std::move(keep));
+  work->set_reported_flag(failure_reported_);
+  try {
+    exec_->run(work, std::move(body), wait, kCollective, std::move(keep));
+  } catch (const CommError&) {
+    failure_reported_->store(true);
+    throw;
+  }
   if (wait == Wait::kAsync) return work;
   return {};
 }
@@ -662,7 +696,13 @@ c10::intrusive_ptr<Work> Comm::launch_p2p(const char* op, std::vector<at::Tensor
   check_open(op);
   for (auto& o : ops) o.channel = kUser;
   auto work = exec_->new_work(op, ++seq_, tensors);
-  exec_->run_p2p(work, std::move(ops), wait, std::move(tensors));
+  work->set_reported_flag(failure_reported_);
+  try {
+    exec_->run_p2p(work, std::move(ops), wait, std::move(tensors));
+  } catch (const CommError&) {
+    failure_reported_->store(true);
+    throw;
+  }
   if (wait == Wait::kAsync) return work;
   return {};
 }

@@ -77,9 +77,14 @@ class Work : public c10::intrusive_ptr_target {
   // Called (with a reason) when wait() on the main thread is interrupted
   // by SIGINT before the op completed: the communicator aborts it.
   void set_on_interrupt(std::function<void(const std::string&)> f) { on_interrupt_ = std::move(f); }
+  // Set when wait() raises the op's error: the caller has seen a failure
+  // (Comm::close reports one nobody saw).
+  void set_reported_flag(std::shared_ptr<std::atomic<bool>> flag) { reported_ = std::move(flag); }
 
  protected:
   const std::vector<at::Tensor>& outputs() const { return outputs_; }
+  // Rethrows e after noting that the caller saw a failure.
+  [[noreturn]] void report(std::exception_ptr e) const;
 
  private:
   std::string op_;
@@ -88,6 +93,7 @@ class Work : public c10::intrusive_ptr_target {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   const Worker* worker_ = nullptr;
   std::function<void(const std::string&)> on_interrupt_;
+  std::shared_ptr<std::atomic<bool>> reported_;
   // wait() on the main thread: sleeps in short slices, checking for signals.
   void wait_interruptibly();
 };
@@ -108,6 +114,9 @@ struct CommOptions {
 
 // UsageError (ValueError) for options no communicator can run with.
 void check_options(const CommOptions& options);
+// Bytes of an executor's scratch: two ring slices (+ alignment slack), and
+// at least checked mode's table of world_size fingerprints.
+size_t scratch_bytes(size_t slice_bytes, int world_size);
 
 // One tensor-level p2p request of batch_isend_irecv.
 struct TensorP2P {
@@ -228,7 +237,10 @@ class Comm {
   // transport has no split of its own (CPU transports).
   std::unique_ptr<Comm> split(int color, int key, int64_t timeout_ms);
 
-  // Waits for queued work, then releases the transport. Idempotent.
+  // Waits for queued work, then releases the transport. Idempotent. Raises
+  // CommError (once everything is released) if a failed op aborted the
+  // communicator and no call raised that failure to the caller yet (an async
+  // op whose Work nobody waited for), so that it is never lost.
   void close();
   // Fails pending and future operations at once.
   void abort(const std::string& why);
@@ -262,6 +274,10 @@ class Comm {
   std::atomic<uint64_t> coll_seq_{0};  // collectives only (op headers, checked mode)
   long pid_;                           // creating process (fork detection)
   std::atomic<bool> closed_{false};
+  std::atomic<bool> user_aborted_{false};  // abort() called while healthy
+  // A failure has reached the caller (a raised CommError: a synchronous op,
+  // Work.wait, or a call on the aborted communicator).
+  std::shared_ptr<std::atomic<bool>> failure_reported_ = std::make_shared<std::atomic<bool>>(false);
   // Thread safety: one thread at a time issues ops (see CallGuard).
   std::atomic<std::thread::id> caller_{};
   // algo="auto" runs direct_all_reduce up to this many bytes when the

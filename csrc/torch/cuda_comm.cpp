@@ -42,9 +42,13 @@
 // peer before its first irecv: rank 1's receive from 0 queues behind its send
 // to 2, which waits for rank 2's receive from 1, queued behind its receive
 // from 0, which waits for rank 0's second send, queued behind its first); a
-// batch_isend_irecv never does (NCCL runs a group's ops together). The lanes
-// are ordered only through the caller's stream.
-// One lock serialises enqueueing on all communicators (NCCL forbids
+// batch_isend_irecv never does (NCCL runs a group's ops together). Like
+// ProcessGroupNCCL's per-peer communicators, the lanes rely on kernels of
+// different communicators running concurrently, launched in different orders
+// on different ranks, which NCCL warns can deadlock where kernels serialise
+// (CUDA_LAUNCH_BLOCKING=1, some MPS setups). The lanes are ordered only
+// through the caller's stream.
+// One lock per device serialises enqueueing on all communicators (NCCL forbids
 // concurrent calls on communicators of one device). NCCL connects a pair of
 // ranks lazily on its first transfer, and that enqueue waits on the host for
 // the peer; construction therefore connects every pair on both p2p lanes
@@ -77,6 +81,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -105,10 +111,28 @@ class CudaWork final : public Work {
   ~CudaWork() override { (void)cudaEventDestroy(done_); }
 
   // The op is enqueued: completes the CUDA-aware future with an event on
-  // `stream` (the one `done` was recorded on), like ProcessGroupNCCL.
-  void enqueued(const c10::cuda::CUDAStream& stream) {
+  // `stream` (the one `done` was recorded on), like ProcessGroupNCCL. The
+  // future records events on the devices of its value's storages; an op
+  // without outputs (barrier, an empty batch) names `anchor`'s instead, so
+  // that its future is still ordered after the op.
+  void enqueued(const c10::cuda::CUDAStream& stream, const at::Tensor& anchor) {
     c10::cuda::CUDAStreamGuard guard(stream);
-    Work::complete();
+    auto fut = future();
+    if (fut->completed()) return;  // the user set a result already
+    try {
+      if (outputs().empty()) {
+        fut->markCompleted(c10::IValue(outputs()), std::vector<c10::ivalue::Future::WeakStorage>{
+                                                       anchor.storage().getWeakStorageImpl()});
+      } else {
+        fut->markCompleted(c10::IValue(outputs()));
+      }
+    } catch (const std::exception&) {  // lost a race with the user's set_result
+    }
+  }
+  // wait() also blocks the host until the op is done (barrier, like
+  // ProcessGroupNCCL's), through `host_wait` (bounded by the timeout).
+  void set_host_wait(std::function<void(cudaEvent_t)> host_wait) {
+    host_wait_ = std::move(host_wait);
   }
 
   // The watchdog saw `done` pass / the op failed after (or while) enqueueing.
@@ -128,18 +152,23 @@ class CudaWork final : public Work {
   // current stream waits for the operation; the host does not block. Raises
   // if the operation has already failed.
   void wait() override {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (error_) std::rethrow_exception(error_);
-    }
+    rethrow_if_failed();
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(
         c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream(), done_,
         0));
+    if (host_wait_) {
+      host_wait_(done_);
+      rethrow_if_failed();
+    }
   }
   void rethrow_if_failed() const {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (error_) std::rethrow_exception(error_);
+    std::exception_ptr e;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      e = error_;
+    }
+    if (e) report(e);
   }
 
   cudaEvent_t done() const { return done_; }
@@ -151,6 +180,7 @@ class CudaWork final : public Work {
   std::atomic<State> state_{kPending};
   mutable std::mutex mu_;
   std::exception_ptr error_;
+  std::function<void(cudaEvent_t)> host_wait_;
 };
 
 // The executor's lanes: the collectives' one and two for user p2p, one per
@@ -206,7 +236,7 @@ class CudaExecutor final : public Executor {
       // user there is still pending, and our non-blocking streams would not
       // be ordered after it.
       c10::cuda::CUDAStreamGuard g(reduction_stream(kLaneCollective));
-      scratch_ = at::empty({static_cast<int64_t>(2 * slice_bytes_ + 64)},
+      scratch_ = at::empty({static_cast<int64_t>(scratch_bytes(slice_bytes_, size_))},
                            at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
     }
     record_on_streams(scratch_, *lanes_[kLaneCollective].streams);
@@ -233,7 +263,7 @@ class CudaExecutor final : public Executor {
   // ncclCommSplit of the collectives' communicator (a collective of this
   // one: every rank calls it at the same point of its op sequence).
   std::unique_ptr<Executor> split(int color, int key, const CommOptions& options) override {
-    std::lock_guard<std::mutex> lk(enqueue_mu_);
+    std::lock_guard<std::recursive_mutex> lk(enqueue_mutex());
     if (aborted()) {
       throw CommError(
           join_msg({"split: the communicator was aborted earlier (", abort_reason(), ")"}));
@@ -287,7 +317,7 @@ class CudaExecutor final : public Executor {
     }
     wd_cv_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
-    std::lock_guard<std::mutex> lk(enqueue_mu_);
+    std::lock_guard<std::recursive_mutex> lk(enqueue_mutex());
     scratch_.reset();  // after recordStream: freed once our streams pass this point
     // The split-off communicator first, on every rank in the same order (a
     // destroy may synchronise the ranks of a host). A failure (which has
@@ -357,15 +387,15 @@ class CudaExecutor final : public Executor {
   // first isend to a peer that is itself in an isend would wait for ever.
   // So every pair is connected now, on both p2p lanes, by one group per lane
   // in which each rank sends to and receives from every peer of the lane's
-  // direction (1 MiB, so the channels of large messages connect too).
+  // direction (64 KiB: NCCL connects all of a peer's p2p channels at the
+  // first transfer, whatever its size). On the lanes' own streams, so work
+  // the caller has queued does not count against the timeout.
   void connect_p2p_lanes() {
-    constexpr size_t kBytes = 1 << 20;
+    constexpr size_t kBytes = 64 << 10;
     if (size_ < 2) return;
     at::Tensor buf = at::empty({static_cast<int64_t>(kBytes * size_)},
                                at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device_));
     char* base = static_cast<char*>(buf.data_ptr());
-    const cudaStream_t user =
-        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
     for (LaneId l : {kLaneUp, kLaneDown}) {
       std::vector<P2POp> ops;
       for (int p = 0; p < size_; ++p) {
@@ -377,7 +407,7 @@ class CudaExecutor final : public Executor {
         }
       }
       Lane& lane = lanes_[l];
-      lane.streams->begin(user);
+      lane.streams->begin(lane.streams->reduction());
       lane.transport->exchange(ops.data(), ops.size());
       cudaEvent_t done = cuda::make_event();
       lane.streams->record_done(done);
@@ -399,12 +429,12 @@ class CudaExecutor final : public Executor {
     auto work = c10::static_intrusive_pointer_cast<CudaWork>(w);
     if (parts.empty()) {  // batch_isend_irecv of nothing
       work->complete();
-      work->enqueued(reduction_stream(kLaneCollective));
+      work->enqueued(reduction_stream(kLaneCollective), scratch_);
       return;
     }
     const LaneId last = parts.back().first;
     {
-      std::lock_guard<std::mutex> lk(enqueue_mu_);  // one operation enqueues at a time
+      std::lock_guard<std::recursive_mutex> lk(enqueue_mutex());  // one enqueue at a time
       if (aborted()) {
         throw CommError(join_msg(
             {work->op(), ": the communicator was aborted earlier (", abort_reason(), ")"}));
@@ -436,6 +466,10 @@ class CudaExecutor final : public Executor {
           PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(lanes_[last].streams->reduction(), ev, 0));
         }
         lanes_[last].streams->record_done(work->done());
+        for (const auto& [id, body] : parts) {
+          for (const auto& t : keep) record_on_streams(t, *lanes_[id].streams);
+        }
+        if (wait == Wait::kSync) PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(user, work->done(), 0));
       } catch (const UsageError& e) {
         destroy_events(joins);
         // Checked mode: every rank found the mismatch before any payload moved;
@@ -453,11 +487,12 @@ class CudaExecutor final : public Executor {
         throw CommError(msg);
       }
       destroy_events(joins);  // released once the waits above have passed
-      for (const auto& [id, body] : parts) {
-        for (const auto& t : keep) record_on_streams(t, *lanes_[id].streams);
+      work->enqueued(reduction_stream(last), scratch_);  // its events, on that stream
+      if (work->op() == "barrier") {
+        // A barrier's Work.wait() blocks the host too (ProcessGroupNCCL's).
+        cuda::NcclComm* nccl = lanes_[last].nccl.get();
+        work->set_host_wait([nccl](cudaEvent_t ev) { nccl->host_wait(ev, "barrier"); });
       }
-      work->enqueued(reduction_stream(last));  // records the outputs on it too
-      if (wait == Wait::kSync) PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(user, work->done(), 0));
       if (in_capture) {
         work->complete();  // no host-side tracking of captured work (see the top)
       } else {
@@ -602,7 +637,18 @@ class CudaExecutor final : public Executor {
   size_t slice_bytes_;
   Lane lanes_[kNumLanes];  // indexed by LaneId
   at::Tensor scratch_;
-  std::mutex enqueue_mu_;
+  // NCCL forbids concurrent calls on communicators of one device, and
+  // split() gives several communicators (and executors) per device: one lock
+  // per device serialises every enqueue on it. Recursive: split() holds it
+  // while the new executor splits and connects its own lanes.
+  std::recursive_mutex& enqueue_mutex() const {
+    static std::mutex guard;
+    static std::map<int, std::unique_ptr<std::recursive_mutex>> per_device;
+    std::lock_guard<std::mutex> lk(guard);
+    auto& m = per_device[device_];
+    if (!m) m = std::make_unique<std::recursive_mutex>();
+    return *m;
+  }
 
   std::mutex wd_mu_;
   std::condition_variable wd_cv_;
