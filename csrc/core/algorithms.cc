@@ -46,8 +46,6 @@ void pipeline(size_t K, bool overlap, Transport& tr, Post&& post, Finish&& finis
   }
 }
 
-size_t max_chunk(Chunks c) { return c.base + (c.rem ? 1 : 0); }
-
 }  // namespace
 
 void ring_reduce_scatter(const Context& ctx, void* data, Chunks chunks, DType dtype, ReduceOp op) {
@@ -58,8 +56,8 @@ void ring_reduce_scatter(const Context& ctx, void* data, Chunks chunks, DType dt
   char* base = static_cast<char*>(data);
   if (n > 1) {
     const int next = mod(r + 1, n), prev = mod(r - 1, n);
-    const size_t per = std::max<size_t>(1, ctx.slice_bytes / es);  // elements per slice
-    const size_t slices = std::max<size_t>(1, ceil_div(max_chunk(chunks), per));
+    const size_t per = slice_elems(ctx.slice_bytes, es);  // elements per slice
+    const size_t slices = std::max<size_t>(1, ceil_div(chunks.max_length(), per));
     const size_t K = static_cast<size_t>(n - 1) * slices;
     char* tmp[2] = {static_cast<char*>(ctx.scratch), static_cast<char*>(ctx.scratch) + per * es};
 
@@ -105,8 +103,8 @@ void ring_all_gather(const Context& ctx, void* data, Chunks chunks, size_t es) {
   if (n == 1) return;
   const int next = mod(r + 1, n), prev = mod(r - 1, n);
   char* base = static_cast<char*>(data);
-  const size_t per = std::max<size_t>(1, ctx.slice_bytes / es);
-  const size_t slices = std::max<size_t>(1, ceil_div(max_chunk(chunks), per));
+  const size_t per = slice_elems(ctx.slice_bytes, es);
+  const size_t slices = std::max<size_t>(1, ceil_div(chunks.max_length(), per));
   const size_t K = static_cast<size_t>(n - 1) * slices;
 
   // Step s forwards chunk r-s (own at s = 0, then the one received at s-1)
@@ -126,9 +124,10 @@ void ring_all_gather(const Context& ctx, void* data, Chunks chunks, size_t es) {
 }
 
 void ring_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op) {
-  const Chunks chunks = Chunks::even(count, ctx.transport.world_size());
+  const size_t es = dtype_size(dtype);
+  const Chunks chunks = Chunks::aligned(count, ctx.transport.world_size(), es);
   ring_reduce_scatter(ctx, data, chunks, dtype, op);
-  ring_all_gather(ctx, data, chunks, dtype_size(dtype));
+  ring_all_gather(ctx, data, chunks, es);
 }
 
 namespace {
@@ -164,7 +163,11 @@ void ring_all_reduce_wire(const Context& ctx, float* data, size_t count, DType w
   Reducer& red = ctx.reducer;
   const int n = tr.world_size();
   const int r = tr.rank();
-  const size_t per = std::max<size_t>(1, ctx.slice_bytes / sizeof(float));  // elements per slice
+  const size_t ws = dtype_size(wire);
+  // Elements per slice: floats in slice_bytes, cut to a multiple of the wire
+  // dtype's alignment unit (8), so the float32 slices and the wire slots
+  // (per * ws bytes each) all start 16-byte aligned.
+  const size_t per = slice_elems(ctx.slice_bytes / sizeof(float) * ws, ws);
   const WireSlots slot = wire_slots(ctx, per, wire);
   if (n == 1) {
     // Nothing to send, but the result is still the owner's value rounded to
@@ -177,9 +180,8 @@ void ring_all_reduce_wire(const Context& ctx, float* data, size_t count, DType w
     return;
   }
   const int next = mod(r + 1, n), prev = mod(r - 1, n);
-  const size_t ws = dtype_size(wire);
-  const Chunks chunks = Chunks::even(count, n);
-  const size_t slices = std::max<size_t>(1, ceil_div(max_chunk(chunks), per));
+  const Chunks chunks = Chunks::aligned(count, n, sizeof(float));
+  const size_t slices = std::max<size_t>(1, ceil_div(chunks.max_length(), per));
   const size_t K = static_cast<size_t>(n - 1) * slices;
   auto at = [&](int c, const Slice& s) { return data + chunks.offset(c) + s.begin; };
 
