@@ -511,6 +511,17 @@ def _env_number(name: str, kind: type, what: str, value: Any = None) -> Any:
         raise ValueError(f"environment variable {name}={raw!r} is not {what}") from None
 
 
+def _check_cpu_simd() -> None:
+    """PYCOMM_CPU_SIMD selects the CPU reduction kernels (csrc/core/reduce.cc):
+    unset or "auto" (AVX2/F16C where the CPU has them) or "scalar" (the
+    portable loops; results are bitwise the same). The kernels read it at their
+    first use and raise on another value; init checks it first, so that a typo
+    fails here rather than inside a collective."""
+    value = os.environ.get("PYCOMM_CPU_SIMD", "")
+    if value not in ("", "auto", "scalar"):
+        raise ValueError(f"environment variable PYCOMM_CPU_SIMD={value!r} is not 'auto' or 'scalar'")
+
+
 def _timeout_from(timeout: timedelta | float | None) -> timedelta:
     if timeout is None:
         if not os.environ.get("PYCOMM_TIMEOUT"):
@@ -852,6 +863,7 @@ def init(
     global _default
     explicit_check = check is not None
     check = _check_from(check)
+    _check_cpu_simd()
     timeout = _timeout_from(timeout)
     transport, req = _resolve_transport(transport, device)
     st, r, n, prefix = _rendezvous(rank, world_size, store, group, timeout)
