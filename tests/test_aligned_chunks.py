@@ -8,6 +8,10 @@ Chunks::aligned), and collectives of odd sizes stay exact.
   Python model tests.reference.ring_chunks (which other tests use to predict
   which rank reduces which element). So does slice_elems, the ring's slice
   length.
+* Every reduction of ring_all_reduce and ring_reduce_scatter (the real
+  algorithms.cc, one rank's side, against a recording transport and reducer)
+  has dst, a and b equal modulo 16, the CUDA kernel's condition for its
+  16-byte pack path, and stays inside the data and the scratch.
 * The same partition observed through a 3-rank ring's reduction order, in
   four float dtypes, on shm and gloo.
 * all_reduce (ring, and direct on shm), the wire-dtype all_reduce,
@@ -50,16 +54,22 @@ int main() {
 """
 
 
-@pytest.fixture(scope="module")
-def chunks_driver(tmp_path_factory) -> Path:
+def _build(tmp_path_factory, name: str, source: str, core: list[str]) -> Path:
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
-        pytest.skip("no C++ compiler to build the partition driver")
-    d = tmp_path_factory.mktemp("chunks")
-    (d / "driver.cc").write_text(_DRIVER)
-    subprocess.run([cxx, "-std=c++17", "-O1", f"-I{ROOT / 'csrc' / 'core'}", str(d / "driver.cc"),
-                    "-o", str(d / "driver")], check=True, capture_output=True, timeout=300)
-    return d / "driver"
+        pytest.skip("no C++ compiler to build the driver")
+    d = tmp_path_factory.mktemp(name)
+    (d / f"{name}.cc").write_text(source)
+    srcs = [str(d / f"{name}.cc")] + [str(ROOT / "csrc" / "core" / f) for f in core]
+    proc = subprocess.run([cxx, "-std=c++17", "-O1", f"-I{ROOT / 'csrc' / 'core'}", *srcs,
+                           "-o", str(d / name)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return d / name
+
+
+@pytest.fixture(scope="module")
+def chunks_driver(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "chunks", _DRIVER, [])
 
 
 def _partition_cases():
@@ -102,6 +112,96 @@ def test_partition_examples():
     assert ring_chunks(17, 3, 1) == [(0, 16), (16, 0), (16, 1)]
     # a count not divisible by the world size: no chunk starts mid-unit
     assert ring_chunks(1_000_003, 3, 2) == [(0, 333_336), (333_336, 333_336), (666_672, 333_331)]
+
+
+# ---------------------------------------------------------------- every reduction takes the pack path
+
+# Runs one rank's side of ring_all_reduce / ring_reduce_scatter (the real
+# csrc/core/algorithms.cc) against a transport that completes every transfer
+# at once and a reducer that only records its arguments, with the buffers the
+# bindings give it (a 64-byte aligned tensor; scratch of 2 * slice_bytes + 64
+# bytes). Prints, per "algo count n rank dtype slice_bytes" line: the number
+# of reductions, how many of them the CUDA kernel could not run on 16-byte
+# packs (dst, a and b not equal modulo 16), and how many read or received
+# outside the scratch or the data.
+_TRACE = r"""
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include "algorithms.h"
+using namespace pycomm;
+struct Span { const char* lo; const char* hi; bool has(const void* p, size_t n) const {
+  auto c = static_cast<const char*>(p); return c >= lo && c + n <= hi; } };
+struct FakeTransport : Transport {
+  int r, n; Span data, scratch; long* bad; Handle h = 0;
+  int rank() const override { return r; }
+  int world_size() const override { return n; }
+  std::string name() const override { return "fake"; }
+  Handle post(const P2POp* ops, size_t k) override {
+    for (size_t i = 0; i < k; ++i) {
+      const Span& s = ops[i].kind == P2POp::kRecv && !data.has(ops[i].buf, ops[i].bytes) ? scratch : data;
+      if (ops[i].bytes && !s.has(ops[i].buf, ops[i].bytes)) ++*bad;
+    }
+    return ++h;
+  }
+  void wait(Handle) override {}
+};
+struct Recorder : Reducer {
+  size_t es; Span data, scratch; long calls = 0, unpacked = 0, bad = 0;
+  void reduce(void* d, const void* a, const void* b, size_t c, DType, ReduceOp) override {
+    ++calls;
+    auto m = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16; };
+    if (m(d) != m(a) || m(d) != m(b)) ++unpacked;
+    if (!data.has(d, c * es) || !scratch.has(b, c * es)) ++bad;
+  }
+  void scale(void*, size_t, DType, double) override {}
+  void copy(void*, const void*, size_t) override {}
+};
+int main() {
+  char algo[16]; unsigned long count, slice; int n, r, dt;
+  while (std::scanf("%15s %lu %d %d %d %lu", algo, &count, &n, &r, &dt, &slice) == 6) {
+    const DType dtype = static_cast<DType>(dt);
+    const size_t es = dtype_size(dtype), bytes = count * es + 64, sbytes = 2 * slice + 64;
+    char* data = static_cast<char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+    char* scratch = static_cast<char*>(std::aligned_alloc(64, (sbytes + 63) / 64 * 64));
+    long bad = 0;
+    FakeTransport tr; tr.r = r; tr.n = n; tr.bad = &bad;
+    tr.data = Span{data, data + count * es}; tr.scratch = Span{scratch, scratch + sbytes};
+    Recorder red; red.es = es; red.data = tr.data; red.scratch = tr.scratch;
+    Context ctx{tr, red, scratch, sbytes, slice};
+    if (std::strcmp(algo, "allreduce") == 0) ring_all_reduce(ctx, data, count, dtype, ReduceOp::kSum);
+    else ring_reduce_scatter(ctx, data, Chunks{count / n, 0}, dtype, ReduceOp::kSum);
+    std::printf("%ld %ld %ld\n", red.calls, red.unpacked, red.bad + bad);
+    std::free(data); std::free(scratch);
+  }
+}
+"""
+_CORE = ["algorithms.cc", "reduce.cc", "types.cc", "op_header.cc"]
+# DType codes of csrc/core/types.h: float32, float64, float16, int8
+_DTYPE_CODES = (0, 1, 2, 7)
+
+
+def test_every_ring_reduction_can_take_the_pack_path(tmp_path_factory):
+    trace = _build(tmp_path_factory, "trace", _TRACE, _CORE)
+    lines = []
+    for algo in ("allreduce", "reducescatter"):
+        for code in _DTYPE_CODES:
+            for n in (2, 3, 4):
+                for per_rank in (1, 3, 7, 17, 1029):
+                    count = per_rank * n if algo == "reducescatter" else per_rank * n + n - 1
+                    for slice_bytes in (64, 100, 4096):
+                        for r in range(n):
+                            lines.append(f"{algo} {count} {n} {r} {code} {slice_bytes}")
+    out = subprocess.run([str(trace)], input="\n".join(lines) + "\n", text=True,
+                         capture_output=True, check=True, timeout=300).stdout.splitlines()
+    assert len(out) == len(lines)
+    total = 0
+    for line, row in zip(lines, out):
+        calls, unpacked, bad = (int(v) for v in row.split())
+        assert unpacked == 0 and bad == 0, (line, calls, unpacked, bad)
+        total += calls
+    assert total > 10 * len(lines)  # (a rank whose chunks are all empty reduces nothing)
 
 
 # ---------------------------------------------------------------- the partition, seen from Python

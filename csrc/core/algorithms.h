@@ -17,7 +17,9 @@ struct Context {
   Transport& transport;
   Reducer& reducer;
   // Temporary space for received slices, in the same memory as the data
-  // (host or device), 16-byte aligned. At least 2 * slice_bytes.
+  // (host or device). At least 2 * slice_bytes; with 2 * slice_bytes + 64
+  // (as the bindings allocate) ring_reduce_scatter receives every slice at
+  // its destination's address modulo 16 (see RecvSlots in algorithms.cc).
   void* scratch;
   size_t scratch_bytes;
   // Transfer granularity: chunks are cut into slices of this many bytes so
