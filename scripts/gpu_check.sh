@@ -136,7 +136,7 @@ if sys.argv[1] == "1" and not torch.cuda.is_available():
 EOF
 
 status=0
-step_failed() { echo "gpu_check: step $1 FAILED (see $OUT/$1.log)"; status=1; }
+step_failed() { echo "gpu_check: step $1 FAILED (see $OUT/${2:-$1.log})"; status=1; }
 # run STEP CMD...: the command under the step's time limit, output to OUTDIR/STEP.log.
 run() {
   local step="$1"; shift
@@ -218,14 +218,14 @@ for step in "${steps[@]}"; do
       ;;
     mode)
       check_extension || exit 1
-      probe_mode || step_failed mode-hostid
+      probe_mode || step_failed mode "mode-*.log"
       ;;
     gpu-*)
       check_extension || exit 1
       if [[ "$step" == gpu-kernels ]]; then
         mode=hostid  # one process: no GPU sharing involved
       else
-        if [[ ! -f "$OUT/gpu_test_mode.txt" ]]; then probe_mode || step_failed mode-hostid; fi
+        if [[ ! -f "$OUT/gpu_test_mode.txt" ]]; then probe_mode || step_failed mode "mode-*.log"; fi
         mode="$(cat "$OUT/gpu_test_mode.txt")"
       fi
       if [[ "$mode" == none* ]]; then
