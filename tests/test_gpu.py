@@ -141,7 +141,8 @@ def _child(fn, rank, world, port, queue, kwargs):
                               timeout=timedelta(seconds=TIMEOUT))
         comm = pycomm.init(rank=rank, world_size=world, store=store, transport="nccl",
                            device="cuda:0", timeout=kwargs.pop("comm_timeout", 120),
-                           slice_bytes=kwargs.pop("slice_bytes", None), set_default=False)
+                           slice_bytes=kwargs.pop("slice_bytes", None),
+                           check=kwargs.pop("check", False), set_default=False)
         try:
             fn(comm, store, **kwargs)
         finally:
@@ -351,6 +352,29 @@ def _p2p(comm, store):
                 t += 2
                 w = comm.isend(t, 0)
                 w.wait()
+    # isend(x, p); irecv(y, p) on both ranks of a pair, at a size NCCL cannot
+    # buffer: on one stream per rank each receive would queue behind the
+    # rank's own send, which waits for the peer's receive (a deadlock); the
+    # per-direction p2p lanes keep them apart.
+    m = 16 << 20
+    p = r ^ 1
+    if p < world:
+        out = torch.full((m,), float(r), device="cuda")
+        got = torch.empty(m, device="cuda")
+        ws = [comm.isend(out, p), comm.irecv(got, p)]
+        for w in ws:
+            w.wait()
+        assert torch.all(got == float(p)).item()
+    # Every rank to every peer at that size: one batch_isend_irecv (a group
+    # per lane), which NCCL runs whatever the order of its ops.
+    outs = {q: torch.full((m,), float(r * 10 + q), device="cuda") for q in range(world) if q != r}
+    ins = {q: torch.empty(m, device="cuda") for q in outs}
+    ops = [pycomm.P2POp("isend", outs[q], q) for q in outs]
+    ops += [pycomm.P2POp("irecv", ins[q], q) for q in ins]
+    for w in comm.batch_isend_irecv(ops):
+        w.wait()
+    for q, got in ins.items():
+        assert torch.all(got == float(q * 10 + r)).item(), q
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -406,15 +430,32 @@ def _async_and_streams(comm, store):
     world, r = comm.world_size, comm.rank
     n = 1 << 20
     expect = world * (world + 1) / 2
-    # async Work + future: the future completes with the output tensors once done
+    # async Work + future: the future is CUDA-aware (ProcessGroupNCCL's): it is
+    # completed at the enqueue, and wait()/value() order the caller's current
+    # stream after the op instead of blocking the host.
     t = torch.full((n,), float(r + 1), device="cuda")
     w = comm.all_reduce(t, async_op=True)
     fut = w.get_future()
     res = fut.wait()
     assert res[0] is t or res[0].data_ptr() == t.data_ptr()
-    assert w.is_completed() and w.is_success()
+    assert torch.all(t == expect).item()  # on the current stream, after the op
+    _wait_completed(w)  # the watchdog sees the GPU finish
+    assert w.is_success()
     w.wait()
-    assert torch.all(t == expect).item()
+
+    # then() callbacks run stream-ordered too: the callback's work (on the
+    # stream it is given) starts after the all-reduce although the host did
+    # not wait for it; a GPU sleep in front of the fill makes a race visible.
+    s0 = torch.cuda.Stream()
+    with torch.cuda.stream(s0):
+        t = torch.zeros(n, device="cuda")
+        torch.cuda._sleep(int(2e8))
+        t.fill_(float(r + 1))
+        chained = comm.all_reduce(t, async_op=True).get_future().then(
+            lambda f: f.value()[0] * 2)
+        doubled = chained.wait()
+    s0.synchronize()
+    assert torch.all(doubled == 2 * expect).item()
 
     # stream semantics: the op runs after the caller's current stream (here a
     # side stream that is busy before it writes the input) ...
@@ -447,6 +488,13 @@ def _async_and_streams(comm, store):
     comm.barrier()
 
 
+def _wait_completed(w, limit=60.0):
+    deadline = time.monotonic() + limit
+    while not w.is_completed():
+        assert time.monotonic() < deadline, "the Work never completed"
+        time.sleep(0.005)
+
+
 def test_async_work_future_and_stream_semantics():
     run_ranks(2, _async_and_streams)
 
@@ -462,14 +510,50 @@ def _argument_errors(comm, store):
         comm.all_reduce(torch.ones(4, device="cuda"), algo="bogus")
     with pytest.raises(TypeError):
         comm.all_reduce(torch.ones(4, dtype=torch.complex64, device="cuda"))
-    with pytest.raises(ValueError):
-        comm.send(torch.ones(4, device="cuda"), comm.rank)
+    # The misuses that killed both ranks with SIGSEGV before the CPU and GPU
+    # communicators became one (issue 15): checked before anything is enqueued.
+    x = torch.ones(4, device="cuda")
+    with pytest.raises(ValueError, match="is this rank"):
+        comm.send(x, comm.rank)
+    with pytest.raises(ValueError, match="out of range"):
+        comm.send(x, 7)
+    with pytest.raises(ValueError, match="out of range"):
+        comm.broadcast(x, src=9)
+    with pytest.raises(ValueError, match="world_size"):
+        comm.reduce_scatter(torch.empty(3, device="cuda"), torch.ones(4, device="cuda"))
+    with pytest.raises(ValueError, match="direct"):
+        comm.all_reduce(x, algo="direct")
+    assert not comm._impl.aborted  # usage errors leave the communicator usable
     assert comm.transport == "nccl" and comm.device == torch.device("cuda:0")
+    comm.all_reduce(x)
+    torch.cuda.synchronize()
+    assert torch.all(x == comm.world_size).item()
     comm.barrier()
 
 
 def test_argument_errors():
     run_ranks(2, _argument_errors)
+
+
+def _checked_mode(comm, store):
+    # The fingerprint exchange runs over NCCL in device memory and is read
+    # back on the host (Reducer.download); a mismatch raises ValueError on
+    # every rank before any payload moved, and the communicator stays usable.
+    assert comm._impl.check
+    n = 1000 + comm.rank  # different counts
+    with pytest.raises(ValueError, match="checked mode: ranks called mismatched collectives"):
+        comm.all_reduce(torch.ones(n, device="cuda"))
+    assert not comm._impl.aborted
+    t = torch.ones(64, device="cuda")
+    comm.all_reduce(t, algo="nccl")
+    comm.all_reduce(t, algo="ring")
+    torch.cuda.synchronize()
+    assert torch.all(t == comm.world_size ** 2).item()
+    comm.barrier()
+
+
+def test_checked_mode_on_gpu():
+    run_ranks(2, _checked_mode, check=True)
 
 
 def _timeout(comm, store, allow_close_error):
@@ -484,7 +568,8 @@ def _timeout(comm, store, allow_close_error):
     with pytest.raises(pycomm.CommError,
                        match=r"timed out after \d+ ms|did not finish within the timeout"):
         w = comm.all_reduce(t, async_op=True)
-        w.get_future().wait()
+        _wait_completed(w, limit=60.0)  # failed by the watchdog
+        w.wait()
     assert comm._impl.aborted
     with pytest.raises(pycomm.CommError):
         comm.all_reduce(t)

@@ -158,6 +158,22 @@ void ring_all_gather(const Context& ctx, void* data, Chunks chunks, size_t es) {
   pipeline(K, slices >= 2, tr, post, [](size_t) {});
 }
 
+void ring_reduce_scatter_out(const Context& ctx, const void* in, void* work, void* out, size_t m,
+                             DType dtype, ReduceOp op) {
+  const size_t es = dtype_size(dtype);
+  const int n = ctx.transport.world_size();
+  ctx.reducer.copy(work, in, n * m * es);
+  ring_reduce_scatter(ctx, work, Chunks{m, 0}, dtype, op);
+  ctx.reducer.copy(out, static_cast<const char*>(work) + ctx.transport.rank() * m * es, m * es);
+}
+
+void ring_all_gather_out(const Context& ctx, const void* in, void* out, size_t m,
+                         size_t elem_size) {
+  char* mine = static_cast<char*>(out) + ctx.transport.rank() * m * elem_size;
+  ctx.reducer.copy(mine, in, m * elem_size);
+  ring_all_gather(ctx, out, Chunks{m, 0}, elem_size);
+}
+
 void ring_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op) {
   const size_t es = dtype_size(dtype);
   const Chunks chunks = Chunks::aligned(count, ctx.transport.world_size(), es);

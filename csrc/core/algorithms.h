@@ -96,6 +96,15 @@ void ring_reduce_scatter(const Context& ctx, void* data, Chunks chunks, DType dt
 // every chunk holds its owner's.
 void ring_all_gather(const Context& ctx, void* data, Chunks chunks, size_t elem_size);
 
+// Out-of-place forms, as the user calls them. reduce_scatter: `in` holds
+// world_size * m elements; `work` (same size, may not alias `in` or `out`)
+// receives a copy that the ring reduces in place, and `out` (m elements) this
+// rank's reduced chunk. all_gather: `in` holds m elements of elem_size bytes;
+// `out` receives world_size * m, rank r's at r * m.
+void ring_reduce_scatter_out(const Context& ctx, const void* in, void* work, void* out, size_t m,
+                             DType dtype, ReduceOp op);
+void ring_all_gather_out(const Context& ctx, const void* in, void* out, size_t m, size_t elem_size);
+
 // In-place ring all-reduce = reduce-scatter then all-gather. Every rank ends
 // with bitwise-identical results (each chunk is reduced by its owner only, in
 // a fixed order, and then copied).

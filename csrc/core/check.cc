@@ -53,9 +53,18 @@ void check_fingerprints(const Context& ctx, Fingerprint mine) {
   const int r = ctx.transport.rank();
   mine.magic = Fingerprint::kMagic;
   if (n == 1) return;
+  // Gathered in the communicator's own memory (device memory on a GPU, where
+  // the transport cannot send host buffers), then read back on the host.
+  const size_t fp = sizeof(Fingerprint);
+  if (ctx.scratch_bytes < n * fp) {
+    throw UsageError("checked mode: scratch of " + std::to_string(ctx.scratch_bytes) +
+                     " bytes is too small for " + std::to_string(n) + " fingerprints");
+  }
+  char* table = static_cast<char*>(ctx.scratch);
+  ctx.reducer.upload(table + r * fp, &mine, fp);
+  ring_all_gather(ctx, table, Chunks{fp, 0}, 1);
   std::vector<Fingerprint> all(n);
-  all[r] = mine;
-  ring_all_gather(ctx, all.data(), Chunks{sizeof(Fingerprint), 0}, 1);
+  ctx.reducer.download(all.data(), table, n * fp);
   bool same = true;
   for (int i = 1; i < n; ++i) same = same && all[i] == all[0];
   if (same) return;

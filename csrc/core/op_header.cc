@@ -26,6 +26,7 @@ const char* algo_name(int32_t a) {
     case AlgoKind::kDirect: return "direct";
     case AlgoKind::kRingWireF16: return "ring, wire=float16";
     case AlgoKind::kRingWireBF16: return "ring, wire=bfloat16";
+    case AlgoKind::kNative: return "nccl";
     case AlgoKind::kNone: break;
   }
   return "-";

@@ -34,6 +34,7 @@ enum class AlgoKind : int32_t {
   kDirect = 2,
   kRingWireF16 = 3,
   kRingWireBF16 = 4,
+  kNative = 5,  // the transport's own collective (algo="nccl")
 };
 
 struct OpHeader {

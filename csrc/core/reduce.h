@@ -46,6 +46,13 @@ class Reducer {
   }
   // memcpy on the reduction stream / thread
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  // Between host memory and the memory the reducer works on (the same, on
+  // CPU): upload enqueues like copy; download returns once `host` holds the
+  // bytes, i.e. after everything enqueued before it (a GPU reducer waits for
+  // its stream, bounded by the communicator's timeout). For small host-side
+  // decisions inside an op, such as checked mode's fingerprint comparison.
+  virtual void upload(void* dst, const void* host, size_t bytes) { copy(dst, host, bytes); }
+  virtual void download(void* host, const void* src, size_t bytes) { copy(host, src, bytes); }
 
   // The wire-dtype operations of ring_all_reduce_wire (see cpu_to_wire & co.
   // for the contract). A reducer without them (the CUDA one: CudaComm rejects

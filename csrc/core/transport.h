@@ -88,6 +88,22 @@ class SharedBuffers {
   uint64_t pieces_ = 0;
 };
 
+// Optional capability of transports with collectives of their own (nccl):
+// the native baseline of algo="nccl". Each call enqueues like post() and
+// returns a Handle that the caller completes with Transport::wait (exactly
+// once). `out` may equal `in`.
+class NativeCollectives {
+ public:
+  virtual ~NativeCollectives() = default;
+  virtual Handle all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op) = 0;
+  // `in` holds world_size * recv_count elements; `out` receives this rank's.
+  virtual Handle reduce_scatter(const void* in, void* out, size_t recv_count, DType dtype,
+                                ReduceOp op) = 0;
+  // `out` receives world_size * send_count elements, rank r's at r * send_count.
+  virtual Handle all_gather(const void* in, void* out, size_t send_count, DType dtype) = 0;
+  virtual Handle broadcast(void* data, size_t bytes, int root) = 0;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -159,6 +175,7 @@ class Transport {
 
   // Optional capabilities (nullptr when the transport lacks them).
   virtual SharedBuffers* shared_buffers() { return nullptr; }
+  virtual NativeCollectives* native() { return nullptr; }
 
   // Convenience: post and wait.
   void exchange(const P2POp* ops, size_t n) { wait(post(ops, n)); }

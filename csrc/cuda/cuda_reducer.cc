@@ -1,7 +1,10 @@
 #include "cuda_reducer.h"
 
+#include <cstring>
+
 #include "check.h"
 #include "reduce_kernels.h"
+#include "streams.h"
 
 namespace pycomm {
 namespace cuda {
@@ -31,6 +34,47 @@ void CudaReducer::copy(void* dst, const void* src, size_t bytes) {
   PYCOMM_CUDA_CHECK(
       cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, streams_.reduction()));
   streams_.note_reduction();
+}
+
+CudaReducer::~CudaReducer() {
+  // Destructors never throw: a failed wait leaves the buffer to the process.
+  if (staged_ != nullptr && cudaEventSynchronize(staged_) == cudaSuccess && pinned_ != nullptr) {
+    (void)cudaFreeHost(pinned_);
+  }
+  if (staged_ != nullptr) (void)cudaEventDestroy(staged_);
+}
+
+void* CudaReducer::staging(size_t bytes) {
+  if (staged_ == nullptr) staged_ = make_event();
+  // The previous upload may still be reading the buffer.
+  host_wait_(staged_);
+  if (bytes > pinned_bytes_) {
+    if (pinned_ != nullptr) PYCOMM_CUDA_CHECK(cudaFreeHost(pinned_));
+    pinned_ = nullptr;
+    pinned_bytes_ = 0;
+    PYCOMM_CUDA_CHECK(cudaMallocHost(&pinned_, bytes));
+    pinned_bytes_ = bytes;
+  }
+  return pinned_;
+}
+
+void CudaReducer::upload(void* dst, const void* host, size_t bytes) {
+  if (bytes == 0) return;
+  void* buf = staging(bytes);
+  std::memcpy(buf, host, bytes);
+  PYCOMM_CUDA_CHECK(cudaMemcpyAsync(dst, buf, bytes, cudaMemcpyHostToDevice, streams_.reduction()));
+  PYCOMM_CUDA_CHECK(cudaEventRecord(staged_, streams_.reduction()));
+  streams_.note_reduction();
+}
+
+void CudaReducer::download(void* host, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  void* buf = staging(bytes);
+  PYCOMM_CUDA_CHECK(cudaMemcpyAsync(buf, src, bytes, cudaMemcpyDeviceToHost, streams_.reduction()));
+  PYCOMM_CUDA_CHECK(cudaEventRecord(staged_, streams_.reduction()));
+  streams_.note_reduction();
+  host_wait_(staged_);  // the transfers before it included: bounded by the timeout
+  std::memcpy(host, buf, bytes);
 }
 
 void CudaReducer::to_wire(void* dst, const float* src, size_t count, DType wire) {

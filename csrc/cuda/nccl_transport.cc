@@ -78,7 +78,10 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int d
   config.commName = "pycomm";
   try {
     std::lock_guard<std::mutex> lk(mu_);
-    PYCOMM_NCCL_CHECK(ncclCommInitRankConfig(&comm_, world_size, id, rank, &config), nullptr);
+    ncclComm_t c = nullptr;
+    const ncclResult_t r = ncclCommInitRankConfig(&c, world_size, id, rank, &config);
+    comm_.store(c);
+    PYCOMM_NCCL_CHECK(r, nullptr);
   } catch (const std::exception& e) {
     abort(e.what());
     throw;
@@ -141,7 +144,7 @@ NcclComm::NcclComm(NcclComm& parent, const char* name)
     if (!err.empty()) split_failed(err);
     backoff(spins);
   }
-  comm_ = *slot;
+  comm_.store(*slot);
   delete slot;
   // The split was an operation of the parent too: it must report ncclSuccess
   // (NCCL may have put the split's result there) before it is used again.
@@ -162,13 +165,13 @@ NcclComm::~NcclComm() {
 }
 
 std::string NcclComm::abort_reason() const {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<std::mutex> lk(reason_mu_);
   return abort_reason_;
 }
 
 void NcclComm::throw_if_aborted() const {
-  if (aborted_) throw CommError("NCCL communicator was aborted: " + abort_reason_);
-  if (destroyed_ || comm_ == nullptr) throw CommError("NCCL communicator was destroyed");
+  if (aborted_) throw CommError("NCCL communicator was aborted: " + abort_reason());
+  if (destroyed_ || comm_.load() == nullptr) throw CommError("NCCL communicator was destroyed");
 }
 
 void NcclComm::fail(const std::string& msg) {
@@ -177,16 +180,19 @@ void NcclComm::fail(const std::string& msg) {
 }
 
 void NcclComm::abort(const std::string& why) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (aborted_) return;
-  abort_reason_ = why;
-  aborted_ = true;
-  if (comm_ != nullptr && !destroyed_) {
-    // Stops NCCL kernels and proxy threads and frees the communicator; the
-    // streams then drain. Errors here have nowhere better to go.
-    (void)ncclCommAbort(comm_);
-    comm_ = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(reason_mu_);
+    if (aborted_) return;
+    abort_reason_ = why;
+    aborted_ = true;  // from here on call() and the polls throw instead of using comm_
   }
+  // Not under mu_: a thread inside call() holds it, possibly blocked in NCCL
+  // (an enqueue waiting on the host for a peer's lazy connection), and
+  // ncclCommAbort is what makes that call return. ncclCommAbort stops NCCL
+  // kernels and proxy threads and frees the communicator; the streams then
+  // drain. Errors here have nowhere better to go.
+  const ncclComm_t c = comm_.exchange(nullptr);
+  if (c != nullptr) (void)ncclCommAbort(c);
 }
 
 void NcclComm::wait_ready(const char* what) {
@@ -198,11 +204,11 @@ void NcclComm::wait_ready(const char* what) {
     {
       std::lock_guard<std::mutex> lk(mu_);
       throw_if_aborted();
-      const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+      const ncclResult_t r = ncclCommGetAsyncError(comm_.load(), &state);
       if (r != ncclSuccess) {
-        err = nccl_error_message(r, "ncclCommGetAsyncError", __FILE__, __LINE__, comm_);
+        err = nccl_error_message(r, "ncclCommGetAsyncError", __FILE__, __LINE__, comm_.load());
       } else if (state != ncclSuccess && state != ncclInProgress) {
-        err = nccl_error_message(state, what, __FILE__, __LINE__, comm_);
+        err = nccl_error_message(state, what, __FILE__, __LINE__, comm_.load());
       }
     }
     if (!err.empty()) fail(err);
@@ -222,11 +228,11 @@ void NcclComm::check_async(const char* what) {
     std::lock_guard<std::mutex> lk(mu_);
     throw_if_aborted();
     ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+    const ncclResult_t r = ncclCommGetAsyncError(comm_.load(), &state);
     if (r != ncclSuccess) {
-      err = nccl_error_message(r, "ncclCommGetAsyncError", __FILE__, __LINE__, comm_);
+      err = nccl_error_message(r, "ncclCommGetAsyncError", __FILE__, __LINE__, comm_.load());
     } else if (state != ncclSuccess && state != ncclInProgress) {
-      err = nccl_error_message(state, what, __FILE__, __LINE__, comm_);
+      err = nccl_error_message(state, what, __FILE__, __LINE__, comm_.load());
     }
   }
   if (!err.empty()) fail(err);
@@ -250,7 +256,7 @@ void NcclComm::host_wait(cudaEvent_t ev, const char* what) {
 void NcclComm::destroy() {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (aborted_ || destroyed_ || comm_ == nullptr) return;
+    if (aborted_ || destroyed_ || comm_.load() == nullptr) return;
   }
   // Finalize flushes every operation issued so far (bounded by the timeout),
   // then destroy frees the communicator.
@@ -258,8 +264,9 @@ void NcclComm::destroy() {
   wait_ready("ncclCommFinalize");
   std::lock_guard<std::mutex> lk(mu_);
   if (aborted_ || destroyed_) return;
-  const ncclResult_t r = ncclCommDestroy(comm_);
-  comm_ = nullptr;
+  const ncclComm_t c = comm_.exchange(nullptr);  // nullptr: an abort got there first
+  if (c == nullptr) return;
+  const ncclResult_t r = ncclCommDestroy(c);
   destroyed_ = true;
   if (r != ncclSuccess && r != ncclInProgress) {
     throw CommError(nccl_error_message(r, "ncclCommDestroy", __FILE__, __LINE__, nullptr));

@@ -77,7 +77,7 @@ class NcclComm {
       std::lock_guard<std::mutex> lk(mu_);
       throw_if_aborted();
       try {
-        f(comm_);
+        f(comm_.load());
         return;
       } catch (const std::exception& e) {
         err = e.what();
@@ -101,7 +101,8 @@ class NcclComm {
   // After an abort, does nothing. Idempotent.
   void destroy();
 
-  // ncclCommAbort (idempotent, any thread). Pending and later calls throw.
+  // ncclCommAbort (idempotent, any thread, never waits for mu_: a call
+  // blocked inside NCCL holds it). Pending and later calls throw.
   void abort(const std::string& why);
   bool aborted() const { return aborted_.load(); }
   std::string abort_reason() const;
@@ -113,7 +114,9 @@ class NcclComm {
   int rank_, size_, device_;
   std::chrono::milliseconds timeout_;
   mutable std::mutex mu_;
-  ncclComm_t comm_ = nullptr;
+  // Atomic: abort() takes it without mu_ (see abort in nccl_transport.cc).
+  std::atomic<ncclComm_t> comm_{nullptr};
+  mutable std::mutex reason_mu_;  // abort_reason_
   std::atomic<bool> aborted_{false};
   bool destroyed_ = false;
   std::string abort_reason_;
@@ -124,7 +127,7 @@ class NcclComm {
 // ncclGroupEnd, record an event -> Handle. wait(h) = the reduction stream
 // waits for that event. Neither blocks the host (except to let a nonblocking
 // ncclGroupEnd finish its setup). See streams.h for why this overlaps.
-class NcclTransport final : public Transport {
+class NcclTransport final : public Transport, public NativeCollectives {
  public:
   // Every op posted must be on `channel` (UsageError otherwise): the binding
   // runs each channel on its own communicator and streams.
@@ -139,12 +142,14 @@ class NcclTransport final : public Transport {
   void set_timeout(std::chrono::milliseconds timeout) override;
   void abort() override { comm_.abort("aborted through the transport"); }
 
-  // Native NCCL collectives (algo="nccl"), enqueued on the comm stream in the
-  // same order as post(); complete them with wait(). out may equal in.
-  Handle all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op);
-  Handle reduce_scatter(const void* in, void* out, size_t recv_count, DType dtype, ReduceOp op);
-  Handle all_gather(const void* in, void* out, size_t send_count, DType dtype);
-  Handle broadcast(void* data, size_t bytes, int root);
+  // Native NCCL collectives (algo="nccl", NativeCollectives), enqueued on the
+  // comm stream in the same order as post(); complete them with wait().
+  NativeCollectives* native() override { return this; }
+  Handle all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op) override;
+  Handle reduce_scatter(const void* in, void* out, size_t recv_count, DType dtype,
+                        ReduceOp op) override;
+  Handle all_gather(const void* in, void* out, size_t send_count, DType dtype) override;
+  Handle broadcast(void* data, size_t bytes, int root) override;
 
   NcclComm& comm() { return comm_; }
 

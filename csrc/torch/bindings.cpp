@@ -1,5 +1,6 @@
 // The Python module pycomm._C: a short table, GIL released around every call
-// that can block. Argument checks live in comm.cpp; algorithms in csrc/core;
+// that can block. One Comm class for CPU and GPU (comm.h: the executor
+// differs); argument checks live in comm.cpp; algorithms in csrc/core;
 // C++ exceptions become Python ones in the translator below, nowhere else.
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -18,7 +19,7 @@ void bind_backend(py::module_& m);  // the torch.distributed backend (backend.cp
 }
 #ifdef PYCOMM_WITH_CUDA
 namespace pycomm {
-void bind_cuda(py::module_& m);  // CudaComm, make_nccl_comm, ... (cuda_comm.cpp)
+void bind_cuda(py::module_& m);  // make_nccl_comm, CudaWork, the raw kernels (cuda_comm.cpp)
 }
 #endif
 using pycomm::Comm;
@@ -26,15 +27,20 @@ using pycomm::Work;
 
 namespace {
 
-std::unique_ptr<Comm> make_gloo_comm(c10::intrusive_ptr<c10d::Backend> backend, int64_t timeout_ms,
-                                     int64_t slice_bytes, bool check) {
+std::unique_ptr<Comm> make_cpu_comm(std::unique_ptr<pycomm::Transport> transport,
+                                    int64_t timeout_ms, int64_t slice_bytes, bool check) {
   pycomm::CommOptions opt;
   opt.timeout_ms = timeout_ms;
   opt.slice_bytes = slice_bytes;
-  opt.device = "cpu";
   opt.check = check;
-  return std::make_unique<Comm>(std::make_unique<pycomm::ProcessGroupTransport>(std::move(backend)),
-                                opt);
+  auto exec = pycomm::make_cpu_executor(std::move(transport), opt);
+  return std::make_unique<Comm>(std::move(exec), opt);
+}
+
+std::unique_ptr<Comm> make_gloo_comm(c10::intrusive_ptr<c10d::Backend> backend, int64_t timeout_ms,
+                                     int64_t slice_bytes, bool check) {
+  return make_cpu_comm(std::make_unique<pycomm::ProcessGroupTransport>(std::move(backend)),
+                       timeout_ms, slice_bytes, check);
 }
 
 // The shm transport: rank 0 creates the segment `name`, the others attach
@@ -42,13 +48,9 @@ std::unique_ptr<Comm> make_gloo_comm(c10::intrusive_ptr<c10d::Backend> backend, 
 // every rank has mapped it).
 std::unique_ptr<Comm> make_shm_comm(const std::string& name, int rank, int world_size, bool create,
                                     int64_t timeout_ms, int64_t slice_bytes) {
-  pycomm::CommOptions opt;
-  opt.timeout_ms = timeout_ms;
-  opt.slice_bytes = slice_bytes;
-  opt.device = "cpu";
-  return std::make_unique<Comm>(std::make_unique<pycomm::ShmTransport>(
-                                    name, rank, world_size, create, pycomm::ShmConfig::from_env()),
-                                opt);
+  return make_cpu_comm(std::make_unique<pycomm::ShmTransport>(name, rank, world_size, create,
+                                                              pycomm::ShmConfig::from_env()),
+                       timeout_ms, slice_bytes, /*check=*/false);
 }
 
 // The core CPU reduction on tensors: for tests of the shared arithmetic and

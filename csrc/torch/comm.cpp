@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <condition_variable>
+#include <deque>
 #include <cstdlib>
 #include <limits>
 #include <mutex>
@@ -36,12 +37,13 @@ void check_interrupt() {
 
 // ---------------------------------------------------------------- Work
 
-Work::Work(std::string op, uint64_t seq, std::vector<at::Tensor> outputs)
+Work::Work(std::string op, uint64_t seq, std::vector<at::Tensor> outputs,
+           std::vector<c10::Device> devices)
     : op_(std::move(op)),
       seq_(seq),
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()))) {}
+          c10::ListType::create(c10::TensorType::get()), std::move(devices))) {}
 
 void Work::wait() {
   if (worker_ && worker_->is_current() && !future_->completed()) {
@@ -127,45 +129,20 @@ std::string join_msg(std::initializer_list<std::string> parts) {
   return s;
 }
 
-bool Comm::forked() const { return static_cast<long>(::getpid()) != pid_; }
-
-void Comm::check_open(const char* op) const {
-  if (forked()) {
-    std::ostringstream msg;
-    msg << op << ": this communicator was created in process " << pid_
-        << " and cannot be used in a forked child (pid " << ::getpid()
-        << "): its threads and connections belong to the parent. Call pycomm.init() in the "
-           "child (or use the 'spawn' start method)";
-    throw std::runtime_error(msg.str());
-  }
-  if (closed_) throw std::runtime_error(join_msg({op, ": the communicator is closed"}));
-  if (aborted_) {
-    throw CommError(join_msg({op, ": the communicator was aborted earlier (", abort_reason_,
-                              "); create a new one with pycomm.init()"}));
-  }
-}
-
-void Comm::check_tensor(const at::Tensor& t, const char* arg, const char* op) const {
-  pycomm::check_tensor(t, arg, op, options_.device);
-}
-
-void check_tensor(const at::Tensor& t, const char* arg, const char* op, const std::string& device) {
+void check_tensor(const at::Tensor& t, const char* arg, const char* op, const c10::Device& device) {
   if (!t.defined()) throw UsageError(join_msg({op, ": ", arg, " is an undefined tensor"}));
   if (t.is_sparse()) throw UsageError(join_msg({op, ": ", arg, " must be a dense tensor"}));
   to_dtype(t.scalar_type(), arg);
-  const std::string dev = t.device().str();
-  if (t.device().type() != c10::Device(device).type()) {
-    throw UsageError(join_msg({op, ": ", arg, " is on ", dev,
-                               " but the communicator runs on ", device}));
+  // A CPU communicator takes any CPU tensor; a CUDA one, its own device only.
+  if (t.device().type() != device.type() ||
+      (device.has_index() && t.device().index() != device.index())) {
+    throw UsageError(join_msg({op, ": ", arg, " is on ", t.device().str(),
+                               " but the communicator runs on ", device.str()}));
   }
   if (!t.is_contiguous()) {
     throw UsageError(join_msg(
         {op, ": ", arg, " must be contiguous (pass t.contiguous() and copy the result back)"}));
   }
-}
-
-void Comm::check_peer(int peer, const char* arg, const char* op, bool allow_self) const {
-  pycomm::check_peer(peer, arg, op, rank_, size_, allow_self);
 }
 
 void check_peer(int peer, const char* arg, const char* op, int rank, int size, bool allow_self) {
@@ -184,9 +161,9 @@ void check_peer(int peer, const char* arg, const char* op, int rank, int size, b
 void check_scatter_sizes(const at::Tensor& big, const char* big_arg, const at::Tensor& small,
                          const char* small_arg, int world_size, const char* op) {
   if (big.scalar_type() != small.scalar_type()) {
-    throw UsageTypeError(join_msg({op, ": ", big_arg, " dtype ", c10::toString(big.scalar_type()),
-                                   " differs from ", small_arg, " dtype ",
-                                   c10::toString(small.scalar_type())}));
+    throw UsageTypeError(
+        join_msg({op, ": ", big_arg, " dtype ", c10::toString(big.scalar_type()), " differs from ",
+                  small_arg, " dtype ", c10::toString(small.scalar_type())}));
   }
   if (big.numel() != small.numel() * world_size) {
     std::ostringstream msg;
@@ -213,70 +190,251 @@ std::optional<DType> to_wire_dtype(int wire_dtype, DType tensor_dtype, const cha
   if (wire_dtype < 0) return std::nullopt;
   const DType w = static_cast<DType>(wire_dtype);
   if (wire_dtype >= kNumDTypes || (w != DType::kFloat16 && w != DType::kBFloat16)) {
-    throw UsageError(join_msg({opname, ": wire_dtype must be torch.float16 or torch.bfloat16, got ",
-                               wire_dtype < kNumDTypes ? dtype_name(w) : std::to_string(wire_dtype)}));
+    throw UsageError(
+        join_msg({opname, ": wire_dtype must be torch.float16 or torch.bfloat16, got ",
+                  wire_dtype < kNumDTypes ? dtype_name(w) : std::to_string(wire_dtype)}));
   }
   if (tensor_dtype != DType::kFloat32) {
-    throw UsageError(join_msg({opname, ": wire_dtype needs a float32 tensor (it is reduced in "
-                               "float32 and sent as ", dtype_name(w), "), got ",
-                               dtype_name(tensor_dtype)}));
+    throw UsageError(join_msg({opname,
+                               ": wire_dtype needs a float32 tensor (it is reduced in "
+                               "float32 and sent as ",
+                               dtype_name(w), "), got ", dtype_name(tensor_dtype)}));
   }
   return w;
 }
 
-std::string Comm::algo_for(const std::string& algo, const char* op) const {
-  if (algo == "auto" || algo == "ring") return "ring";
-  if (algo == "nccl") {
-    throw UsageError(join_msg(
-        {op, ": algo='nccl' needs a CUDA communicator (transport='nccl'); this one runs on ",
-         options_.device, " over ", transport_name_}));
-  }
-  if (algo == "direct") {
-    throw UsageError(join_msg({op, ": algo='direct' is only implemented for all_reduce"}));
-  }
-  throw UsageError(join_msg(
-      {op, ": unknown algo '", algo, "' (expected 'auto', 'ring', 'direct' or 'nccl')"}));
+std::string failure_message(const Work& work, int rank, const std::string& transport,
+                            int world_size, const std::string& device, const std::string& why) {
+  std::ostringstream msg;
+  msg << work.op() << " #" << work.seq() << " on rank " << rank << " (" << transport
+      << " transport, world_size " << world_size << ", " << device << ") failed: " << why;
+  return msg.str();
 }
 
-// all_reduce: "auto" picks by size. "direct" (over shared memory: one or two
-// synchronisations per piece instead of 2(n-1) ring steps; see
-// algorithms.h) is taken up to direct_max_bytes_ when the transport shares
-// memory.
-std::string Comm::all_reduce_algo(const std::string& algo, size_t bytes, bool wire) const {
-  if (wire) {
-    // Only the ring sends the wire dtype; auto takes it even where it would
-    // otherwise pick direct.
-    if (algo == "direct") {
-      throw UsageError("all_reduce: wire_dtype needs algo='ring' or 'auto', not 'direct' "
-                       "(direct reduces straight from shared memory: nothing is sent)");
+void check_options(const CommOptions& options) {
+  if (options.slice_bytes < 64) throw UsageError("slice_bytes must be at least 64");
+  if (options.timeout_ms <= 0) throw UsageError("timeout must be positive");
+  for (const auto& [op, rules] : options.auto_table) {
+    for (const auto& rule : rules) {
+      if (rule.second != "ring" && rule.second != "nccl" && rule.second != "direct") {
+        throw UsageError(join_msg({"auto_table: unknown algo '", rule.second, "' for ", op}));
+      }
     }
-    return algo_for(algo, "all_reduce");
   }
-  if (algo == "direct") {
-    if (!has_shared_buffers_) {
-      throw UsageError(join_msg({"all_reduce: algo='direct' needs transport='shm', this "
-                                 "communicator uses ", transport_name_}));
+}
+
+// ---------------------------------------------------------------- CpuExecutor
+
+namespace {
+
+class CpuExecutor final : public Executor {
+ public:
+  CpuExecutor(std::unique_ptr<Transport> transport, const CommOptions& options)
+      : transport_(std::move(transport)),
+        timeout_(options.timeout_ms),
+        slice_bytes_(static_cast<size_t>(options.slice_bytes)),
+        scratch_(2 * slice_bytes_ + 64) {
+    transport_->set_timeout(timeout_);
+    if (transport_->checks_interrupts()) transport_->set_interrupt_check(&check_interrupt);
+    worker_ = std::make_unique<Worker>();
+    worker_->set_idle_poll([this] { return poll_deferred(); });
+    worker_->set_idle_wait([this](int64_t ns) { return transport_->idle_wait(ns); },
+                           [this] { transport_->interrupt(); });
+  }
+
+  int rank() const override { return transport_->rank(); }
+  int world_size() const override { return transport_->world_size(); }
+  std::string transport_name() const override { return transport_->name(); }
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
+  bool shared_buffers() const override { return transport_->shared_buffers() != nullptr; }
+  bool native_collectives() const override { return transport_->native() != nullptr; }
+  bool on_own_thread() const override { return worker_ && worker_->is_current(); }
+  at::Tensor empty_like(const at::Tensor& t) override { return at::empty_like(t); }
+
+  c10::intrusive_ptr<Work> new_work(const char* op, uint64_t seq,
+                                    std::vector<at::Tensor> outputs) override {
+    auto work = c10::make_intrusive<Work>(op, seq, std::move(outputs));
+    work->set_worker(worker_.get());
+    work->set_on_interrupt([this](const std::string& why) { abort(why); });
+    return work;
+  }
+
+  void run(const c10::intrusive_ptr<Work>& work, Body body, Wait wait, Channel,
+           std::vector<at::Tensor> keep) override {
+    std::function<void()> task = [this, work, body = std::move(body), keep = std::move(keep)]() {
+      if (fail_if_aborted(work)) return;
+      try {
+        Context ctx{*transport_, reducer_, scratch_.data(), scratch_.size(), slice_bytes_};
+        body(ctx);
+        work->complete();
+      } catch (const UsageError& e) {
+        // Detected by every rank before any payload moved (checked mode):
+        // the communicator stays usable.
+        work->fail(std::make_exception_ptr(
+            UsageError(join_msg({work->op(), " #", std::to_string(work->seq()), " on rank ",
+                                 std::to_string(rank()), ": ", e.what()}))));
+      } catch (const std::exception& e) {
+        fail_op(work, e);
+      }
+    };
+    if (wait == Wait::kAsync) {
+      worker_->submit(std::move(task));  // on the worker thread: ahead of the caller's queue
+      return;
     }
-    return "direct";
+    if (worker_->is_current()) {
+      // A synchronous op from a Future callback, which runs on the worker as
+      // an op completes: run it right here, between that op and the next one
+      // (queueing it and waiting would wait for ourselves). Every rank runs it
+      // at the same point of its op sequence.
+      task();
+    } else if (!(transport_->checks_interrupts() || !on_main_thread()) ||
+               !worker_->try_run_inline(task)) {
+      // Queued behind other work, or on a transport whose waits cannot check
+      // for SIGINT (gloo): Work::wait below can.
+      worker_->submit(std::move(task));
+    }
+    work->wait();
   }
-  if (algo == "auto" && has_shared_buffers_ && bytes <= direct_max_bytes_) return "direct";
-  return algo_for(algo, "all_reduce");
+
+  // Synchronous: post and wait like run(). Asynchronous: the task only posts
+  // and the worker's idle poll (poll_deferred) completes the Work, so a
+  // pending isend never blocks a later irecv or collective.
+  void run_p2p(const c10::intrusive_ptr<Work>& work, std::vector<P2POp> ops, Wait wait,
+               std::vector<at::Tensor> keep) override {
+    if (wait != Wait::kAsync) {
+      run(
+          work, [ops](const Context& ctx) { ctx.transport.exchange(ops.data(), ops.size()); }, wait,
+          kUser, std::move(keep));
+      return;
+    }
+    std::ostringstream peers;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      peers << (i ? ", " : "")
+            << (ops[i].kind == P2POp::kSend ? "send to rank " : "recv from rank ") << ops[i].peer;
+    }
+    worker_->submit([this, work, ops, peers = peers.str(), keep = std::move(keep)] {
+      if (fail_if_aborted(work)) return;
+      try {
+        const Handle h = transport_->post(ops.data(), ops.size());
+        deferred_.push_back({work, h, std::chrono::steady_clock::now() + timeout_, peers});
+        worker_->kick();
+      } catch (const std::exception& e) {
+        fail_op(work, e);
+      }
+    });
+  }
+
+  void close() override {
+    worker_->drain();
+    worker_.reset();
+    transport_.reset();
+  }
+
+  void leak() override {
+    (void)worker_.release();
+    (void)transport_.release();
+  }
+
+  void abort(const std::string& why) override {
+    {
+      std::lock_guard<std::mutex> lk(abort_mu_);
+      if (aborted_) return;
+      abort_reason_ = why;
+      aborted_ = true;
+    }
+    if (transport_) transport_->abort_because(why);
+  }
+  bool aborted() const override { return aborted_; }
+  std::string abort_reason() const override {
+    std::lock_guard<std::mutex> lk(abort_mu_);
+    return abort_reason_;
+  }
+
+ private:
+  struct Deferred {
+    c10::intrusive_ptr<Work> work;
+    Handle handle;
+    std::chrono::steady_clock::time_point deadline;
+    std::string peers;  // "send to rank 1, recv from rank 2": for the timeout message
+  };
+
+  // On the worker: fails `work` if an earlier op aborted the communicator.
+  bool fail_if_aborted(const c10::intrusive_ptr<Work>& work) {
+    if (!aborted_) return false;
+    work->fail(std::make_exception_ptr(
+        CommError(join_msg({work->op(), " #", std::to_string(work->seq()),
+                            ": communicator aborted earlier (", abort_reason(), ")"}))));
+    return true;
+  }
+
+  void fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e) {
+    const std::string msg =
+        failure_message(*work, rank(), transport_->name(), world_size(), "cpu", e.what());
+    abort(msg);
+    work->fail(dynamic_cast<const Interrupted*>(&e) != nullptr
+                   ? std::make_exception_ptr(Interrupted(msg))
+                   : std::make_exception_ptr(CommError(msg)));
+  }
+
+  // On the executing thread; true while any deferred op is pending.
+  bool poll_deferred() {
+    for (auto it = deferred_.begin(); it != deferred_.end();) {
+      bool done = false;
+      try {
+        if (aborted_) throw CommError("communicator aborted (" + abort_reason() + ")");
+        done = transport_->test(it->handle);
+        if (!done && std::chrono::steady_clock::now() > it->deadline) {
+          std::ostringstream msg;
+          msg << "timed out after " << timeout_.count() << " ms (" << it->peers
+              << "); is the peer alive and did it post the matching operation?";
+          throw CommError(msg.str());
+        }
+      } catch (const std::exception& e) {
+        fail_op(it->work, e);
+        it = deferred_.erase(it);
+        continue;
+      }
+      if (done) {
+        it->work->complete();
+        it = deferred_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return !deferred_.empty();
+  }
+
+  std::unique_ptr<Transport> transport_;
+  std::chrono::milliseconds timeout_;
+  size_t slice_bytes_;
+  CpuReducer reducer_;
+  std::vector<char> scratch_;
+  std::deque<Deferred> deferred_;  // touched only by the executing thread
+  std::unique_ptr<Worker> worker_;
+  std::atomic<bool> aborted_{false};
+  mutable std::mutex abort_mu_;
+  std::string abort_reason_;
+};
+
+}  // namespace
+
+std::unique_ptr<Executor> make_cpu_executor(std::unique_ptr<Transport> transport,
+                                            const CommOptions& options) {
+  check_options(options);
+  return std::make_unique<CpuExecutor>(std::move(transport), options);
 }
 
 // ---------------------------------------------------------------- Comm
 
-Comm::Comm(std::unique_ptr<Transport> transport, CommOptions options)
-    : transport_(std::move(transport)),
+Comm::Comm(std::unique_ptr<Executor> executor, CommOptions options)
+    : exec_(std::move(executor)),
       options_(std::move(options)),
-      rank_(transport_->rank()),
-      size_(transport_->world_size()),
-      transport_name_(transport_->name()),
+      rank_(exec_->rank()),
+      size_(exec_->world_size()),
+      transport_name_(exec_->transport_name()),
+      device_(exec_->device()),
       pid_(static_cast<long>(::getpid())) {
-  if (options_.slice_bytes < 64) throw UsageError("slice_bytes must be at least 64");
-  if (options_.timeout_ms <= 0) throw UsageError("timeout must be positive");
-  transport_->set_timeout(std::chrono::milliseconds(options_.timeout_ms));
-  scratch_.resize(2 * static_cast<size_t>(options_.slice_bytes) + 64);
-  has_shared_buffers_ = transport_->shared_buffers() != nullptr;
+  check_options(options_);
   // Measured (benchmarks/allreduce/table_cpu_{2,3,4}ranks.txt, 2 cores):
   // direct beats the ring over shm from 1 KiB to 64 MiB, but for a tie at
   // 3 ranks and 4 MiB (1290 vs 1233 us, within noise), so auto always takes
@@ -285,63 +443,72 @@ Comm::Comm(std::unique_ptr<Transport> transport, CommOptions options)
   if (const char* v = std::getenv("PYCOMM_DIRECT_MAX_BYTES")) {
     direct_max_bytes_ = static_cast<size_t>(std::strtoull(v, nullptr, 10));
   }
-  if (transport_->checks_interrupts()) transport_->set_interrupt_check(&check_interrupt);
-  worker_ = std::make_unique<Worker>();
-  worker_->set_idle_poll([this] { return poll_deferred(); });
-  worker_->set_idle_wait([this](int64_t ns) { return transport_->idle_wait(ns); },
-                         [this] { transport_->interrupt(); });
 }
 
 Comm::~Comm() {
   try {
-    close();
+    // Python drops the last reference with the GIL held; close() joins the
+    // executor's thread, which may be waiting for the GIL (a Python Future
+    // callback), so the GIL is let go for the wait.
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      PyThreadState* state = PyEval_SaveThread();
+      try {
+        close();
+      } catch (...) {
+      }
+      PyEval_RestoreThread(state);
+    } else {
+      close();
+    }
   } catch (...) {
   }
 }
 
+bool Comm::forked() const { return static_cast<long>(::getpid()) != pid_; }
+
+void Comm::check_open(const char* op) const {
+  if (forked()) {
+    std::ostringstream msg;
+    msg << op << ": this communicator was created in process " << pid_
+        << " and cannot be used in a forked child (pid " << ::getpid()
+        << "): its threads and connections belong to the parent. Call pycomm.init() in the "
+           "child (or use the 'spawn' start method)";
+    throw std::runtime_error(msg.str());
+  }
+  if (closed_) throw std::runtime_error(join_msg({op, ": the communicator is closed"}));
+  if (exec_->aborted()) {
+    throw CommError(join_msg({op, ": the communicator was aborted earlier (", exec_->abort_reason(),
+                              "); create a new one with pycomm.init()"}));
+  }
+}
+
+void Comm::check_tensor(const at::Tensor& t, const char* arg, const char* op) const {
+  pycomm::check_tensor(t, arg, op, device_);
+}
+
 void Comm::close() {
-  if (worker_ && !forked() && worker_->is_current()) {
+  if (exec_ && !forked() && exec_->on_own_thread()) {
     throw std::runtime_error(
         "close(): called on the communicator's worker thread (inside a Future callback); "
         "it would wait for itself. Close the communicator from the caller's thread");
   }
   if (closed_.exchange(true)) return;
   if (forked()) {
-    // The worker thread and the transport's connections exist only in the
-    // parent: joining or tearing them down here would hang or break the
-    // parent's streams. Leak this process's copies instead.
-    (void)worker_.release();
-    (void)transport_.release();
+    // The executor's threads and the transport's connections exist only in
+    // the parent: joining or tearing them down here would hang or break the
+    // parent's. Leak this process's copies instead.
+    exec_->leak();
     return;
   }
-  worker_->drain();
-  worker_.reset();
-  transport_.reset();
+  exec_->close();
 }
 
 void Comm::abort(const std::string& why) {
   if (forked()) return;  // the parent's transport: not ours to abort
-  {
-    std::lock_guard<std::mutex> lk(abort_mu_);
-    if (aborted_) return;
-    abort_reason_ = why;
-    aborted_ = true;
-  }
-  if (transport_) transport_->abort_because(why);
+  exec_->abort(why);
 }
 
-void Comm::fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e) {
-  std::ostringstream msg;
-  msg << work->op() << " #" << work->seq() << " on rank " << rank_ << " (" << transport_name_
-      << " transport, world_size " << size_ << ") failed: " << e.what();
-  abort(msg.str());
-  work->fail(dynamic_cast<const Interrupted*>(&e) != nullptr
-                 ? std::make_exception_ptr(Interrupted(msg.str()))
-                 : std::make_exception_ptr(CommError(msg.str())));
-}
-
-std::function<void(const Context&)> Comm::collective(OpHeader h,
-                                                     std::function<void(const Context&)> body) {
+Body Comm::collective(OpHeader h, Body body) {
   return [this, h, check = options_.check, body = std::move(body)](const Context& ctx) mutable {
     h.seq = ++coll_seq_;  // ops run one at a time: execution order
     if (check) {
@@ -361,8 +528,8 @@ std::function<void(const Context&)> Comm::collective(OpHeader h,
 }
 
 namespace {
-OpHeader header(CollKind kind, size_t count, int32_t dtype = -1, int32_t op = -1,
-                int32_t root = -1, AlgoKind algo = AlgoKind::kRing) {
+OpHeader header(CollKind kind, size_t count, int32_t dtype = -1, int32_t op = -1, int32_t root = -1,
+                AlgoKind algo = AlgoKind::kRing) {
   OpHeader h;
   h.kind = static_cast<int32_t>(kind);
   h.count = count;
@@ -372,33 +539,70 @@ OpHeader header(CollKind kind, size_t count, int32_t dtype = -1, int32_t op = -1
   h.algo = static_cast<int32_t>(algo);
   return h;
 }
+
+AlgoKind algo_kind(const std::string& algo) {
+  if (algo == "direct") return AlgoKind::kDirect;
+  if (algo == "nccl") return AlgoKind::kNative;
+  return AlgoKind::kRing;
+}
+
+Wait wait_of(bool async_op) { return async_op ? Wait::kAsync : Wait::kSync; }
+
+// The transport's own collectives (algo="nccl"); pick() only returns "nccl"
+// when the transport has them.
+NativeCollectives& native(const Context& ctx) { return *ctx.transport.native(); }
 }  // namespace
 
-bool Comm::poll_deferred() {
-  for (auto it = deferred_.begin(); it != deferred_.end();) {
-    bool done = false;
-    try {
-      if (aborted_) throw CommError("communicator aborted (" + abort_reason_ + ")");
-      done = transport_->test(it->handle);
-      if (!done && std::chrono::steady_clock::now() > it->deadline) {
-        std::ostringstream msg;
-        msg << "timed out after " << options_.timeout_ms << " ms (" << it->peers
-            << "); is the peer alive and did it post the matching operation?";
-        throw CommError(msg.str());
-      }
-    } catch (const std::exception& e) {
-      fail_op(it->work, e);
-      it = deferred_.erase(it);
-      continue;
+// all_reduce's "auto" picks by size: "direct" over shared memory (one or two
+// synchronisations per piece instead of 2(n-1) ring steps; algorithms.h) up
+// to direct_max_bytes_; on a GPU the measured auto table decides between the
+// ring and NCCL's own collectives.
+std::string Comm::pick(const std::string& algo, const char* op, size_t bytes, bool wire) const {
+  const bool is_all_reduce = std::string(op) == "all_reduce";
+  if (algo == "nccl") {
+    if (!exec_->native_collectives()) {
+      throw UsageError(join_msg(
+          {op, ": algo='nccl' needs a CUDA communicator (transport='nccl'); this one runs on ",
+           device_.str(), " over ", transport_name_}));
     }
-    if (done) {
-      it->work->complete();
-      it = deferred_.erase(it);
-    } else {
-      ++it;
+    if (wire) {
+      throw UsageError(
+          "all_reduce: wire_dtype needs algo='ring' or 'auto', not 'nccl' "
+          "(NCCL's all-reduce sends the tensor's own dtype)");
+    }
+    return algo;
+  }
+  if (algo == "direct") {
+    if (!is_all_reduce) {
+      throw UsageError(join_msg({op, ": algo='direct' is only implemented for all_reduce"}));
+    }
+    if (wire) {
+      throw UsageError(
+          "all_reduce: wire_dtype needs algo='ring' or 'auto', not 'direct' "
+          "(direct reduces straight from shared memory: nothing is sent)");
+    }
+    if (!exec_->shared_buffers()) {
+      throw UsageError(
+          join_msg({"all_reduce: algo='direct' needs transport='shm', this "
+                    "communicator uses ",
+                    transport_name_}));
+    }
+    return algo;
+  }
+  if (algo == "ring") return algo;
+  if (algo != "auto") {
+    throw UsageError(join_msg(
+        {op, ": unknown algo '", algo, "' (expected 'auto', 'ring', 'direct' or 'nccl')"}));
+  }
+  if (wire) return "ring";  // only the ring sends a wire dtype
+  auto it = options_.auto_table.find(op);
+  if (it != options_.auto_table.end()) {
+    for (const auto& [max_bytes, a] : it->second) {
+      if (max_bytes < 0 || bytes <= static_cast<size_t>(max_bytes)) return pick(a, op, bytes, wire);
     }
   }
-  return !deferred_.empty();
+  if (is_all_reduce && exec_->shared_buffers() && bytes <= direct_max_bytes_) return "direct";
+  return exec_->native_collectives() ? "nccl" : "ring";
 }
 
 // Ops pair up across ranks by the order each rank issues them. Two threads
@@ -406,23 +610,24 @@ bool Comm::poll_deferred() {
 // rank and silently cross-match data, so a call made while another thread is
 // inside one (issuing, or waiting for a synchronous op) is rejected. Calls
 // one after the other from different threads (autograd's, say) are fine, and
-// so are ops issued by Future callbacks on the worker, which orders them.
+// so are ops issued by Future callbacks on the CPU worker, which orders them.
 class Comm::CallGuard {
  public:
   CallGuard(Comm& c, const char* op) : c_(c) {
-    if (c.worker_ && c.worker_->is_current()) return;
+    if (c.exec_->on_own_thread()) return;
     std::thread::id none;
     if (c.caller_.compare_exchange_strong(none, std::this_thread::get_id())) {
       owner_ = true;
       return;
     }
     if (none == std::this_thread::get_id()) return;  // nested (the same thread)
-    throw std::runtime_error(join_msg(
-        {op, ": another thread is inside a call on this communicator. Calls issued from "
-             "several threads at once pair up in different orders on different ranks (wrong "
-             "results), so pycomm rejects them: issue ops from one thread at a time (a lock "
-             "around each call, taken in the same order on every rank), or use one "
-             "communicator per thread"}));
+    throw std::runtime_error(
+        join_msg({op,
+                  ": another thread is inside a call on this communicator. Calls issued from "
+                  "several threads at once pair up in different orders on different ranks (wrong "
+                  "results), so pycomm rejects them: issue ops from one thread at a time (a lock "
+                  "around each call, taken in the same order on every rank), or use one "
+                  "communicator per thread"}));
   }
   ~CallGuard() {
     if (owner_) c_.caller_.store(std::thread::id());
@@ -435,91 +640,24 @@ class Comm::CallGuard {
   bool owner_ = false;
 };
 
-c10::intrusive_ptr<Work> Comm::new_work(const char* op, std::vector<at::Tensor> tensors) {
+c10::intrusive_ptr<Work> Comm::launch(const char* op, std::vector<at::Tensor> outputs, Body body,
+                                      Wait wait, std::vector<at::Tensor> keep) {
+  CallGuard guard(*this, op);
   check_open(op);
-  auto work = c10::make_intrusive<Work>(op, ++seq_, std::move(tensors));
-  work->set_worker(worker_.get());
-  work->set_on_interrupt([this](const std::string& why) { abort(why); });
-  return work;
+  auto work = exec_->new_work(op, ++seq_, std::move(outputs));
+  exec_->run(work, std::move(body), wait, kCollective, std::move(keep));
+  if (wait == Wait::kAsync) return work;
+  return {};
 }
 
-bool Comm::fail_if_aborted(const c10::intrusive_ptr<Work>& work) {
-  if (!aborted_) return false;
-  work->fail(std::make_exception_ptr(
-      CommError(join_msg({work->op(), " #", std::to_string(work->seq()),
-                          ": communicator aborted earlier (", abort_reason_, ")"}))));
-  return true;
-}
-
-c10::intrusive_ptr<Work> Comm::run_p2p(const char* op, std::vector<at::Tensor> tensors,
-                                       std::vector<P2POp> ops, bool async_op) {
+c10::intrusive_ptr<Work> Comm::launch_p2p(const char* op, std::vector<at::Tensor> tensors,
+                                          std::vector<P2POp> ops, Wait wait) {
   CallGuard guard(*this, op);
+  check_open(op);
   for (auto& o : ops) o.channel = kUser;
-  if (!async_op) {
-    return run(op, std::move(tensors),
-               [ops](const Context& ctx) { ctx.transport.exchange(ops.data(), ops.size()); },
-               false);
-  }
-  auto work = new_work(op, std::move(tensors));
-  std::ostringstream peers;
-  for (size_t i = 0; i < ops.size(); ++i) {
-    peers << (i ? ", " : "") << (ops[i].kind == P2POp::kSend ? "send to rank " : "recv from rank ")
-          << ops[i].peer;
-  }
-  worker_->submit([this, work, ops, peers = peers.str()] {
-    if (fail_if_aborted(work)) return;
-    try {
-      const Handle h = transport_->post(ops.data(), ops.size());
-      deferred_.push_back({work, h,
-                           std::chrono::steady_clock::now() +
-                               std::chrono::milliseconds(options_.timeout_ms),
-                           peers});
-      worker_->kick();
-    } catch (const std::exception& e) {
-      fail_op(work, e);
-    }
-  });
-  return work;
-}
-
-c10::intrusive_ptr<Work> Comm::run(const char* op, std::vector<at::Tensor> outputs,
-                                   std::function<void(const Context&)> body, bool async_op) {
-  CallGuard guard(*this, op);
-  auto work = new_work(op, std::move(outputs));
-  std::function<void()> task = [this, work, body = std::move(body), op]() {
-    if (fail_if_aborted(work)) return;
-    try {
-      Context ctx{*transport_, reducer_, scratch_.data(), scratch_.size(),
-                  static_cast<size_t>(options_.slice_bytes)};
-      body(ctx);
-      work->complete();
-    } catch (const UsageError& e) {
-      // Detected by every rank before any payload moved (checked mode): the
-      // communicator stays usable.
-      work->fail(std::make_exception_ptr(UsageError(
-          join_msg({op, " #", std::to_string(work->seq()), " on rank ", std::to_string(rank_), ": ",
-                    e.what()}))));
-    } catch (const std::exception& e) {
-      fail_op(work, e);
-    }
-  };
-  if (async_op) {
-    worker_->submit(std::move(task));  // on the worker thread: ahead of the caller's queue
-    return work;
-  }
-  if (worker_->is_current()) {
-    // A synchronous op from a Future callback, which runs on the worker as
-    // an op completes: run it right here, between that op and the next one
-    // (queueing it and waiting would wait for ourselves). Every rank runs it
-    // at the same point of its op sequence.
-    task();
-  } else if (!(transport_->checks_interrupts() || !on_main_thread()) ||
-             !worker_->try_run_inline(task)) {
-    // Queued behind other work, or on a transport whose waits cannot check
-    // for SIGINT (gloo): Work::wait below can.
-    worker_->submit(std::move(task));
-  }
-  work->wait();
+  auto work = exec_->new_work(op, ++seq_, tensors);
+  exec_->run_p2p(work, std::move(ops), wait, std::move(tensors));
+  if (wait == Wait::kAsync) return work;
   return {};
 }
 
@@ -531,23 +669,26 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   const DType dt = to_dtype(t.scalar_type(), "tensor");
   const ReduceOp rop = to_op(op, dt, kOp);
   const std::optional<DType> wire = to_wire_dtype(wire_dtype, dt, kOp);
-  const bool direct = all_reduce_algo(algo, t.nbytes(), wire.has_value()) == "direct";
+  const std::string a = pick(algo, kOp, t.nbytes(), wire.has_value());
+  AlgoKind kind = algo_kind(a);
+  if (wire) kind = *wire == DType::kFloat16 ? AlgoKind::kRingWireF16 : AlgoKind::kRingWireBF16;
   void* data = t.data_ptr();
   const size_t count = t.numel();
-  AlgoKind algo_kind = direct ? AlgoKind::kDirect : AlgoKind::kRing;
-  if (wire) algo_kind = *wire == DType::kFloat16 ? AlgoKind::kRingWireF16 : AlgoKind::kRingWireBF16;
-  return run(kOp, {t},
-             collective(header(CollKind::kAllReduce, count, int32_t(dt), int32_t(rop), -1, algo_kind),
-                     [=](const Context& ctx) {
-                       if (wire) {
-                         ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire, rop);
-                       } else if (direct) {
-                         direct_all_reduce(ctx, data, count, dt, rop);
-                       } else {
-                         ring_all_reduce(ctx, data, count, dt, rop);
-                       }
-                     }),
-             async_op);
+  return launch(
+      kOp, {t},
+      collective(header(CollKind::kAllReduce, count, int32_t(dt), int32_t(rop), -1, kind),
+                 [=](const Context& ctx) {
+                   if (wire) {
+                     ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire, rop);
+                   } else if (a == "direct") {
+                     direct_all_reduce(ctx, data, count, dt, rop);
+                   } else if (a == "nccl") {
+                     ctx.transport.wait(native(ctx).all_reduce(data, data, count, dt, rop));
+                   } else {
+                     ring_all_reduce(ctx, data, count, dt, rop);
+                   }
+                 }),
+      wait_of(async_op));
 }
 
 c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op,
@@ -559,21 +700,24 @@ c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::T
   check_scatter_sizes(in, "input", out, "output", size_, kOp);
   const DType dt = to_dtype(in.scalar_type(), "input");
   const ReduceOp rop = to_op(op, dt, kOp);
-  algo_for(algo, kOp);
-  // The ring reduces in place, so it works on a copy of the input.
-  at::Tensor work_buf = in.clone();
+  const std::string a = pick(algo, kOp, in.nbytes(), false);
   const size_t m = out.numel();
-  const int r = rank_;
-  return run(kOp, {out, work_buf},
-             collective(header(CollKind::kReduceScatter, size_t(in.numel()), int32_t(dt),
-                               int32_t(rop)),
-                     [=](const Context& ctx) {
-               ring_reduce_scatter(ctx, work_buf.data_ptr(), Chunks{m, 0}, dt, rop);
-               const size_t es = dtype_size(dt);
-               ctx.reducer.copy(out.data_ptr(), static_cast<char*>(work_buf.data_ptr()) + r * m * es,
-                                m * es);
-             }),
-             async_op);
+  const void* src = in.data_ptr();
+  void* dst = out.data_ptr();
+  // The ring reduces in place, so it works on a copy of the input.
+  at::Tensor buf = a == "nccl" ? at::Tensor() : exec_->empty_like(in);
+  void* work = buf.defined() ? buf.data_ptr() : nullptr;
+  return launch(kOp, {out},
+                collective(header(CollKind::kReduceScatter, size_t(in.numel()), int32_t(dt),
+                                  int32_t(rop), -1, algo_kind(a)),
+                           [=](const Context& ctx) {
+                             if (a == "nccl") {
+                               ctx.transport.wait(native(ctx).reduce_scatter(src, dst, m, dt, rop));
+                             } else {
+                               ring_reduce_scatter_out(ctx, src, work, dst, m, dt, rop);
+                             }
+                           }),
+                wait_of(async_op), {in, buf});
 }
 
 c10::intrusive_ptr<Work> Comm::all_gather(const at::Tensor& out, const at::Tensor& in,
@@ -583,19 +727,22 @@ c10::intrusive_ptr<Work> Comm::all_gather(const at::Tensor& out, const at::Tenso
   check_tensor(out, "output", kOp);
   check_tensor(in, "input", kOp);
   check_scatter_sizes(out, "output", in, "input", size_, kOp);
-  algo_for(algo, kOp);
+  const DType dt = to_dtype(in.scalar_type(), "input");
+  const std::string a = pick(algo, kOp, out.nbytes(), false);
   const size_t es = in.element_size();
   const size_t m = in.numel();
-  const int r = rank_;
-  return run(kOp, {out, in},
-             collective(header(CollKind::kAllGather, m,
-                               int32_t(to_dtype(in.scalar_type(), "input"))),
-                     [=](const Context& ctx) {
-               char* dst = static_cast<char*>(out.data_ptr()) + r * m * es;
-               ctx.reducer.copy(dst, in.data_ptr(), m * es);
-               ring_all_gather(ctx, out.data_ptr(), Chunks{m, 0}, es);
-             }),
-             async_op);
+  const void* src = in.data_ptr();
+  void* dst = out.data_ptr();
+  return launch(kOp, {out},
+                collective(header(CollKind::kAllGather, m, int32_t(dt), -1, -1, algo_kind(a)),
+                           [=](const Context& ctx) {
+                             if (a == "nccl") {
+                               ctx.transport.wait(native(ctx).all_gather(src, dst, m, dt));
+                             } else {
+                               ring_all_gather_out(ctx, src, dst, m, es);
+                             }
+                           }),
+                wait_of(async_op), {in});
 }
 
 c10::intrusive_ptr<Work> Comm::broadcast(const at::Tensor& t, int src, const std::string& algo,
@@ -603,35 +750,40 @@ c10::intrusive_ptr<Work> Comm::broadcast(const at::Tensor& t, int src, const std
   constexpr const char* kOp = "broadcast";
   check_open(kOp);
   check_tensor(t, "tensor", kOp);
-  check_peer(src, "src", kOp, /*allow_self=*/true);
-  algo_for(algo, kOp);
+  check_peer(src, "src", kOp, rank_, size_, /*allow_self=*/true);
+  const DType dt = to_dtype(t.scalar_type(), "tensor");
+  const std::string a = pick(algo, kOp, t.nbytes(), false);
   void* data = t.data_ptr();
   const size_t bytes = t.nbytes();
-  return run(kOp, {t},
-             collective(header(CollKind::kBroadcast, size_t(t.numel()),
-                               int32_t(to_dtype(t.scalar_type(), "tensor")), -1, src),
-                     [=](const Context& ctx) { chain_broadcast(ctx, data, bytes, src); }),
-             async_op);
+  return launch(kOp, {t},
+                collective(header(CollKind::kBroadcast, size_t(t.numel()), int32_t(dt), -1, src,
+                                  algo_kind(a)),
+                           [=](const Context& ctx) {
+                             if (a == "nccl") {
+                               ctx.transport.wait(native(ctx).broadcast(data, bytes, src));
+                             } else {
+                               chain_broadcast(ctx, data, bytes, src);
+                             }
+                           }),
+                wait_of(async_op));
 }
 
 c10::intrusive_ptr<Work> Comm::send(const at::Tensor& t, int dst, bool async_op) {
   constexpr const char* kOp = "send";
   check_open(kOp);
   check_tensor(t, "tensor", kOp);
-  check_peer(dst, "dst", kOp, /*allow_self=*/false);
-  void* data = t.data_ptr();
-  const size_t bytes = t.nbytes();
-  return run_p2p(kOp, {t}, {P2POp{P2POp::kSend, data, bytes, dst}}, async_op);
+  check_peer(dst, "dst", kOp, rank_, size_, /*allow_self=*/false);
+  return launch_p2p(kOp, {t}, {P2POp{P2POp::kSend, t.data_ptr(), size_t(t.nbytes()), dst}},
+                    wait_of(async_op));
 }
 
 c10::intrusive_ptr<Work> Comm::recv(const at::Tensor& t, int src, bool async_op) {
   constexpr const char* kOp = "recv";
   check_open(kOp);
   check_tensor(t, "tensor", kOp);
-  check_peer(src, "src", kOp, /*allow_self=*/false);
-  void* data = t.data_ptr();
-  const size_t bytes = t.nbytes();
-  return run_p2p(kOp, {t}, {P2POp{P2POp::kRecv, data, bytes, src}}, async_op);
+  check_peer(src, "src", kOp, rank_, size_, /*allow_self=*/false);
+  return launch_p2p(kOp, {t}, {P2POp{P2POp::kRecv, t.data_ptr(), size_t(t.nbytes()), src}},
+                    wait_of(async_op));
 }
 
 c10::intrusive_ptr<Work> Comm::batch_p2p(const std::vector<TensorP2P>& reqs) {
@@ -641,19 +793,19 @@ c10::intrusive_ptr<Work> Comm::batch_p2p(const std::vector<TensorP2P>& reqs) {
   std::vector<at::Tensor> tensors;
   for (const auto& q : reqs) {
     check_tensor(q.tensor, "tensor", kOp);
-    check_peer(q.peer, "peer", kOp, /*allow_self=*/false);
+    check_peer(q.peer, "peer", kOp, rank_, size_, /*allow_self=*/false);
     ops.push_back({q.send ? P2POp::kSend : P2POp::kRecv, q.tensor.data_ptr(),
                    static_cast<size_t>(q.tensor.nbytes()), q.peer});
     tensors.push_back(q.tensor);
   }
-  return run_p2p(kOp, tensors, ops, /*async_op=*/true);
+  return launch_p2p(kOp, tensors, ops, Wait::kAsync);
 }
 
 c10::intrusive_ptr<Work> Comm::barrier(bool async_op) {
-  return run("barrier", {},
-             collective(header(CollKind::kBarrier, 0),
-                        [](const Context& ctx) { dissemination_barrier(ctx); }),
-             async_op);
+  return launch("barrier", {},
+                collective(header(CollKind::kBarrier, 0),
+                           [](const Context& ctx) { dissemination_barrier(ctx); }),
+                async_op ? Wait::kAsync : Wait::kHost);
 }
 
 }  // namespace pycomm

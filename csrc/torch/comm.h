@@ -1,6 +1,21 @@
-// The C++ communicator behind pycomm.Communicator: validates tensors, turns a
-// call into a task over raw pointers, runs it on the worker (CPU) and hands
-// back a Work. No algorithm logic lives here (see csrc/core/algorithms.h).
+// The C++ communicator behind pycomm.Communicator, one class for CPU and GPU.
+//
+//   Comm      every op once: argument checks, the algorithm choice, the op
+//             header (op_header.h) and checked mode, and the body that calls
+//             the algorithm (csrc/core/algorithms.h) over raw pointers.
+//   Executor  where a body runs and how its completion is observed; the only
+//             part that differs between devices:
+//               CpuExecutor (comm.cpp)        a worker thread; a Work completes
+//                                             when its body has returned;
+//               CudaExecutor (cuda_comm.cpp)  the caller's thread enqueues the
+//                                             body on the communicator's CUDA
+//                                             streams; a watchdog completes
+//                                             Works as their events pass.
+//   Work      one op's handle and its torch Future (what DDP hooks return).
+//
+// No algorithm logic lives here. Errors are plain C++ exceptions (UsageError,
+// UsageTypeError, CommError, Interrupted: core/types.h), thrown with or
+// without the GIL and translated in one place (bindings.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,13 +23,14 @@
 
 #include <atomic>
 #include <chrono>
-#include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "../core/algorithms.h"
@@ -24,32 +40,46 @@
 
 namespace pycomm {
 
+class Worker;
+
 // Handle of one operation: completion, error and a torch Future of its output
-// tensors (what DDP comm hooks return).
+// tensors.
+//
+// CPU: the future completes when the op has (on the worker thread).
+// GPU (CudaWork, cuda_comm.cpp): the future is CUDA-aware, like
+// ProcessGroupNCCL's: it is completed as soon as the op is enqueued, carrying
+// events on the communicator's stream, so value(), wait() and then()
+// callbacks are ordered on the caller's current stream without blocking the
+// host. is_completed()/wait() follow the GPU work itself.
 class Work : public c10::intrusive_ptr_target {
  public:
-  Work(std::string op, uint64_t seq, std::vector<at::Tensor> outputs);
+  Work(std::string op, uint64_t seq, std::vector<at::Tensor> outputs,
+       std::vector<c10::Device> devices = {});
 
-  // Blocks until done; rethrows the operation's error (CommError, ...).
-  // CudaWork (cuda_comm.cpp) overrides it with stream semantics.
+  // CPU: blocks until done and rethrows the op's error (CommError, ...).
+  // GPU: the caller's current stream waits for the op (the host does not).
   virtual void wait();
-  bool is_completed() const { return future_->completed(); }
-  bool is_success() const { return future_->completed() && !future_->hasError(); }
+  virtual bool is_completed() const { return future_->completed(); }
+  virtual bool is_success() const { return future_->completed() && !future_->hasError(); }
   // Completed with the list of output tensors, or with the error.
   c10::intrusive_ptr<c10::ivalue::Future> future() const { return future_; }
   const std::string& op() const { return op_; }
   uint64_t seq() const { return seq_; }
 
-  // Both ignore a future the user already completed (set_result on the
-  // future of a pending op): the op's own outcome is then dropped.
-  void complete();
-  void fail(std::exception_ptr e);
+  // The op finished / failed (called by the executor). Both ignore a future
+  // the user already completed (set_result on the future of a pending op):
+  // the op's own outcome is then dropped.
+  virtual void complete();
+  virtual void fail(std::exception_ptr e);
   // The worker that runs this op: wait() on that thread before completion
   // (from a Future callback) would wait for itself, so it throws instead.
   void set_worker(const Worker* w) { worker_ = w; }
   // Called (with a reason) when wait() on the main thread is interrupted
   // by SIGINT before the op completed: the communicator aborts it.
   void set_on_interrupt(std::function<void(const std::string&)> f) { on_interrupt_ = std::move(f); }
+
+ protected:
+  const std::vector<at::Tensor>& outputs() const { return outputs_; }
 
  private:
   std::string op_;
@@ -62,14 +92,22 @@ class Work : public c10::intrusive_ptr_target {
   void wait_interruptibly();
 };
 
+// op -> [(max_bytes, algo), ...]: the first rule with bytes <= max_bytes (or
+// max_bytes < 0, no limit) is what algo="auto" runs (measured on a GPU by
+// benchmarks/gpu; pycomm/comm.py passes it to CUDA communicators).
+using AutoTable = std::map<std::string, std::vector<std::pair<int64_t, std::string>>>;
+
 struct CommOptions {
   int64_t timeout_ms = 300000;
   int64_t slice_bytes = 512 * 1024;
-  std::string device = "cpu";
   // Checked mode: compare call fingerprints across ranks before each
   // collective (csrc/core/check.h); a mismatch raises ValueError on all ranks.
   bool check = false;
+  AutoTable auto_table;
 };
+
+// UsageError (ValueError) for options no communicator can run with.
+void check_options(const CommOptions& options);
 
 // One tensor-level p2p request of batch_isend_irecv.
 struct TensorP2P {
@@ -78,26 +116,90 @@ struct TensorP2P {
   int peer;
 };
 
+using Body = std::function<void(const Context&)>;
+
+// How a call returns. kAsync: at once, with the Work. kSync: once the op is
+// complete for the caller (CPU: the host waited; GPU: the caller's current
+// stream waits, the host does not). kHost: once the op is complete, host
+// included, on every device (barrier).
+enum class Wait { kAsync, kSync, kHost };
+
+// "all_reduce #3 on rank 1 (shm transport, world_size 2, cpu) failed: why".
+std::string failure_message(const Work& work, int rank, const std::string& transport,
+                            int world_size, const std::string& device, const std::string& why);
+
+// Where ops run (see the top). Comm calls it from one thread at a time (or
+// from the executor's own thread, for ops issued by Future callbacks).
+class Executor {
+ public:
+  virtual ~Executor() = default;
+
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual std::string transport_name() const = 0;
+  virtual c10::Device device() const = 0;
+  // Capabilities of the collectives' transport: shared memory (the direct
+  // algorithms) and native collectives (algo="nccl").
+  virtual bool shared_buffers() const = 0;
+  virtual bool native_collectives() const = 0;
+
+  // A Work of this executor's kind for the op about to run.
+  virtual c10::intrusive_ptr<Work> new_work(const char* op, uint64_t seq,
+                                            std::vector<at::Tensor> outputs) = 0;
+  // Runs `body` as `work` over the transport of `channel` (kCollective, or
+  // kUser for user p2p): completes or fails `work`, returning as `wait` says;
+  // a synchronous op's error is thrown. A body's UsageError (checked mode:
+  // every rank detected it before any payload moved) fails only this op;
+  // any other error aborts the communicator. `keep` holds tensors the body
+  // reads until the op is done.
+  virtual void run(const c10::intrusive_ptr<Work>& work, Body body, Wait wait, Channel channel,
+                   std::vector<at::Tensor> keep) = 0;
+  // User p2p: posts `ops` (channel kUser) and completes `work` when they are
+  // done, without holding up later ops (a pending irecv never blocks a later
+  // collective or isend).
+  virtual void run_p2p(const c10::intrusive_ptr<Work>& work, std::vector<P2POp> ops, Wait wait,
+                       std::vector<at::Tensor> keep) = 0;
+  // Uninitialised memory like `t` that a body may use as work space.
+  virtual at::Tensor empty_like(const at::Tensor& t) = 0;
+  // True on a thread of the executor's own (the CPU worker, which runs
+  // Future callbacks): ops issued there run in order without the call guard.
+  virtual bool on_own_thread() const = 0;
+
+  // Waits for queued work (bounded by the timeout), then releases the
+  // transport; rethrows a failure met on the way. Not on the own thread.
+  virtual void close() = 0;
+  // A forked child: drop everything without touching threads or connections
+  // that belong to the parent.
+  virtual void leak() = 0;
+  // Fails pending and future ops at once (any thread, idempotent) and tells
+  // the peers `why` where the transport can.
+  virtual void abort(const std::string& why) = 0;
+  virtual bool aborted() const = 0;
+  virtual std::string abort_reason() const = 0;
+};
+
 class Comm {
  public:
-  Comm(std::unique_ptr<Transport> transport, CommOptions options);
+  Comm(std::unique_ptr<Executor> executor, CommOptions options);
+  // Closes; never joins a thread while holding the GIL (a Future callback
+  // on that thread may be waiting for it).
   ~Comm();
 
   int rank() const { return rank_; }
   int world_size() const { return size_; }
   std::string transport_name() const { return transport_name_; }
-  std::string device() const { return options_.device; }
+  std::string device() const { return device_.str(); }
   int64_t slice_bytes() const { return options_.slice_bytes; }
   uint64_t seq() const { return seq_; }
   bool closed() const { return closed_; }
-  bool aborted() const { return aborted_; }
+  bool aborted() const { return exec_ && exec_->aborted(); }
   bool check() const { return options_.check; }
   void set_check(bool on) { options_.check = on; }  // equal on all ranks, between ops
-  // True in a child forked after the communicator was created: its worker
-  // thread and connections belong to the parent, so every call raises.
+  // True in a child forked after the communicator was created: its threads
+  // and connections belong to the parent, so every call raises.
   bool forked() const;
 
-  // Each returns nullptr when async_op is false (it has waited), else a Work.
+  // Each returns nullptr when async_op is false (done, see Wait), else a Work.
   // all_reduce: wire_dtype -1, or a DType (float16 / bfloat16) in which a
   // float32 tensor travels (ring_all_reduce_wire).
   c10::intrusive_ptr<Work> all_reduce(const at::Tensor& t, int op, const std::string& algo,
@@ -111,7 +213,7 @@ class Comm {
   c10::intrusive_ptr<Work> send(const at::Tensor& t, int dst, bool async_op);
   c10::intrusive_ptr<Work> recv(const at::Tensor& t, int src, bool async_op);
   c10::intrusive_ptr<Work> batch_p2p(const std::vector<TensorP2P>& ops);
-  // Synchronous unless async_op (then a Work, like the other ops).
+  // Blocks the host until every rank has entered, unless async_op.
   c10::intrusive_ptr<Work> barrier(bool async_op = false);
 
   // Waits for queued work, then releases the transport. Idempotent.
@@ -120,62 +222,45 @@ class Comm {
   void abort(const std::string& why);
 
  private:
-  c10::intrusive_ptr<Work> run(const char* op, std::vector<at::Tensor> outputs,
-                               std::function<void(const Context&)> body, bool async_op);
-  // A Work for the next op (sequence number, worker) after check_open(op).
-  c10::intrusive_ptr<Work> new_work(const char* op, std::vector<at::Tensor> tensors);
-  // On the worker: fails `work` if an earlier op aborted the communicator.
-  bool fail_if_aborted(const c10::intrusive_ptr<Work>& work);
-  // User p2p: sync -> post and wait like run(); async -> the task only posts
-  // (channel kUser) and the worker's idle poll completes the Work, so a
-  // pending isend never blocks a later irecv or collective.
-  c10::intrusive_ptr<Work> run_p2p(const char* op, std::vector<at::Tensor> tensors,
-                                   std::vector<P2POp> ops, bool async_op);
+  class CallGuard;
+  // Checks that the communicator is usable, numbers the op and hands it to
+  // the executor.
+  c10::intrusive_ptr<Work> launch(const char* op, std::vector<at::Tensor> outputs, Body body,
+                                  Wait wait, std::vector<at::Tensor> keep = {});
+  c10::intrusive_ptr<Work> launch_p2p(const char* op, std::vector<at::Tensor> tensors,
+                                      std::vector<P2POp> ops, Wait wait);
   // Wraps a collective's body: assigns the collective sequence number when
   // the body runs (execution order, which is what pairs ops across ranks),
   // hands the op header to the transport (checked against the peers' on
-  // every transport, op_header.h), then runs the checked-mode fingerprint
-  // exchange when enabled.
-  std::function<void(const Context&)> collective(OpHeader h,
-                                                 std::function<void(const Context&)> body);
-  bool poll_deferred();  // on the executing thread; true while any is pending
-  void fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e);
+  // every transport that can, op_header.h), after checked mode's
+  // fingerprint exchange when enabled.
+  Body collective(OpHeader h, Body body);
   void check_open(const char* op) const;
   void check_tensor(const at::Tensor& t, const char* arg, const char* op) const;
-  void check_peer(int peer, const char* arg, const char* op, bool allow_self) const;
-  std::string algo_for(const std::string& algo, const char* op) const;
-  std::string all_reduce_algo(const std::string& algo, size_t bytes, bool wire) const;
+  // The algorithm `algo` resolves to for this op: "ring", "direct" or "nccl".
+  std::string pick(const std::string& algo, const char* op, size_t bytes, bool wire) const;
 
-  std::unique_ptr<Transport> transport_;
-  CpuReducer reducer_;
+  std::unique_ptr<Executor> exec_;
   CommOptions options_;
   int rank_;
   int size_;
   std::string transport_name_;
-  std::vector<char> scratch_;
+  c10::Device device_;
   std::atomic<uint64_t> seq_{0};
   std::atomic<uint64_t> coll_seq_{0};  // collectives only (op headers, checked mode)
   long pid_;                           // creating process (fork detection)
   std::atomic<bool> closed_{false};
-  std::atomic<bool> aborted_{false};
-  std::mutex abort_mu_;
-  std::string abort_reason_;
-  struct Deferred {
-    c10::intrusive_ptr<Work> work;
-    Handle handle;
-    std::chrono::steady_clock::time_point deadline;
-    std::string peers;  // "send to rank 1, recv from rank 2": for the timeout message
-  };
-  std::deque<Deferred> deferred_;  // touched only by the executing thread
-  std::unique_ptr<Worker> worker_;
   // Thread safety: one thread at a time issues ops (see CallGuard).
-  class CallGuard;
   std::atomic<std::thread::id> caller_{};
-  bool has_shared_buffers_ = false;
   // algo="auto" runs direct_all_reduce up to this many bytes when the
   // transport shares memory: no limit unless PYCOMM_DIRECT_MAX_BYTES (ctor).
   size_t direct_max_bytes_ = 0;
 };
+
+// The CPU executor: the transport's ops run on a worker thread in submission
+// order; synchronous calls run inline when nothing is queued.
+std::unique_ptr<Executor> make_cpu_executor(std::unique_ptr<Transport> transport,
+                                            const CommOptions& options);
 
 // SIGINT handling, in one place: on the Python main thread, runs pending
 // signal handlers (PyErr_CheckSignals, with the GIL) and throws Interrupted
@@ -188,11 +273,11 @@ bool on_main_thread();
 // at::ScalarType -> DType; throws UsageTypeError (-> TypeError) for the rest.
 DType to_dtype(at::ScalarType t, const char* arg);
 
-// Argument checks shared by Comm and CudaComm (cuda_comm.cpp). They throw
-// UsageError (-> ValueError) / UsageTypeError (-> TypeError): plain C++
-// exceptions, safe without the GIL, translated in bindings.cpp.
+// Argument checks. They throw UsageError (-> ValueError) / UsageTypeError
+// (-> TypeError): plain C++ exceptions, safe without the GIL, translated in
+// bindings.cpp.
 std::string join_msg(std::initializer_list<std::string> parts);
-void check_tensor(const at::Tensor& t, const char* arg, const char* op, const std::string& device);
+void check_tensor(const at::Tensor& t, const char* arg, const char* op, const c10::Device& device);
 void check_peer(int peer, const char* arg, const char* op, int rank, int size, bool allow_self);
 ReduceOp to_op(int op, DType dtype, const char* opname);
 // all_reduce's wire_dtype (-1: none): a float16/bfloat16 DType for a float32

@@ -1,7 +1,7 @@
-// The GPU communicator behind pycomm.Communicator (transport "nccl"): the same
-// Python methods and signatures as Comm (bindings.cpp), with ProcessGroupNCCL
-// stream semantics. Compiled only into the CUDAExtension (PYCOMM_WITH_CUDA);
-// in the CPU build this file is empty.
+// The GPU executor of pycomm::Comm (comm.h; transport "nccl"): the ops,
+// their checks and their bodies are Comm's, shared with the CPU; this file
+// only runs the bodies, with ProcessGroupNCCL's stream semantics. Compiled
+// only into the CUDAExtension (PYCOMM_WITH_CUDA); in the CPU build it is empty.
 //
 // Streams (see csrc/cuda/streams.h). Each operation
 //   1. records an event on the caller's current stream; the communicator's
@@ -13,28 +13,46 @@
 //      streams for the caching allocator (recordStream), so memory the caller
 //      frees is not reused before the communicator is done with it;
 //   4. sync op: the caller's current stream waits for `done` (no host block);
-//      async op: Work.wait() does that. Work.get_future() completes on the
-//      host once `done` has (a watchdog thread polls the events in order).
+//      async op: Work.wait() does that. Work.get_future() is CUDA-aware, as
+//      ProcessGroupNCCL's: it is completed right after the enqueue with an
+//      event on the reduction stream, so value(), wait() and then() callbacks
+//      are ordered on the caller's current stream and never block the host
+//      (DDP comm hooks rely on it). A watchdog thread polls the `done` events
+//      in order to complete Work.is_completed()/enforce the timeout; an op
+//      that fails after its enqueue fails its Work (wait() raises) and aborts
+//      the communicator, but its future has already been completed.
 //
 // User point-to-point (send/recv/isend/irecv/batch_isend_irecv, channel
-// kUser) runs on a lane of its own, like ProcessGroupNCCL's p2p: a second NCCL
-// communicator split from the first at construction (every rank constructs
-// its CudaComm at the same point, so the collective split is matched), with
-// its own CudaStreams (the NCCL group on its comm stream, joined into its
-// reduction stream, which carries no kernels) and NcclTransport. Steps 1-4
-// above are the same, on the lane's streams. So NCCL can never pair a user
-// send with a ring step's receive, and a pending irecv blocks neither the
-// GPU work nor the Works of later collectives. The ring algorithms' own
-// transfers (kCollective) stay on the first communicator. The two lanes are
-// ordered only through the caller's stream. One lock serialises enqueueing
-// on both communicators (NCCL forbids concurrent calls on communicators of
-// one device). As with ProcessGroupNCCL, NCCL connects a pair of ranks lazily
-// on its first transfer, which needs the peer to post its side too: until
-// then the enqueue waits on the host (bounded by the timeout).
+// kUser) runs on lanes of its own: two NCCL communicators split from the
+// first at construction (every rank constructs its communicator at the same
+// point, so the collective splits are matched), one per direction: rank r's
+// sends to higher ranks and receives from lower ones go to the "up" lane, the
+// others to the "down" lane. Each lane has its own CudaStreams (the NCCL group
+// on its comm stream, joined into its reduction stream, which carries no
+// kernels) and NcclTransport; steps 1-4 above are the same, on the lane's
+// streams. So NCCL can never pair a user send with a ring step's receive, a
+// pending irecv blocks neither the GPU work nor the Works of later
+// collectives, and isend(x, p); irecv(y, p) on both ranks completes at any
+// size: on each rank the send and the receive are on different lanes, so
+// neither waits behind the other (on one stream, each rank's receive would
+// queue behind its own send, which waits for the peer's receive). A
+// batch_isend_irecv posts one group per lane it touches; its Work completes
+// when both have. With three or more ranks, unbatched ops can still wait in
+// a cycle once messages exceed what NCCL buffers (every rank isends to every
+// peer before its first irecv: rank 1's receive from 0 queues behind its send
+// to 2, which waits for rank 2's receive from 1, queued behind its receive
+// from 0, which waits for rank 0's second send, queued behind its first); a
+// batch_isend_irecv never does (NCCL runs a group's ops together). The lanes
+// are ordered only through the caller's stream.
+// One lock serialises enqueueing on all communicators (NCCL forbids
+// concurrent calls on communicators of one device). NCCL connects a pair of
+// ranks lazily on its first transfer, and that enqueue waits on the host for
+// the peer; construction therefore connects every pair on both p2p lanes
+// with one group per lane (connect_p2p_lanes), so user p2p never waits there.
 //
 // Timeouts / dead peers. The watchdog also checks ncclCommGetAsyncError on
-// both communicators while work is pending and enforces the timeout per
-// operation; on an error or timeout it aborts both NCCL communicators
+// every communicator while work is pending and enforces the timeout per
+// operation; on an error or timeout it aborts all NCCL communicators
 // (kernels exit, streams drain) and fails every pending Work with CommError;
 // later calls raise. Works complete in order per lane.
 //
@@ -43,8 +61,8 @@
 // `done` joins them back (the fork/join pattern capture supports), NCCL
 // ncclSend/ncclRecv and collectives are capturable (NCCL >= 2.9), our kernels
 // and cudaMemcpyAsync are, and the nonblocking-NCCL polling is host-only. What
-// cannot be captured is host waiting: under capture the watchdog (timeouts,
-// get_future) is skipped and the Work completes at once, and barrier() raises.
+// cannot be captured is host waiting: under capture the watchdog (timeouts)
+// is skipped and the Work completes at once, and barrier() raises.
 // Replays are ordered only with the stream they are launched on, not with
 // eager calls on the same communicator (which share its scratch buffer).
 #ifdef PYCOMM_WITH_CUDA
@@ -59,7 +77,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
-#include <map>
 #include <sstream>
 #include <thread>
 
@@ -78,244 +95,178 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// op -> [(max_bytes, algo), ...]: the first rule with bytes <= max_bytes (or
-// max_bytes < 0, no limit) picks the algorithm of algo="auto".
-using AutoTable = std::map<std::string, std::vector<std::pair<int64_t, std::string>>>;
-
 class CudaWork final : public Work {
  public:
   CudaWork(std::string op, uint64_t seq, std::vector<at::Tensor> outputs, int device)
-      // No devices for the Future: it is completed on the host only after the
-      // GPU work has finished, so its value needs no stream synchronisation.
-      : Work(std::move(op), seq, std::move(outputs)), device_(device), done_(cuda::make_event()) {}
+      : Work(std::move(op), seq, std::move(outputs),
+             {c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))}),
+        device_(device),
+        done_(cuda::make_event()) {}
   ~CudaWork() override { (void)cudaEventDestroy(done_); }
+
+  // The op is enqueued: completes the CUDA-aware future with an event on
+  // `stream` (the one `done` was recorded on), like ProcessGroupNCCL.
+  void enqueued(const c10::cuda::CUDAStream& stream) {
+    c10::cuda::CUDAStreamGuard guard(stream);
+    Work::complete();
+  }
+
+  // The watchdog saw `done` pass / the op failed after (or while) enqueueing.
+  void complete() override { state_ = kDone; }
+  void fail(std::exception_ptr e) override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!error_) error_ = e;
+    }
+    state_ = kFailed;
+    Work::fail(std::move(e));  // only if the future was not completed yet
+  }
+  bool is_completed() const override { return state_ != kPending; }
+  bool is_success() const override { return state_ == kDone; }
 
   // Stream semantics, like ProcessGroupNCCL's WorkNCCL::wait(): the caller's
   // current stream waits for the operation; the host does not block. Raises
   // if the operation has already failed.
   void wait() override {
-    auto fut = future();
-    if (fut->completed() && fut->hasError()) std::rethrow_exception(fut->exception_ptr());
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (error_) std::rethrow_exception(error_);
+    }
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(
-        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream(), done_, 0));
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream(), done_,
+        0));
+  }
+  void rethrow_if_failed() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (error_) std::rethrow_exception(error_);
   }
 
   cudaEvent_t done() const { return done_; }
 
  private:
+  enum State { kPending, kDone, kFailed };
   int device_;
   cudaEvent_t done_;
+  std::atomic<State> state_{kPending};
+  mutable std::mutex mu_;
+  std::exception_ptr error_;
 };
 
-class CudaComm {
+// The executor's lanes: the collectives' one and two for user p2p, one per
+// direction (see the top). Each is one NCCL communicator with its streams.
+enum LaneId : int { kLaneCollective = 0, kLaneUp = 1, kLaneDown = 2, kNumLanes = 3 };
+
+// One NCCL communicator with its streams, reducer and transport.
+struct Lane {
+  std::unique_ptr<cuda::NcclComm> nccl;
+  std::unique_ptr<cuda::CudaStreams> streams;
+  std::unique_ptr<cuda::CudaReducer> reducer;
+  std::unique_ptr<cuda::NcclTransport> transport;
+
+  void open(std::unique_ptr<cuda::NcclComm> comm, int device, Channel channel) {
+    nccl = std::move(comm);
+    streams = std::make_unique<cuda::CudaStreams>(device);
+    cuda::NcclComm* c = nccl.get();
+    reducer = std::make_unique<cuda::CudaReducer>(
+        *streams, [c](cudaEvent_t ev) { c->host_wait(ev, "a host read of GPU data"); });
+    transport = std::make_unique<cuda::NcclTransport>(*nccl, *streams, channel);
+  }
+  void reset() {
+    transport.reset();
+    reducer.reset();
+    streams.reset();
+  }
+};
+
+class CudaExecutor final : public Executor {
  public:
-  CudaComm(const std::string& unique_id, int rank, int world_size, int device,
-           CommOptions options, AutoTable table)
-      : options_(std::move(options)),
-        rank_(rank),
+  CudaExecutor(const std::string& unique_id, int rank, int world_size, int device,
+               const CommOptions& options)
+      : rank_(rank),
         size_(world_size),
         device_(device),
-        table_(std::move(table)) {
-    if (options_.slice_bytes < 64) throw UsageError("slice_bytes must be at least 64");
-    if (options_.timeout_ms <= 0) throw UsageError("timeout must be positive");
-    options_.device = "cuda:" + std::to_string(device);
-    const auto timeout = std::chrono::milliseconds(options_.timeout_ms);
+        timeout_(options.timeout_ms),
+        slice_bytes_(static_cast<size_t>(options.slice_bytes)) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    nccl_ = std::make_unique<cuda::NcclComm>(unique_id, rank, world_size, device, timeout);
-    // The user p2p lane (see the top). Split now, not lazily on the first
-    // p2p: the split is collective, and this point is the same on all ranks.
-    p2p_nccl_ = std::make_unique<cuda::NcclComm>(*nccl_, "pycomm-p2p");
-    streams_ = std::make_unique<cuda::CudaStreams>(device);
-    reducer_ = std::make_unique<cuda::CudaReducer>(*streams_);
-    transport_ = std::make_unique<cuda::NcclTransport>(*nccl_, *streams_, kCollective);
-    p2p_streams_ = std::make_unique<cuda::CudaStreams>(device);
-    p2p_reducer_ = std::make_unique<cuda::CudaReducer>(*p2p_streams_);
-    p2p_transport_ = std::make_unique<cuda::NcclTransport>(*p2p_nccl_, *p2p_streams_, kUser);
+    auto nccl = std::make_unique<cuda::NcclComm>(unique_id, rank, world_size, device, timeout_);
+    // The user p2p lanes (see the top). Split now, not lazily on the first
+    // p2p: a split is collective, and this point is the same on all ranks.
+    auto up = std::make_unique<cuda::NcclComm>(*nccl, "pycomm-p2p-up");
+    auto down = std::make_unique<cuda::NcclComm>(*nccl, "pycomm-p2p-down");
+    lanes_[kLaneCollective].open(std::move(nccl), device, kCollective);
+    lanes_[kLaneUp].open(std::move(up), device, kUser);
+    lanes_[kLaneDown].open(std::move(down), device, kUser);
+    connect_p2p_lanes();
     {
       // Allocated for the reduction stream (like reduce_scatter's buffer): on
       // the caller's stream the allocator could hand out a block whose last
       // user there is still pending, and our non-blocking streams would not
       // be ordered after it.
-      c10::cuda::CUDAStreamGuard g(reduction_stream());
-      scratch_ = at::empty({2 * options_.slice_bytes + 64},
+      c10::cuda::CUDAStreamGuard g(reduction_stream(kLaneCollective));
+      scratch_ = at::empty({static_cast<int64_t>(2 * slice_bytes_ + 64)},
                            at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
     }
-    record_on_streams(scratch_, *streams_);
+    record_on_streams(scratch_, *lanes_[kLaneCollective].streams);
     watchdog_ = std::thread([this] { watchdog_loop(); });
   }
 
-  ~CudaComm() {
+  ~CudaExecutor() override {
     try {
       close();
     } catch (...) {
     }
   }
 
-  int rank() const { return rank_; }
-  int world_size() const { return size_; }
-  std::string transport_name() const { return "nccl"; }
-  std::string device() const { return options_.device; }
-  int64_t slice_bytes() const { return options_.slice_bytes; }
-  uint64_t seq() const { return seq_; }
-  bool closed() const { return closed_; }
-  bool aborted() const {
-    return (nccl_ && nccl_->aborted()) || (p2p_nccl_ && p2p_nccl_->aborted());
+  int rank() const override { return rank_; }
+  int world_size() const override { return size_; }
+  std::string transport_name() const override { return "nccl"; }
+  c10::Device device() const override {
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
+  }
+  bool shared_buffers() const override { return false; }
+  bool native_collectives() const override { return true; }
+  bool on_own_thread() const override { return false; }
+
+  at::Tensor empty_like(const at::Tensor& t) override {
+    c10::cuda::CUDAStreamGuard g(reduction_stream(kLaneCollective));
+    return at::empty_like(t);
   }
 
-  c10::intrusive_ptr<Work> all_reduce(const at::Tensor& t, int op, const std::string& algo,
-                                      bool async_op, int wire_dtype) {
-    constexpr const char* kOp = "all_reduce";
-    check_open(kOp);
-    check_cuda_tensor(t, "tensor", kOp);
-    const DType dt = to_dtype(t.scalar_type(), "tensor");
-    const ReduceOp rop = to_op(op, dt, kOp);
-    const std::optional<DType> wire = to_wire_dtype(wire_dtype, dt, kOp);
-    if (wire && algo == "nccl") {
-      throw UsageError("all_reduce: wire_dtype needs algo='ring' or 'auto', not 'nccl' "
-                       "(NCCL's all-reduce sends the tensor's own dtype)");
+  c10::intrusive_ptr<Work> new_work(const char* op, uint64_t seq,
+                                    std::vector<at::Tensor> outputs) override {
+    return c10::make_intrusive<CudaWork>(op, seq, std::move(outputs), device_);
+  }
+
+  // Collectives run on the collectives' lane, with its scratch.
+  void run(const c10::intrusive_ptr<Work>& work, Body body, Wait wait, Channel channel,
+           std::vector<at::Tensor> keep) override {
+    if (channel != kCollective) throw std::logic_error("CudaExecutor::run: user p2p is run_p2p's");
+    enqueue(work, {{kLaneCollective, std::move(body)}}, wait, keep);
+  }
+
+  // User p2p: the ops go to the lane of their direction, as one group per
+  // lane; a Work with ops in both directions completes when both groups have.
+  void run_p2p(const c10::intrusive_ptr<Work>& work, std::vector<P2POp> ops, Wait wait,
+               std::vector<at::Tensor> keep) override {
+    std::vector<P2POp> by_lane[kNumLanes];
+    for (const P2POp& op : ops) by_lane[lane_of(op)].push_back(op);
+    std::vector<std::pair<LaneId, Body>> parts;
+    for (LaneId l : {kLaneUp, kLaneDown}) {
+      if (by_lane[l].empty()) continue;
+      parts.emplace_back(l, [group = std::move(by_lane[l])](const Context& ctx) {
+        ctx.transport.exchange(group.data(), group.size());
+      });
     }
-    // A wire dtype is a ring feature: auto takes the ring for it.
-    const bool native = pick(algo, kOp, t.nbytes()) == "nccl" && !wire;
-    void* data = t.data_ptr();
-    const size_t count = t.numel();
-    return launch(kOp, {t}, {},
-                  [=](const Context& ctx, cuda::NcclTransport& tr) {
-                    if (wire) {
-                      ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire, rop);
-                    } else if (native) {
-                      tr.wait(tr.all_reduce(data, data, count, dt, rop));
-                    } else {
-                      ring_all_reduce(ctx, data, count, dt, rop);
-                    }
-                  },
-                  async_op);
-  }
-
-  c10::intrusive_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op,
-                                          const std::string& algo, bool async_op) {
-    constexpr const char* kOp = "reduce_scatter";
-    check_open(kOp);
-    check_cuda_tensor(out, "output", kOp);
-    check_cuda_tensor(in, "input", kOp);
-    check_scatter_sizes(in, "input", out, "output", size_, kOp);
-    const DType dt = to_dtype(in.scalar_type(), "input");
-    const ReduceOp rop = to_op(op, dt, kOp);
-    const bool native = pick(algo, kOp, in.nbytes()) == "nccl";
-    const size_t m = out.numel(), es = dtype_size(dt);
-    const int r = rank_;
-    if (native) {
-      return launch(kOp, {out}, {in},
-                    [=](const Context&, cuda::NcclTransport& tr) {
-                      tr.wait(tr.reduce_scatter(in.data_ptr(), out.data_ptr(), m, dt, rop));
-                    },
-                    async_op);
-    }
-    // The ring reduces in place: it works on a copy of the input, allocated
-    // for the reduction stream (where the copy is made).
-    at::Tensor buf;
-    {
-      c10::cuda::CUDAStreamGuard g(reduction_stream());
-      buf = at::empty_like(in);
-    }
-    return launch(kOp, {out}, {in, buf},
-                  [=](const Context& ctx, cuda::NcclTransport&) {
-                    ctx.reducer.copy(buf.data_ptr(), in.data_ptr(), in.nbytes());
-                    ring_reduce_scatter(ctx, buf.data_ptr(), Chunks{m, 0}, dt, rop);
-                    ctx.reducer.copy(out.data_ptr(),
-                                     static_cast<char*>(buf.data_ptr()) + r * m * es, m * es);
-                  },
-                  async_op);
-  }
-
-  c10::intrusive_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in,
-                                      const std::string& algo, bool async_op) {
-    constexpr const char* kOp = "all_gather";
-    check_open(kOp);
-    check_cuda_tensor(out, "output", kOp);
-    check_cuda_tensor(in, "input", kOp);
-    check_scatter_sizes(out, "output", in, "input", size_, kOp);
-    const DType dt = to_dtype(in.scalar_type(), "input");
-    const bool native = pick(algo, kOp, out.nbytes()) == "nccl";
-    const size_t es = in.element_size(), m = in.numel();
-    const int r = rank_;
-    return launch(kOp, {out}, {in},
-                  [=](const Context& ctx, cuda::NcclTransport& tr) {
-                    if (native) {
-                      tr.wait(tr.all_gather(in.data_ptr(), out.data_ptr(), m, dt));
-                      return;
-                    }
-                    char* dst = static_cast<char*>(out.data_ptr()) + r * m * es;
-                    ctx.reducer.copy(dst, in.data_ptr(), m * es);
-                    ring_all_gather(ctx, out.data_ptr(), Chunks{m, 0}, es);
-                  },
-                  async_op);
-  }
-
-  c10::intrusive_ptr<Work> broadcast(const at::Tensor& t, int src, const std::string& algo,
-                                     bool async_op) {
-    constexpr const char* kOp = "broadcast";
-    check_open(kOp);
-    check_cuda_tensor(t, "tensor", kOp);
-    check_peer(src, "src", kOp, rank_, size_, /*allow_self=*/true);
-    const bool native = pick(algo, kOp, t.nbytes()) == "nccl";
-    void* data = t.data_ptr();
-    const size_t bytes = t.nbytes();
-    return launch(kOp, {t}, {},
-                  [=](const Context& ctx, cuda::NcclTransport& tr) {
-                    if (native) {
-                      tr.wait(tr.broadcast(data, bytes, src));
-                    } else {
-                      chain_broadcast(ctx, data, bytes, src);
-                    }
-                  },
-                  async_op);
-  }
-
-  c10::intrusive_ptr<Work> send(const at::Tensor& t, int dst, bool async_op) {
-    return p2p("send", P2POp::kSend, t, dst, "dst", async_op);
-  }
-  c10::intrusive_ptr<Work> recv(const at::Tensor& t, int src, bool async_op) {
-    return p2p("recv", P2POp::kRecv, t, src, "src", async_op);
-  }
-
-  c10::intrusive_ptr<Work> batch_p2p(const std::vector<TensorP2P>& reqs) {
-    constexpr const char* kOp = "batch_isend_irecv";
-    check_open(kOp);
-    std::vector<P2POp> ops;
-    std::vector<at::Tensor> tensors;
-    for (const auto& q : reqs) {
-      check_cuda_tensor(q.tensor, "tensor", kOp);
-      check_peer(q.peer, "peer", kOp, rank_, size_, /*allow_self=*/false);
-      ops.push_back({q.send ? P2POp::kSend : P2POp::kRecv, q.tensor.data_ptr(),
-                     static_cast<size_t>(q.tensor.nbytes()), q.peer, kUser});
-      tensors.push_back(q.tensor);
-    }
-    return launch(kOp, tensors, {},
-                  [ops](const Context&, cuda::NcclTransport& tr) {
-                    tr.exchange(ops.data(), ops.size());
-                  },
-                  /*async_op=*/true, kUser);
-  }
-
-  // Blocks the host until every rank has entered (like ProcessGroupNCCL).
-  void barrier() {
-    if (capturing()) throw UsageError("barrier: not allowed during CUDA graph capture");
-    auto w = launch("barrier", {}, {},
-                    [](const Context& ctx, cuda::NcclTransport&) { dissemination_barrier(ctx); },
-                    /*async_op=*/true);
-    auto* cw = static_cast<CudaWork*>(w.get());
-    nccl_->host_wait(cw->done(), "barrier");  // aborts + throws on error / timeout
-    w->future()->wait();
-    if (w->future()->hasError()) std::rethrow_exception(w->future()->exception_ptr());
+    enqueue(work, std::move(parts), wait, keep);
   }
 
   // Waits for pending work (bounded by the timeout: the watchdog aborts),
-  // then flushes and destroys both NCCL communicators. Idempotent.
-  void close() {
-    if (closed_.exchange(true)) return;
+  // then flushes and destroys both NCCL communicators.
+  void close() override {
     {
       std::lock_guard<std::mutex> lk(wd_mu_);
+      if (wd_stop_) return;
       wd_stop_ = true;
     }
     wd_cv_.notify_all();
@@ -326,48 +277,197 @@ class CudaComm {
     // destroy may synchronise the ranks of a host). A failure (which has
     // aborted that communicator) does not keep the other from closing.
     std::exception_ptr err;
-    for (cuda::NcclComm* c : {p2p_nccl_.get(), nccl_.get()}) {
+    for (LaneId l : {kLaneDown, kLaneUp, kLaneCollective}) {
       try {
-        if (c) c->destroy();
+        if (lanes_[l].nccl) lanes_[l].nccl->destroy();
       } catch (...) {
         if (!err) err = std::current_exception();
       }
     }
-    transport_.reset();
-    p2p_transport_.reset();
-    reducer_.reset();
-    p2p_reducer_.reset();
-    streams_.reset();
-    p2p_streams_.reset();
+    for (Lane& l : lanes_) l.reset();
     if (err) std::rethrow_exception(err);
   }
 
+  // CUDA does not survive fork(): nothing of the parent's is touched.
+  void leak() override {
+    (void)new std::thread(std::move(watchdog_));  // never joined nor destroyed
+    for (Lane& l : lanes_) {
+      (void)l.nccl.release();
+      (void)l.streams.release();
+      (void)l.reducer.release();
+      (void)l.transport.release();
+    }
+    (void)new at::Tensor(std::move(scratch_));
+  }
+
   // Aborts both communicators (idempotent, any thread).
-  void abort(const std::string& why) {
-    if (nccl_) nccl_->abort(why);
-    if (p2p_nccl_) p2p_nccl_->abort(why);
+  void abort(const std::string& why) override {
+    for (Lane& l : lanes_) {
+      if (l.nccl) l.nccl->abort(why);
+    }
     wd_cv_.notify_all();
   }
 
- private:
-  using Body = std::function<void(const Context&, cuda::NcclTransport&)>;
+  bool aborted() const override {
+    for (const Lane& l : lanes_) {
+      if (l.nccl && l.nccl->aborted()) return true;
+    }
+    return false;
+  }
 
+  // Why the communicator was aborted (the first of the two to be aborted).
+  std::string abort_reason() const override {
+    for (const Lane& l : lanes_) {
+      if (l.nccl && l.nccl->aborted()) return l.nccl->abort_reason();
+    }
+    return "";
+  }
+
+ private:
   struct Pending {
     c10::intrusive_ptr<CudaWork> work;
     Clock::time_point start;
   };
-  static constexpr int kNumLanes = 2;  // indexed by Channel: kCollective, kUser
+  // Rank r's sends to higher ranks and receives from lower ones travel on the
+  // up lane, the rest on the down lane: each pair of ranks then uses one lane
+  // per direction, so isend(x, p); irecv(y, p) on both ranks never queues a
+  // receive behind a send that waits for the peer's receive.
+  LaneId lane_of(const P2POp& op) const {
+    return (op.kind == P2POp::kSend) == (op.peer > rank_) ? kLaneUp : kLaneDown;
+  }
+
+  // NCCL connects a pair of ranks lazily, on the first transfer between them,
+  // and the enqueue waits on the host until the peer posts its side: a user's
+  // first isend to a peer that is itself in an isend would wait for ever.
+  // So every pair is connected now, on both p2p lanes, by one group per lane
+  // in which each rank sends to and receives from every peer of the lane's
+  // direction (1 MiB, so the channels of large messages connect too).
+  void connect_p2p_lanes() {
+    constexpr size_t kBytes = 1 << 20;
+    if (size_ < 2) return;
+    at::Tensor buf = at::empty({static_cast<int64_t>(kBytes * size_)},
+                               at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device_));
+    char* base = static_cast<char*>(buf.data_ptr());
+    const cudaStream_t user =
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
+    for (LaneId l : {kLaneUp, kLaneDown}) {
+      std::vector<P2POp> ops;
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        for (P2POp::Kind kind : {P2POp::kSend, P2POp::kRecv}) {
+          P2POp op{kind, base + p * kBytes, kBytes, p, kUser};
+          if (kind == P2POp::kSend) op.buf = base + rank_ * kBytes;
+          if (lane_of(op) == l) ops.push_back(op);
+        }
+      }
+      Lane& lane = lanes_[l];
+      lane.streams->begin(user);
+      lane.transport->exchange(ops.data(), ops.size());
+      cudaEvent_t done = cuda::make_event();
+      lane.streams->record_done(done);
+      try {
+        lane.nccl->host_wait(done, "connecting the p2p lanes");
+      } catch (...) {
+        (void)cudaEventDestroy(done);
+        throw;
+      }
+      (void)cudaEventDestroy(done);
+    }
+  }
+
+  // Enqueues the parts (a body per lane) as one op: each on its lane's
+  // streams, after the caller's current stream; the Work's `done` event is
+  // recorded on the last part's reduction stream once every part has passed.
+  void enqueue(const c10::intrusive_ptr<Work>& w, std::vector<std::pair<LaneId, Body>> parts,
+               Wait wait, const std::vector<at::Tensor>& keep) {
+    auto work = c10::static_intrusive_pointer_cast<CudaWork>(w);
+    if (parts.empty()) {  // batch_isend_irecv of nothing
+      work->complete();
+      work->enqueued(reduction_stream(kLaneCollective));
+      return;
+    }
+    const LaneId last = parts.back().first;
+    {
+      std::lock_guard<std::mutex> lk(enqueue_mu_);  // one operation enqueues at a time
+      if (aborted()) {
+        throw CommError(join_msg(
+            {work->op(), ": the communicator was aborted earlier (", abort_reason(), ")"}));
+      }
+      c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+      const cudaStream_t user =
+          c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
+      const bool in_capture = capturing();
+      if (in_capture && wait == Wait::kHost) {
+        throw UsageError(join_msg({work->op(),
+                                   ": not allowed during CUDA graph capture (it "
+                                   "blocks the host)"}));
+      }
+      std::vector<cudaEvent_t> joins;  // parts before the last one
+      try {
+        for (auto& [id, body] : parts) {
+          Lane& lane = lanes_[id];
+          lane.streams->begin(user);
+          const bool collective = id == kLaneCollective;
+          Context ctx{*lane.transport, *lane.reducer, collective ? scratch_.data_ptr() : nullptr,
+                      collective ? static_cast<size_t>(scratch_.nbytes()) : 0, slice_bytes_};
+          body(ctx);
+          if (id != last) {
+            joins.push_back(cuda::make_event());
+            lane.streams->record_done(joins.back());
+          }
+        }
+        for (cudaEvent_t ev : joins) {
+          PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(lanes_[last].streams->reduction(), ev, 0));
+        }
+        lanes_[last].streams->record_done(work->done());
+      } catch (const UsageError& e) {
+        destroy_events(joins);
+        // Checked mode: every rank found the mismatch before any payload moved;
+        // the communicator stays usable.
+        const UsageError err(join_msg({work->op(), " #", std::to_string(work->seq()), " on rank ",
+                                       std::to_string(rank_), ": ", e.what()}));
+        work->fail(std::make_exception_ptr(err));
+        throw err;
+      } catch (const std::exception& e) {
+        destroy_events(joins);
+        const std::string msg =
+            failure_message(*work, rank_, "nccl", size_, device().str(), e.what());
+        abort(msg);
+        work->fail(std::make_exception_ptr(CommError(msg)));
+        throw CommError(msg);
+      }
+      destroy_events(joins);  // released once the waits above have passed
+      for (const auto& [id, body] : parts) {
+        for (const auto& t : keep) record_on_streams(t, *lanes_[id].streams);
+      }
+      work->enqueued(reduction_stream(last));  // records the outputs on it too
+      if (wait == Wait::kSync) PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(user, work->done(), 0));
+      if (in_capture) {
+        work->complete();  // no host-side tracking of captured work (see the top)
+      } else {
+        {
+          std::lock_guard<std::mutex> wl(wd_mu_);
+          pending_[last].push_back({work, Clock::now()});
+        }
+        wd_cv_.notify_one();
+      }
+    }
+    if (wait == Wait::kHost) {
+      // Aborts and throws on an error or the timeout.
+      lanes_[last].nccl->host_wait(work->done(), work->op().c_str());
+      work->rethrow_if_failed();
+    }
+  }
+
+  static void destroy_events(const std::vector<cudaEvent_t>& events) {
+    for (cudaEvent_t ev : events) (void)cudaEventDestroy(ev);
+  }
 
   c10::cuda::CUDAStream torch_stream(cudaStream_t s) const {
     return c10::cuda::getStreamFromExternal(s, static_cast<c10::DeviceIndex>(device_));
   }
-  c10::cuda::CUDAStream reduction_stream() const { return torch_stream(streams_->reduction()); }
-
-  // Why the communicator was aborted (the first of the two to be aborted).
-  std::string abort_reason() const {
-    if (nccl_ && nccl_->aborted()) return nccl_->abort_reason();
-    if (p2p_nccl_ && p2p_nccl_->aborted()) return p2p_nccl_->abort_reason();
-    return "";
+  c10::cuda::CUDAStream reduction_stream(LaneId l) const {
+    return torch_stream(lanes_[l].streams->reduction());
   }
 
   bool capturing() const {
@@ -383,96 +483,6 @@ class CudaComm {
                                                   torch_stream(streams.reduction()));
     c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
                                                   torch_stream(streams.comm()));
-  }
-
-  void check_open(const char* op) const {
-    if (closed_) throw std::runtime_error(join_msg({op, ": the communicator is closed"}));
-    if (aborted()) {
-      throw CommError(join_msg({op, ": the communicator was aborted earlier (", abort_reason(),
-                                "); create a new one with pycomm.init()"}));
-    }
-  }
-
-  void check_cuda_tensor(const at::Tensor& t, const char* arg, const char* op) const {
-    check_tensor(t, arg, op, options_.device);
-    if (t.device().index() != device_) {
-      throw UsageError(join_msg({op, ": ", arg, " is on ", t.device().str(),
-                                 " but the communicator runs on ", options_.device}));
-    }
-  }
-
-  std::string pick(const std::string& algo, const char* op, size_t bytes) const {
-    if (algo == "ring" || algo == "nccl") return algo;
-    if (algo != "auto") {
-      throw UsageError(
-          join_msg({op, ": unknown algo '", algo, "' (expected 'auto', 'ring' or 'nccl')"}));
-    }
-    auto it = table_.find(op);
-    if (it != table_.end()) {
-      for (const auto& [max_bytes, a] : it->second) {
-        if (max_bytes < 0 || bytes <= static_cast<size_t>(max_bytes)) return a;
-      }
-    }
-    return "nccl";  // not in the table: the native baseline
-  }
-
-  c10::intrusive_ptr<Work> p2p(const char* op, P2POp::Kind kind, const at::Tensor& t, int peer,
-                               const char* arg, bool async_op) {
-    check_open(op);
-    check_cuda_tensor(t, "tensor", op);
-    check_peer(peer, arg, op, rank_, size_, /*allow_self=*/false);
-    const P2POp p{kind, t.data_ptr(), static_cast<size_t>(t.nbytes()), peer, kUser};
-    return launch(op, {t}, {},
-                  [p](const Context&, cuda::NcclTransport& tr) { tr.exchange(&p, 1); },
-                  async_op, kUser);
-  }
-
-  // Enqueues body on the lane of `channel`: kCollective (the collectives'
-  // communicator, streams and scratch) or kUser (the user p2p lane: its
-  // transport and streams only; no scratch).
-  c10::intrusive_ptr<Work> launch(const char* op, std::vector<at::Tensor> outputs,
-                                  std::vector<at::Tensor> inputs, const Body& body,
-                                  bool async_op, Channel channel = kCollective) {
-    std::lock_guard<std::mutex> lk(enqueue_mu_);  // one operation enqueues at a time
-    check_open(op);
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-    const cudaStream_t user =
-        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
-    const bool in_capture = capturing();
-    const uint64_t seq = ++seq_;
-    auto work = c10::make_intrusive<CudaWork>(op, seq, outputs, device_);
-    const bool p2p = channel == kUser;
-    cuda::CudaStreams& streams = p2p ? *p2p_streams_ : *streams_;
-    cuda::NcclTransport& transport = p2p ? *p2p_transport_ : *transport_;
-    try {
-      streams.begin(user);
-      Context ctx{transport, p2p ? *p2p_reducer_ : *reducer_,
-                  p2p ? nullptr : scratch_.data_ptr(),
-                  p2p ? 0 : static_cast<size_t>(scratch_.nbytes()),
-                  static_cast<size_t>(options_.slice_bytes)};
-      body(ctx, transport);
-      streams.record_done(work->done());
-    } catch (const std::exception& e) {
-      std::ostringstream msg;
-      msg << op << " #" << seq << " on rank " << rank_ << " (nccl transport, world_size "
-          << size_ << ", " << options_.device << ") failed: " << e.what();
-      abort(msg.str());
-      throw CommError(msg.str());
-    }
-    for (const auto& t : outputs) record_on_streams(t, streams);
-    for (const auto& t : inputs) record_on_streams(t, streams);
-    if (!async_op) PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(user, work->done(), 0));
-    if (in_capture) {
-      work->complete();  // no host-side tracking of captured work (see the top)
-    } else {
-      {
-        std::lock_guard<std::mutex> wl(wd_mu_);
-        pending_[channel].push_back({work, Clock::now()});
-      }
-      wd_cv_.notify_one();
-    }
-    if (async_op) return work;
-    return {};
   }
 
   void fail_all(const std::string& why) {
@@ -494,16 +504,24 @@ class CudaComm {
   // Completes each lane's Works in order as their `done` events pass (the
   // lanes independently: a pending irecv does not hold up the Works of later
   // collectives); enforces the timeout and surfaces NCCL's asynchronous
-  // errors of both communicators.
+  // errors of both communicators. Polls about every millisecond while work
+  // is pending, sleeps otherwise.
   void watchdog_loop() {
     (void)cudaSetDevice(device_);
-    const auto timeout = std::chrono::milliseconds(options_.timeout_ms);
-    int idle_spins = 0;
+    // Event queries from this thread must not invalidate a capture that the
+    // user runs on another thread (as ProcessGroupNCCL's watchdog).
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeThreadLocal;
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
     for (;;) {
       Pending front[kNumLanes];  // front[l].work is null when lane l is idle
       {
         std::unique_lock<std::mutex> lk(wd_mu_);
-        auto idle = [&] { return pending_[kCollective].empty() && pending_[kUser].empty(); };
+        auto idle = [&] {
+          for (const auto& lane : pending_) {
+            if (!lane.empty()) return false;
+          }
+          return true;
+        };
         wd_cv_.wait(lk, [&] { return wd_stop_ || !idle(); });
         if (idle()) return;  // stop requested and drained
         for (int l = 0; l < kNumLanes; ++l) {
@@ -531,9 +549,9 @@ class CudaComm {
             continue;
           }
           if (waiting == nullptr) waiting = &f;
-          if (Clock::now() - f.start > timeout) {
+          if (Clock::now() - f.start > timeout_) {
             std::ostringstream msg;
-            msg << "timed out after " << options_.timeout_ms
+            msg << "timed out after " << timeout_.count()
                 << " ms waiting for the GPU (a peer may be dead or not calling the same "
                    "operation); the communicator was aborted";
             err = msg.str();
@@ -542,8 +560,7 @@ class CudaComm {
         }
         if (err.empty() && waiting != nullptr) {
           const char* what = waiting->work->op().c_str();
-          nccl_->check_async(what);
-          p2p_nccl_->check_async(what);
+          for (Lane& l : lanes_) l.nccl->check_async(what);
         }
       } catch (const std::exception& e) {
         // check_async aborts its communicator before it throws; a CUDA error
@@ -557,39 +574,23 @@ class CudaComm {
         fail_all(err);
         continue;
       }
-      if (progress) {
-        idle_spins = 0;
-        continue;
-      }
-      if (++idle_spins < 64) {
-        std::this_thread::yield();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      if (!progress) {
+        std::unique_lock<std::mutex> lk(wd_mu_);
+        wd_cv_.wait_for(lk, std::chrono::milliseconds(1));
       }
     }
   }
 
-  CommOptions options_;
   int rank_, size_, device_;
-  AutoTable table_;
-  // The collectives' lane (kCollective) ...
-  std::unique_ptr<cuda::NcclComm> nccl_;
-  std::unique_ptr<cuda::CudaStreams> streams_;
-  std::unique_ptr<cuda::CudaReducer> reducer_;
-  std::unique_ptr<cuda::NcclTransport> transport_;
-  // ... and the user p2p lane (kUser); its reducer only makes a Context.
-  std::unique_ptr<cuda::NcclComm> p2p_nccl_;
-  std::unique_ptr<cuda::CudaStreams> p2p_streams_;
-  std::unique_ptr<cuda::CudaReducer> p2p_reducer_;
-  std::unique_ptr<cuda::NcclTransport> p2p_transport_;
+  std::chrono::milliseconds timeout_;
+  size_t slice_bytes_;
+  Lane lanes_[kNumLanes];  // indexed by LaneId
   at::Tensor scratch_;
   std::mutex enqueue_mu_;
-  std::atomic<uint64_t> seq_{0};
-  std::atomic<bool> closed_{false};
 
   std::mutex wd_mu_;
   std::condition_variable wd_cv_;
-  std::deque<Pending> pending_[kNumLanes];  // per Channel
+  std::deque<Pending> pending_[kNumLanes];  // per LaneId
   bool wd_stop_ = false;
   std::thread watchdog_;
 };
@@ -615,58 +616,25 @@ void bind_cuda(py::module_& m) {
 
   py::class_<CudaWork, Work, c10::intrusive_ptr<CudaWork>>(m, "CudaWork");
 
-  py::class_<CudaComm>(m, "CudaComm")
-      .def_property_readonly("rank", &CudaComm::rank)
-      .def_property_readonly("world_size", &CudaComm::world_size)
-      .def_property_readonly("transport", &CudaComm::transport_name)
-      .def_property_readonly("device", &CudaComm::device)
-      .def_property_readonly("slice_bytes", &CudaComm::slice_bytes)
-      .def_property_readonly("seq", &CudaComm::seq)
-      .def_property_readonly("closed", &CudaComm::closed)
-      .def_property_readonly("aborted", &CudaComm::aborted)
-      .def("all_reduce", &CudaComm::all_reduce, py::arg("tensor"), py::arg("op"),
-           py::arg("algo"), py::arg("async_op"), py::arg("wire_dtype") = -1,
-           py::call_guard<py::gil_scoped_release>())
-      .def("reduce_scatter", &CudaComm::reduce_scatter, py::arg("output"), py::arg("input"),
-           py::arg("op"), py::arg("algo"), py::arg("async_op"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("all_gather", &CudaComm::all_gather, py::arg("output"), py::arg("input"),
-           py::arg("algo"), py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
-      .def("broadcast", &CudaComm::broadcast, py::arg("tensor"), py::arg("src"), py::arg("algo"),
-           py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
-      .def("send", &CudaComm::send, py::arg("tensor"), py::arg("dst"), py::arg("async_op"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("recv", &CudaComm::recv, py::arg("tensor"), py::arg("src"), py::arg("async_op"),
-           py::call_guard<py::gil_scoped_release>())
-      .def(
-          "batch_p2p",
-          [](CudaComm& c, const std::vector<std::tuple<bool, at::Tensor, int>>& reqs) {
-            std::vector<TensorP2P> ops;
-            for (const auto& [is_send, t, peer] : reqs) ops.push_back({is_send, t, peer});
-            py::gil_scoped_release nogil;
-            return c.batch_p2p(ops);
-          },
-          py::arg("ops"))
-      .def("barrier", &CudaComm::barrier, py::call_guard<py::gil_scoped_release>())
-      .def("close", &CudaComm::close, py::call_guard<py::gil_scoped_release>())
-      .def("abort", &CudaComm::abort, py::arg("reason"),
-           py::call_guard<py::gil_scoped_release>());
-
   m.def("nccl_unique_id", [] { return py::bytes(cuda::NcclComm::unique_id()); });
   m.def(
       "make_nccl_comm",
       [](const py::bytes& unique_id, int rank, int world_size, int device, int64_t timeout_ms,
-         int64_t slice_bytes, AutoTable auto_table) {
+         int64_t slice_bytes, AutoTable auto_table, bool check) {
         std::string id = unique_id;
         CommOptions opt;
         opt.timeout_ms = timeout_ms;
         opt.slice_bytes = slice_bytes;
+        opt.check = check;
+        opt.auto_table = std::move(auto_table);
         py::gil_scoped_release nogil;
-        return std::make_unique<CudaComm>(id, rank, world_size, device, opt,
-                                          std::move(auto_table));
+        check_options(opt);
+        auto exec = std::make_unique<CudaExecutor>(id, rank, world_size, device, opt);
+        return std::make_unique<Comm>(std::move(exec), opt);
       },
       py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), py::arg("device"),
-      py::arg("timeout_ms"), py::arg("slice_bytes"), py::arg("auto_table"));
+      py::arg("timeout_ms"), py::arg("slice_bytes"), py::arg("auto_table"),
+      py::arg("check") = false);
 
   // The raw kernels on the caller's current stream: tests (bitwise equality
   // with reduce_/scale_ on CPU) and benchmarks/gpu (kernel bandwidth).
