@@ -19,12 +19,13 @@
 #                    NCCL_MULTI_RANK_GPU_ENABLE=1. Writes OUTDIR/gpu_test_mode.txt,
 #                    which the multi-rank test steps read (they run `mode`
 #                    first if it is missing).
-#   gpu-kernels      tests/test_gpu.py, one per step (pytest -m gpu -k ...):
-#   gpu-allreduce      the reduction kernels (one process); all_reduce at 2-4
-#   gpu-collectives    ranks, NaN, wire dtype; broadcast, reduce_scatter /
-#   gpu-misuse         all_gather, p2p, async and streams; argument errors and
-#   gpu-layers         the timeout/abort test; pipeline, DDP and DDP hooks over
-#   gpu-rest           NCCL; every other test of the file (new ones land here).
+#   gpu-*            tests/test_gpu.py in six parts (pytest -m gpu -k ...):
+#     gpu-kernels      the reduction kernels against the CPU (one process);
+#     gpu-allreduce    all_reduce at 2-4 ranks, NaN propagation, wire dtype;
+#     gpu-collectives  broadcast, reduce_scatter / all_gather, p2p, async/streams;
+#     gpu-misuse       argument errors, checked mode, the timeout/abort test;
+#     gpu-layers       pipeline stages, DDP and DDP hooks over NCCL;
+#     gpu-rest         every other test of the file (new ones land here).
 #   gpu              = all six gpu-* steps, in that order.
 #   cpu              the CPU suite (-m "not gpu"), for information only: CI runs
 #                    it, and it may not finish within the step's time here.
@@ -77,7 +78,7 @@ declare -A SELECT=(
   [gpu-kernels]="test_kernel_bitwise_equals_cpu or test_scale_and_fused_reduce_scale_bitwise"
   [gpu-allreduce]="test_all_reduce_every_op_dtype or test_all_reduce_default_slices_and_auto or test_ring_max_min_propagate_nan or test_wire_dtype_all_reduce_bitwise_equals_cpu"
   [gpu-collectives]="test_broadcast_from_every_src or test_reduce_scatter_all_gather or test_p2p_and_batch or test_user_p2p_is_independent_of_collectives or test_async_work_future_and_stream_semantics"
-  [gpu-misuse]="test_argument_errors or test_timeout_aborts_and_raises"
+  [gpu-misuse]="test_argument_errors or test_checked_mode_on_gpu or test_timeout_aborts_and_raises"
   [gpu-layers]="test_pipeline_two_stages_share_the_gpu or test_ddp_matches_full_batch_over_nccl or test_ddp_hooks_over_nccl"
 )
 TEST_STEPS=(gpu-kernels gpu-allreduce gpu-collectives gpu-misuse gpu-layers gpu-rest)
