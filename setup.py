@@ -4,7 +4,15 @@
 
 Environment:
   CUDA_HOME             CUDA toolkit (found by torch.utils.cpp_extension when unset)
-  TORCH_CUDA_ARCH_LIST  GPU architectures to build for (default: "9.0" for H100)
+  TORCH_CUDA_ARCH_LIST  GPU architectures to build for, e.g. "8.0;9.0+PTX". A value
+                        set by the user always wins. Unset: the compute capability
+                        of every GPU torch sees at build time (e.g. "9.0" on an
+                        H100), or "9.0+PTX" when it sees none: sm_90 code plus
+                        compute_90 PTX, which the driver JIT-compiles on first use
+                        on newer GPUs (Blackwell and later). A GPU older than the
+                        list (e.g. an A100, 8.0, with "9.0+PTX") cannot run the
+                        build: set TORCH_CUDA_ARCH_LIST="8.0" (or build on it).
+                        The build prints the list it chose and why.
   MAX_JOBS              parallel compile jobs (ninja); defaults to the CPU count
   PYCOMM_FORCE_CPU=1    build the CPU-only extension even with a CUDA torch
   NCCL_HOME             NCCL install with include/ and lib/ (default: nvidia-nccl-cu13 wheel)
@@ -64,10 +72,11 @@ def _extension():
             _rel(info.core_sources() + info.torch_sources()),
             extra_compile_args={"cxx": info.CXX_FLAGS},
         )
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # -> -gencode sm_90 (H100)
+    arch, why = _cuda_arch_list()
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch  # read by torch's BuildExtension
     _check_nvcc_version()
     print(f"pycomm: building the CUDA extension (CUDA_HOME={CUDA_HOME}, NCCL={nccl}, "
-          f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']})", file=sys.stderr)
+          f"TORCH_CUDA_ARCH_LIST={arch}: {why})", file=sys.stderr)
     lib = nccl / "lib"
     return CUDAExtension(
         "pycomm._C",
@@ -78,6 +87,18 @@ def _extension():
         define_macros=[("PYCOMM_WITH_CUDA", "1")],
         extra_compile_args={"cxx": info.CXX_FLAGS, "nvcc": info.NVCC_FLAGS},
     )
+
+
+def _cuda_arch_list() -> tuple[str, str]:
+    """The TORCH_CUDA_ARCH_LIST to build for and why (see the header)."""
+    user = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if user:
+        return user, "set by the user"
+    if torch.cuda.is_available():
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        return ";".join(f"{major}.{minor}" for major, minor in caps), f"detected {', '.join(names)}"
+    return "9.0+PTX", "no GPU visible at build time: sm_90 plus PTX that newer GPUs JIT-compile"
 
 
 def _check_nvcc_version() -> None:

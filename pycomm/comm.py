@@ -554,6 +554,17 @@ def _env_number(name: str, kind: type, what: str, value: Any = None) -> Any:
         raise ValueError(f"environment variable {name}={raw!r} is not {what}") from None
 
 
+def _check_cpu_simd() -> None:
+    """PYCOMM_CPU_SIMD selects the CPU reduction kernels (csrc/core/reduce.cc):
+    unset or "auto" (AVX2/F16C where the CPU has them) or "scalar" (the
+    portable loops; results are bitwise the same). The kernels read it at their
+    first use and raise on another value; init checks it first, so that a typo
+    fails here rather than inside a collective."""
+    value = os.environ.get("PYCOMM_CPU_SIMD", "")
+    if value not in ("", "auto", "scalar"):
+        raise ValueError(f"environment variable PYCOMM_CPU_SIMD={value!r} is not 'auto' or 'scalar'")
+
+
 def _timeout_from(timeout: timedelta | float | None) -> timedelta:
     if timeout is None:
         if not os.environ.get("PYCOMM_TIMEOUT"):
@@ -743,24 +754,53 @@ def _auto_table() -> dict[str, list[tuple[int, str]]]:
     return out
 
 
-def _cuda_device(device: Any) -> torch.device:
-    """device=None/"cuda" -> cuda:LOCAL_RANK (mod the visible device count)."""
-    dev = torch.device("cuda") if device is None else torch.device(device)
-    if dev.index is None:
-        count = max(torch.cuda.device_count(), 1)
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % count)
-    return dev
+def _choose_cuda_index(requested: int | None, local_rank: str | None, device_count: int,
+                       current_device: Callable[[], int]) -> int:
+    """The CUDA device index of an nccl communicator, without touching CUDA.
+
+    ``requested`` (the index of an explicit ``device=``) always wins; else
+    ``LOCAL_RANK`` (``local_rank``: its value, None or "" when unset), as
+    torchrun sets it; else ``current_device()`` (the caller's
+    ``torch.cuda.set_device`` choice, or 0). Raises ValueError for a
+    LOCAL_RANK that is not an integer and for an index outside
+    ``range(device_count)``.
+    """
+    if requested is not None:
+        index, what = requested, f"device=cuda:{requested}"
+    elif local_rank is not None and local_rank.strip():
+        try:
+            index = int(local_rank)
+        except ValueError:
+            raise ValueError(f"environment variable LOCAL_RANK={local_rank!r} is not an integer"
+                             ) from None
+        what = f"LOCAL_RANK={index} (default device cuda:LOCAL_RANK)"
+    else:
+        index = current_device()
+        what = f"torch.cuda.current_device()={index}"
+    if not 0 <= index < device_count:
+        raise ValueError(f"{what}: there is no cuda:{index} ({device_count} CUDA device(s) "
+                         "visible); pass device='cuda:N' to init, or check CUDA_VISIBLE_DEVICES")
+    return index
+
+
+def _cuda_device(device: torch.device | None) -> torch.device:
+    """init's CUDA device: see _choose_cuda_index. Never calls
+    torch.cuda.set_device: the caller's current device stays theirs (the
+    communicator's C++ side switches devices with scoped guards)."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device or 'cuda'} requested but torch.cuda.is_available() "
+                         "is False")
+    requested = None if device is None else torch.device(device).index
+    index = _choose_cuda_index(requested, os.environ.get("LOCAL_RANK"),
+                               torch.cuda.device_count(), torch.cuda.current_device)
+    return torch.device("cuda", index)
 
 
 def _make_nccl(st: Any, r: int, n: int, dev: torch.device, timeout: timedelta,
                slice_bytes: int) -> Any:
     """NCCL bootstrap: rank 0 creates the unique id and publishes it through
-    the (prefixed, per-communicator) store; every rank initialises on ``dev``."""
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {dev} requested but torch.cuda.is_available() is False")
-    if dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device {dev} does not exist ({torch.cuda.device_count()} visible)")
-    torch.cuda.set_device(dev)
+    the (prefixed, per-communicator) store; every rank initialises on ``dev``
+    (from _cuda_device: an existing device)."""
     key = "nccl/unique_id"
     if r == 0:
         st.set(key, _C.nccl_unique_id().hex())
@@ -834,8 +874,12 @@ def init(
             build that sees a GPU; on CPU "shm" when every rank runs on this
             host (hostname + boot id, exchanged through the store), falling
             back to "gloo" if shared memory cannot be set up, else "gloo").
-        device: "cpu" or a CUDA device; default ``cuda:LOCAL_RANK`` when the
-            transport is nccl ("cuda" without an index means the same).
+        device: "cpu" or a CUDA device. For the nccl transport, a device
+            without an index ("cuda", or None) means ``cuda:LOCAL_RANK`` when
+            ``LOCAL_RANK`` is set (torchrun sets it), else
+            ``torch.cuda.current_device()``; an explicit index always wins.
+            ``init`` never calls ``torch.cuda.set_device``: the current device
+            stays the caller's. ValueError if that device does not exist.
         timeout: bounds every blocking wait (default 5 minutes, or
             ``PYCOMM_TIMEOUT`` seconds).
         slice_bytes: pipelining granularity of the ring algorithms (default
@@ -862,6 +906,7 @@ def init(
     global _default
     explicit_check = check is not None
     check = _check_from(check)
+    _check_cpu_simd()
     timeout = _timeout_from(timeout)
     transport, req = _resolve_transport(transport, device)
     st, r, n, prefix = _rendezvous(rank, world_size, store, group, timeout)

@@ -7,6 +7,8 @@
 #
 # Environment: NVCC (default: nvcc on PATH), NCCL_HOME (default: the
 # nvidia-nccl-cu13 wheel), CUDA_ARCH (default 90), JOBS (default: CPU count).
+# Device code is built as setup.py builds it without a GPU ("9.0+PTX"): sm_ARCH
+# machine code plus compute_ARCH PTX, so the PTX generation is checked too.
 # Also syntax-checks the torch binding csrc/torch/cuda_comm.cpp with
 # -DPYCOMM_WITH_CUDA when the installed torch ships c10/cuda headers
 # (PYCOMM_SKIP_BINDING_CHECK=1 skips it). Exits non-zero on any error.
@@ -31,11 +33,12 @@ NCCL_LIB="$(ls "$NCCL_HOME"/lib/libnccl.so "$NCCL_HOME"/lib/libnccl.so.2 2>/dev/
 mkdir -p "$OUT/obj"
 rm -f "$OUT"/obj/*.o "$OUT"/libpycomm_cuda.so
 echo "compile_cuda: $("$NVCC" --version | tail -1)"
-echo "compile_cuda: NCCL $NCCL_HOME ($(grep -m1 '#define NCCL_VERSION_CODE' "$NCCL_HOME/include/nccl.h" | awk '{print $3}')), sm_$ARCH"
+echo "compile_cuda: NCCL $NCCL_HOME ($(grep -m1 '#define NCCL_VERSION_CODE' "$NCCL_HOME/include/nccl.h" | awk '{print $3}')), sm_$ARCH + compute_$ARCH PTX"
 
 # Same flags as the CUDAExtension build: pycomm/_build_info.py NVCC_FLAGS plus
 # torch.utils.cpp_extension's COMMON_NVCC_FLAGS (no implicit half conversions).
-FLAGS=(-arch="sm_$ARCH" -std=c++17 -O3 -fmad=false --expt-relaxed-constexpr
+GENCODE=(-gencode "arch=compute_$ARCH,code=[sm_$ARCH,compute_$ARCH]")
+FLAGS=("${GENCODE[@]}" -std=c++17 -O3 -fmad=false --expt-relaxed-constexpr
        -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
        -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
        -Xcompiler -fPIC -Xcompiler -Wall -Xcompiler -Wno-unused-function
@@ -59,7 +62,7 @@ if (( fail )); then echo "compile_cuda: FAILED (compile)" >&2; exit 1; fi
 
 # -z defs: every symbol must resolve now (against NCCL, cudart and libstdc++),
 # so a declared-but-undefined function fails here rather than at import.
-"$NVCC" -arch="sm_$ARCH" -shared -o "$OUT/libpycomm_cuda.so" "$OUT"/obj/*.o \
+"$NVCC" "${GENCODE[@]}" -shared -o "$OUT/libpycomm_cuda.so" "$OUT"/obj/*.o \
   -L"$NCCL_HOME/lib" -l:"$(basename "$NCCL_LIB")" -lcudart -Xlinker -z,defs \
   -Xlinker -rpath,"$NCCL_HOME/lib"
 echo "  ok   linked $OUT/libpycomm_cuda.so"

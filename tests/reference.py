@@ -73,6 +73,22 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
                                  f"expected {expect[bad].tolist()}")
 
 
+def ring_chunks(count: int, world_size: int, elem_size: int) -> list[tuple[int, int]]:
+    """(offset, length) of each ring chunk, in elements: the partition of
+    csrc/core/algorithms.h Chunks::aligned, written independently. Whole
+    16-byte units are dealt out evenly, the first chunks getting one more; the
+    leftover elements (fewer than a unit) join the last chunk."""
+    unit = 16 // elem_size if elem_size < 16 and 16 % elem_size == 0 else 1
+    units, tail = divmod(count, unit)
+    out, offset = [], 0
+    for c in range(world_size):
+        length = (units // world_size + (c < units % world_size)) * unit
+        length += tail if c == world_size - 1 else 0
+        out.append((offset, length))
+        offset += length
+    return out
+
+
 def digest(t: torch.Tensor) -> str:
     """Bit pattern fingerprint, to prove every rank holds identical bytes."""
     return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

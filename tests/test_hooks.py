@@ -23,7 +23,7 @@ import torch.nn as nn
 import pycomm
 from pycomm import hooks
 from tests._dist import run_ranks
-from tests.reference import digest
+from tests.reference import digest, ring_chunks
 
 WIRES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # Unit roundoff (half an ulp at 1) and the smallest subnormal's half, per wire dtype.
@@ -133,9 +133,9 @@ def _wire_exact_two_ranks(comm, op: str):
             xs = _inputs(2, count, seed=3)
             t = xs[comm.rank].clone()
             comm.all_reduce(t, op=op, algo="ring", wire_dtype=wire)
-            half = (count + 1) // 2  # chunk 0 = [0, half), owned by rank 0
             expect = torch.empty(count)
-            for owner, part in ((0, slice(0, half)), (1, slice(half, count))):
+            for owner, (begin, length) in enumerate(ring_chunks(count, 2, 4)):
+                part = slice(begin, begin + length)  # chunk `owner`, reduced by its owner
                 v = xs[owner][part] + xs[1 - owner][part].to(wire).float()
                 if op == "avg":
                     v = v * 0.5

@@ -1,6 +1,7 @@
 #include "algorithms.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -10,6 +11,35 @@ namespace {
 int mod(int a, int n) { return ((a % n) + n) % n; }
 
 size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+
+// The two receive slots of ring_reduce_scatter in ctx.scratch. Item k
+// receives into slot k % 2 (item k+1 is posted while item k is in flight; slot
+// (k+1) % 2 was last used by item k-1, already finished). When the scratch
+// has room for a spare kChunkAlignBytes per slot (the bindings allocate
+// 2 * slice_bytes + 64), a slice is received at the same address modulo 16 as
+// the destination it is reduced into, so that the CUDA kernel's 16-byte pack
+// path (dst, a and b equally aligned) is taken even for chunks that do not
+// start 16-byte aligned (reduce_scatter's Chunks{m, 0} with m * elem_size not
+// a multiple of 16); otherwise at the slot's start.
+struct RecvSlots {
+  char* base;
+  size_t stride;
+  bool match;
+  char* at(size_t k, const char* dst) const {
+    char* p = base + (k % 2) * stride;
+    if (match) {
+      p += (reinterpret_cast<uintptr_t>(dst) - reinterpret_cast<uintptr_t>(p)) % kChunkAlignBytes;
+    }
+    return p;
+  }
+};
+
+RecvSlots recv_slots(const Context& ctx, size_t slice_bytes) {
+  const size_t padded = ceil_div(slice_bytes, kChunkAlignBytes) * kChunkAlignBytes;
+  const bool match = ctx.scratch_bytes >= 2 * (padded + kChunkAlignBytes);
+  return RecvSlots{static_cast<char*>(ctx.scratch), match ? padded + kChunkAlignBytes : slice_bytes,
+                   match};
+}
 
 // Elements of slice j of a chunk of `len` elements, cut every `per` elements.
 struct Slice {
@@ -46,8 +76,6 @@ void pipeline(size_t K, bool overlap, Transport& tr, Post&& post, Finish&& finis
   }
 }
 
-size_t max_chunk(Chunks c) { return c.base + (c.rem ? 1 : 0); }
-
 }  // namespace
 
 void ring_reduce_scatter(const Context& ctx, void* data, Chunks chunks, DType dtype, ReduceOp op) {
@@ -58,16 +86,20 @@ void ring_reduce_scatter(const Context& ctx, void* data, Chunks chunks, DType dt
   char* base = static_cast<char*>(data);
   if (n > 1) {
     const int next = mod(r + 1, n), prev = mod(r - 1, n);
-    const size_t per = std::max<size_t>(1, ctx.slice_bytes / es);  // elements per slice
-    const size_t slices = std::max<size_t>(1, ceil_div(max_chunk(chunks), per));
+    const size_t per = slice_elems(ctx.slice_bytes, es);  // elements per slice
+    const size_t slices = std::max<size_t>(1, ceil_div(chunks.max_length(), per));
     const size_t K = static_cast<size_t>(n - 1) * slices;
-    char* tmp[2] = {static_cast<char*>(ctx.scratch), static_cast<char*>(ctx.scratch) + per * es};
+    const RecvSlots slots = recv_slots(ctx, per * es);
 
     // Step s sends chunk r-s-1 (own data, or the partial sum received at step
     // s-1) to next and receives chunk r-s-2 from prev, which it reduces into
     // its copy. After n-1 steps the last chunk received is chunk r.
     auto send_chunk = [&](size_t s) { return mod(r - static_cast<int>(s) - 1, n); };
     auto recv_chunk = [&](size_t s) { return mod(r - static_cast<int>(s) - 2, n); };
+    // Where item k's received slice is reduced into, and where it is received.
+    auto dst_of = [&](size_t k, const Slice& rs) {
+      return base + (chunks.offset(recv_chunk(k / slices)) + rs.begin) * es;
+    };
 
     auto post = [&](size_t k) {
       const size_t s = k / slices, j = k % slices;
@@ -76,7 +108,7 @@ void ring_reduce_scatter(const Context& ctx, void* data, Chunks chunks, DType dt
       const Slice rs = slice_of(chunks.length(rc), per, j);
       P2POp ops[2] = {
           {P2POp::kSend, base + (chunks.offset(sc) + ss.begin) * es, ss.count * es, next},
-          {P2POp::kRecv, tmp[k % 2], rs.count * es, prev},
+          {P2POp::kRecv, slots.at(k, dst_of(k, rs)), rs.count * es, prev},
       };
       return tr.post(ops, 2);
     };
@@ -85,13 +117,14 @@ void ring_reduce_scatter(const Context& ctx, void* data, Chunks chunks, DType dt
       const int rc = recv_chunk(s);
       const Slice rs = slice_of(chunks.length(rc), per, j);
       if (rs.count == 0) return;
-      char* dst = base + (chunks.offset(rc) + rs.begin) * es;
+      char* dst = dst_of(k, rs);
+      const char* tmp = slots.at(k, dst);
       if (op == ReduceOp::kAvg && s + 2 == static_cast<size_t>(n)) {
         // Last step: rc == r, this slice of our chunk is final; AVG's scale by
         // 1/n is fused into its reduction (one pass instead of two).
-        ctx.reducer.reduce_scale(dst, dst, tmp[k % 2], rs.count, dtype, op, 1.0 / n);
+        ctx.reducer.reduce_scale(dst, dst, tmp, rs.count, dtype, op, 1.0 / n);
       } else {
-        ctx.reducer.reduce(dst, dst, tmp[k % 2], rs.count, dtype, op);
+        ctx.reducer.reduce(dst, dst, tmp, rs.count, dtype, op);
       }
     };
     pipeline(K, slices >= 2, tr, post, finish);
@@ -105,8 +138,8 @@ void ring_all_gather(const Context& ctx, void* data, Chunks chunks, size_t es) {
   if (n == 1) return;
   const int next = mod(r + 1, n), prev = mod(r - 1, n);
   char* base = static_cast<char*>(data);
-  const size_t per = std::max<size_t>(1, ctx.slice_bytes / es);
-  const size_t slices = std::max<size_t>(1, ceil_div(max_chunk(chunks), per));
+  const size_t per = slice_elems(ctx.slice_bytes, es);
+  const size_t slices = std::max<size_t>(1, ceil_div(chunks.max_length(), per));
   const size_t K = static_cast<size_t>(n - 1) * slices;
 
   // Step s forwards chunk r-s (own at s = 0, then the one received at s-1)
@@ -142,9 +175,10 @@ void ring_all_gather_out(const Context& ctx, const void* in, void* out, size_t m
 }
 
 void ring_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op) {
-  const Chunks chunks = Chunks::even(count, ctx.transport.world_size());
+  const size_t es = dtype_size(dtype);
+  const Chunks chunks = Chunks::aligned(count, ctx.transport.world_size(), es);
   ring_reduce_scatter(ctx, data, chunks, dtype, op);
-  ring_all_gather(ctx, data, chunks, dtype_size(dtype));
+  ring_all_gather(ctx, data, chunks, es);
 }
 
 namespace {
@@ -180,7 +214,11 @@ void ring_all_reduce_wire(const Context& ctx, float* data, size_t count, DType w
   Reducer& red = ctx.reducer;
   const int n = tr.world_size();
   const int r = tr.rank();
-  const size_t per = std::max<size_t>(1, ctx.slice_bytes / sizeof(float));  // elements per slice
+  const size_t ws = dtype_size(wire);
+  // Elements per slice: floats in slice_bytes, cut to a multiple of the wire
+  // dtype's alignment unit (8), so the float32 slices and the wire slots
+  // (per * ws bytes each) all start 16-byte aligned.
+  const size_t per = slice_elems(ctx.slice_bytes / sizeof(float) * ws, ws);
   const WireSlots slot = wire_slots(ctx, per, wire);
   if (n == 1) {
     // Nothing to send, but the result is still the owner's value rounded to
@@ -193,9 +231,8 @@ void ring_all_reduce_wire(const Context& ctx, float* data, size_t count, DType w
     return;
   }
   const int next = mod(r + 1, n), prev = mod(r - 1, n);
-  const size_t ws = dtype_size(wire);
-  const Chunks chunks = Chunks::even(count, n);
-  const size_t slices = std::max<size_t>(1, ceil_div(max_chunk(chunks), per));
+  const Chunks chunks = Chunks::aligned(count, n, sizeof(float));
+  const size_t slices = std::max<size_t>(1, ceil_div(chunks.max_length(), per));
   const size_t K = static_cast<size_t>(n - 1) * slices;
   auto at = [&](int c, const Slice& s) { return data + chunks.offset(c) + s.begin; };
 

@@ -4,6 +4,7 @@
 // CPU (executed) and GPU (enqueued); see transport.h for the contract.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 
 #include "reduce.h"
@@ -16,7 +17,9 @@ struct Context {
   Transport& transport;
   Reducer& reducer;
   // Temporary space for received slices, in the same memory as the data
-  // (host or device). At least 2 * slice_bytes.
+  // (host or device). At least 2 * slice_bytes; with 2 * slice_bytes + 64
+  // (as the bindings allocate) ring_reduce_scatter receives every slice at
+  // its destination's address modulo 16 (see RecvSlots in algorithms.cc).
   void* scratch;
   size_t scratch_bytes;
   // Transfer granularity: chunks are cut into slices of this many bytes so
@@ -25,15 +28,64 @@ struct Context {
   size_t slice_bytes;
 };
 
-// Split of `count` elements into world_size chunks: chunk c has base (+1 for
-// the first `rem` chunks) elements, laid out back to back.
+// Alignment, in bytes, of every chunk and slice start the ring algorithms cut
+// (relative to the buffer start) and of their scratch slots: the CUDA
+// reduction kernel (csrc/cuda/reduce_kernels.cu) takes its 16-byte pack path
+// only when destination and both operands share their offset modulo 16, and
+// the scratch slot that receives a slice is 16-byte aligned.
+constexpr size_t kChunkAlignBytes = 16;
+
+// Elements per alignment unit: the fewest elements of `elem_size` bytes that
+// span a multiple of kChunkAlignBytes (1 for elements of 16 bytes or more, or
+// of a size that does not divide 16).
+inline size_t align_unit(size_t elem_size) {
+  return elem_size != 0 && elem_size < kChunkAlignBytes && kChunkAlignBytes % elem_size == 0
+             ? kChunkAlignBytes / elem_size
+             : 1;
+}
+
+// Split of a buffer into chunks laid out back to back: chunk c has `base`
+// elements, plus `unit` for the first `rem` chunks, plus `tail` for chunk
+// `last`. Chunks{m, 0} is `n` equal chunks of m elements.
+//
+// Chunks::aligned(count, n, elem_size) cuts `count` elements into n chunks
+// whose starts are multiples of align_unit(elem_size) elements (16 bytes from
+// the buffer start): the count / unit whole units are dealt out as evenly as
+// possible, the first chunks getting one more, and the count % unit leftover
+// elements join the last chunk, which never got an extra unit. So chunk sizes
+// differ by at most one unit, and every chunk starts 16-byte aligned.
+//
+//   count = 10 float32, n = 2 (unit 4 elements):  [0, 4) [4, 10)
+//   count = 17 int8,    n = 3 (unit 16):          [0, 16) [16, 16) [16, 17)
 struct Chunks {
   size_t base;
   size_t rem;
-  size_t offset(int c) const { return c * base + (static_cast<size_t>(c) < rem ? c : rem); }
-  size_t length(int c) const { return base + (static_cast<size_t>(c) < rem ? 1 : 0); }
-  static Chunks even(size_t count, int n) { return Chunks{count / n, count % n}; }
+  size_t unit = 1;
+  size_t tail = 0;
+  size_t last = 0;
+  size_t offset(int c) const {
+    const size_t i = static_cast<size_t>(c);
+    return i * base + std::min(i, rem) * unit;
+  }
+  size_t length(int c) const {
+    const size_t i = static_cast<size_t>(c);
+    return base + (i < rem ? unit : 0) + (i == last ? tail : 0);
+  }
+  // The longest chunk's length.
+  size_t max_length() const { return base + std::max(rem ? unit : 0, tail); }
+  static Chunks aligned(size_t count, int n, size_t elem_size) {
+    const size_t u = align_unit(elem_size), units = count / u, parts = static_cast<size_t>(n);
+    return Chunks{units / parts * u, units % parts, u, count % u, parts - 1};
+  }
 };
+
+// Elements per ring slice of about `slice_bytes` bytes: a multiple of
+// align_unit(elem_size) (so slice starts and scratch slots stay 16-byte
+// aligned) when slice_bytes holds at least one unit, and never 0.
+inline size_t slice_elems(size_t slice_bytes, size_t elem_size) {
+  const size_t per = slice_bytes / elem_size, u = align_unit(elem_size);
+  return per >= u ? per - per % u : std::max<size_t>(1, per);
+}
 
 // In-place ring reduce-scatter over `data`, laid out as `chunks`. Afterwards
 // chunk r (r = this rank) holds op over all ranks; for AVG it is also scaled

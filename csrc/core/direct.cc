@@ -50,7 +50,7 @@ void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
     // into its own output, publishes it in its shared buffer (chunk r of that
     // buffer is read by nobody else, so overwriting it is safe), then every
     // rank copies the other chunks from their owners.
-    const Chunks ch = Chunks::even(m, n);
+    const Chunks ch = Chunks::aligned(m, n, es);
     const size_t off = ch.offset(me) * es, len = ch.length(me);
     if (len > 0) {
       char* out = dst + off;

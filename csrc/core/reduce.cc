@@ -1,6 +1,7 @@
 #include "reduce.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -15,6 +16,20 @@
 
 namespace pycomm {
 namespace {
+
+// PYCOMM_CPU_SIMD: unset, "" or "auto" (vector paths where the CPU has them)
+// or "scalar" (the portable loops only). Another value throws UsageError, at
+// every call, so a typo cannot silently select a path.
+bool cpu_simd_forced_scalar() {
+  static const bool scalar = [] {
+    const char* v = std::getenv("PYCOMM_CPU_SIMD");
+    const std::string s = v ? v : "";
+    if (s.empty() || s == "auto") return false;
+    if (s == "scalar") return true;
+    throw UsageError("environment variable PYCOMM_CPU_SIMD='" + s + "' is not 'auto' or 'scalar'");
+  }();
+  return scalar;
+}
 
 // Plain loops: the compiler vectorises the 32/64-bit cases (with a runtime
 // overlap check, since dst may alias a). The aliasing case (dst == a) is the
@@ -52,8 +67,12 @@ void reduce_block16(T* dst, const T* a, const T* b, size_t n, Fn fn) {
 //  * bf16 is the integer RNE of float_to_bf16 on 8 lanes; NaN lanes redone.
 //  * the ops are the same IEEE single operations as the scalar functors
 //    (MAX/MIN: a if a is NaN or a > b, else b; as blends).
+//
+// PYCOMM_CPU_SIMD=scalar (read once, at the first reduction) forces the
+// portable paths on a CPU that has AVX2, so that tests can compare the two.
 bool have_avx2_f16c() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  static const bool ok =
+      !cpu_simd_forced_scalar() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   return ok;
 }
 
