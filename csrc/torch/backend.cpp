@@ -94,7 +94,8 @@ class OpDevice {
     return *this;
   }
   OpDevice& add_list(const std::vector<at::Tensor>& list, const char* arg) {
-    for (size_t r = 0; r < list.size(); ++r) add(list[r], std::string(arg) + "[" + std::to_string(r) + "]");
+    for (size_t r = 0; r < list.size(); ++r)
+      add(list[r], std::string(arg) + "[" + std::to_string(r) + "]");
     return *this;
   }
   c10::Device get() const {
@@ -191,7 +192,8 @@ CommFactory factory_from_python(py::object fn) {
         what = py::str(e.value());
       } catch (const py::cast_error& e) {
         kind = PyExc_TypeError;
-        what = op + ": the pycomm backend's communicator factory did not return a pycomm._C.Comm (" +
+        what = op +
+               ": the pycomm backend's communicator factory did not return a pycomm._C.Comm (" +
                e.what() + ")";
       }
     }
@@ -214,9 +216,7 @@ BackendWork::BackendWork(int rank, c10d::OpType type, c10::intrusive_ptr<pycomm:
       future_(std::move(future)),
       outputs_(std::move(outputs)) {}
 
-bool BackendWork::isCompleted() {
-  return future_->completed() && (!op_ || op_->is_completed());
-}
+bool BackendWork::isCompleted() { return future_->completed() && (!op_ || op_->is_completed()); }
 
 bool BackendWork::isSuccess() const {
   return future_->completed() && !future_->hasError() && (!op_ || op_->is_success());
@@ -296,7 +296,8 @@ ProcessGroupPycomm::ProcessGroupPycomm(std::shared_ptr<Comm> cpu_comm, std::stri
       cuda_factory_(std::move(cuda_factory)),
       cuda_algo_(std::move(cuda_algo)) {
   TORCH_CHECK_VALUE(cpu_comm_->device() == "cpu",
-                    "the pycomm backend needs a CPU communicator, got one on ", cpu_comm_->device());
+                    "the pycomm backend needs a CPU communicator, got one on ",
+                    cpu_comm_->device());
   init();
 }
 
@@ -372,8 +373,7 @@ int ProcessGroupPycomm::reduce_op(const c10d::ReduceOp& op, const char* opname) 
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::launch(c10d::OpType type, const char* op,
-                                                          const c10::Device& device,
-                                                          bool async_op,
+                                                          const c10::Device& device, bool async_op,
                                                           std::vector<at::Tensor> outputs,
                                                           const Issue& issue, Finish finish) {
   check_not_coalescing(op);
@@ -384,8 +384,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::launch(c10d::OpType type, con
     // stream is ordered after the op, and the copy back runs on it.
     issue(*comm, false);
     if (finish) finish();
-    return c10::make_intrusive<BackendWork>(rank_, type, nullptr,
-                                            completed_future(outputs, device), outputs);
+    return c10::make_intrusive<BackendWork>(rank_, type, nullptr, completed_future(outputs, device),
+                                            outputs);
   }
   c10::intrusive_ptr<pycomm::Work> work = issue(*comm, true);
   c10::intrusive_ptr<c10::ivalue::Future> future = work->future();
@@ -470,8 +470,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
                     ": the pycomm backend takes one output list per call, got ", outputs.size());
   const at::Tensor in = inputs[0];
   std::vector<at::Tensor> outs = outputs[0];
-  const c10::Device dev =
-      OpDevice(kOp).add(in, "input").add_list(outs, "output_tensor_list").get();
+  const c10::Device dev = OpDevice(kOp).add(in, "input").add_list(outs, "output_tensor_list").get();
   check_list(outs, "output_tensor_list", in, "input", size_, kOp);
   // Gathered into one flat staging buffer, then copied out to the list.
   at::Tensor flat = at::empty({in.numel() * size_}, in.options());

@@ -85,8 +85,8 @@ class ProcessGroupPycomm final : public c10d::Backend {
   // `cpu_algo` / `cuda_algo`: the all_reduce algorithm on each ("auto",
   // "ring", "direct" / "auto", "ring", "nccl"); the other collectives use
   // "auto".
-  ProcessGroupPycomm(std::shared_ptr<Comm> cpu_comm, std::string cpu_algo,
-                     CommFactory cuda_factory, std::string cuda_algo);
+  ProcessGroupPycomm(std::shared_ptr<Comm> cpu_comm, std::string cpu_algo, CommFactory cuda_factory,
+                     std::string cuda_algo);
   ~ProcessGroupPycomm() override;
 
   const std::string getBackendName() const override { return "pycomm"; }
