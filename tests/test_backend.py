@@ -331,10 +331,16 @@ def _devices_and_dispatch(rank: int, world_size: int, port: int, backend: str) -
                 [torch.ones(2, device="meta")])
         if not _C.WITH_CUDA:
             # The CUDA communicator is made on demand (the C++ backend calls
-            # pycomm/backend.py's factory); without CUDA it says what is missing.
-            _raises(ValueError, "get_communicator on cuda:0: this pycomm build has no CUDA/NCCL "
-                    r"support \(pycomm._C.WITH_CUDA is False\)",
-                    pycomm.backend.get_communicator, device="cuda")
+            # pycomm/backend.py's factory); without CUDA it says what is
+            # missing, and a failed creation stays failed.
+            for _ in range(2):
+                _raises(ValueError, "get_communicator on cuda:0: this pycomm build has no "
+                        r"CUDA/NCCL support \(pycomm._C.WITH_CUDA is False\)",
+                        pycomm.backend.get_communicator, device="cuda")
+        # A backend made without a CUDA factory serves CPU tensors only.
+        bare = _C.make_backend(_C.backend_comm(on_cpu), "auto")
+        _raises(ValueError, "without a CUDA communicator factory", _C.backend_comm, bare, "cuda:0")
+        assert _C.backend_comm(bare) is _C.backend_comm(on_cpu)
         z = torch.full((2,), float(rank))
         dist.all_reduce(z, op=dist.ReduceOp.MAX)
         assert torch.equal(z, torch.full((2,), float(world_size - 1)))

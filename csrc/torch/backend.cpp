@@ -326,7 +326,16 @@ std::shared_ptr<Comm> ProcessGroupPycomm::comm_for(c10::Device device, const cha
       TORCH_CHECK_VALUE(static_cast<bool>(cuda_factory_), op, ": got a tensor on ", device.str(),
                         ", but this pycomm process group was made without a CUDA communicator "
                         "factory (_C.make_backend(cuda_factory=None)): CPU tensors only");
-      comm = cuda_factory_(device, op);
+      // A failed creation is final: the ranks that got further may have
+      // used up the rendezvous (the NCCL id in the store), so a retry could
+      // only mismatch. Later CUDA ops raise the same error.
+      if (cuda_failure_) std::rethrow_exception(cuda_failure_);
+      try {
+        comm = cuda_factory_(device, op);
+      } catch (...) {
+        cuda_failure_ = std::current_exception();
+        throw;
+      }
       TORCH_CHECK(comm != nullptr && comm->rank() == rank_ && comm->world_size() == size_, op,
                   ": the CUDA communicator made for this group does not match it (rank ",
                   comm ? comm->rank() : -1, " of ", comm ? comm->world_size() : -1,

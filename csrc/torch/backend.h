@@ -18,7 +18,8 @@
 //         reaches its first CUDA operation at the same point, the NCCL
 //         bootstrap matches. That creation is collective over the whole group
 //         (a first CUDA send/recv between two ranks of a larger group waits for
-//         the others until the timeout: run a CUDA collective first). One CUDA
+//         the others until the timeout: run a CUDA collective first); a failed
+//         creation is final (later CUDA ops raise its error). One CUDA
 //         device per group (the first op's); a tensor on another one raises.
 // CUDA stream semantics are ProcessGroupNCCL's, inherited from Comm's CUDA
 // executor: an op runs after the caller's current stream; a sync op orders the
@@ -31,6 +32,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -151,6 +153,7 @@ class ProcessGroupPycomm final : public c10d::Backend {
   CommFactory cuda_factory_;
   std::string cuda_algo_;
   std::mutex create_mu_;             // one creation of cuda_comm_ at a time
+  std::exception_ptr cuda_failure_;  // why it failed (guarded by create_mu_)
   std::mutex cuda_mu_;               // guards cuda_comm_ and shut_down_ (held briefly)
   std::shared_ptr<Comm> cuda_comm_;  // null until the first CUDA op
   bool shut_down_ = false;
