@@ -22,10 +22,12 @@ users never pay for NCCL. Its creation is collective over the group, so the
 group's first CUDA operation must be one every rank of the group reaches (a
 collective; a first CUDA ``send``/``recv`` works only in a two-rank group); if
 it fails, later CUDA operations of the group raise the same error. It runs on
-the device of that first operation's tensors (one CUDA device per group). CUDA semantics are ProcessGroupNCCL's: an op runs after the caller's
-current stream, ``Work.wait()`` makes the current stream wait (with a
-``timeout``: the host waits for the GPU), ``get_future()`` is CUDA-aware.
-``"cpu:gloo,cuda:pycomm"`` and ``"cpu:pycomm,cuda:nccl"`` work too.
+the device of that first operation's tensors (one CUDA device per group).
+CUDA semantics are ProcessGroupNCCL's: an op runs after the caller's current
+stream, ``Work.wait()`` makes the current stream wait (with a ``timeout``: the
+host waits for the GPU), ``get_future()`` is CUDA-aware. With
+``"cpu:gloo,cuda:pycomm"`` torch sends only CUDA tensors here (the group still
+gets its, unused, CPU communicator).
 
 Supported: ``all_reduce`` (SUM, AVG, MAX, MIN, PRODUCT), ``broadcast``,
 ``all_gather`` (list), ``all_gather_into_tensor``, ``reduce_scatter`` (list),
