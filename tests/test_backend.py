@@ -354,6 +354,22 @@ def test_one_backend_for_cpu_and_cuda(backend):
     assert spawn_ranks(_devices_and_dispatch, 2, backend, timeout=120) == [["ok"]] * 2
 
 
+def test_options_resolve_and_validate(monkeypatch):
+    import pycomm
+
+    monkeypatch.setenv("PYCOMM_BACKEND_CUDA_ALGO", "nccl")
+    monkeypatch.delenv("PYCOMM_BACKEND_ALGO", raising=False)
+    opts = pycomm.backend.Options(transport="gloo").resolved()
+    assert (opts.transport, opts.algo, opts.cuda_algo) == ("gloo", "auto", "nccl")
+    assert pycomm.backend.Options(cuda_algo="ring").resolved().cuda_algo == "ring"
+    with pytest.raises(ValueError, match="cuda_algo='direct' is not one of"):
+        pycomm.backend.Options(cuda_algo="direct").resolved()
+    with pytest.raises(ValueError, match="algo='nccl' is not one of"):
+        pycomm.backend.Options(algo="nccl").resolved()
+    with pytest.raises(ValueError, match="transport='nccl' is not one of .* CUDA tensors always"):
+        pycomm.backend.Options(transport="nccl").resolved()
+
+
 def _reinit_without_options(rank: int, world_size: int, port: int) -> list:
     import torch.distributed as dist
 
