@@ -353,6 +353,29 @@ def _p2p(comm, store):
                 t += 2
                 w = comm.isend(t, 0)
                 w.wait()
+    # isend(x, p); irecv(y, p) on both ranks of a pair, at a size NCCL cannot
+    # buffer: on one stream per rank each receive would queue behind the
+    # rank's own send, which waits for the peer's receive (a deadlock); the
+    # per-direction p2p lanes keep them apart.
+    m = 16 << 20
+    p = r ^ 1
+    if p < world:
+        out = torch.full((m,), float(r), device="cuda")
+        got = torch.empty(m, device="cuda")
+        ws = [comm.isend(out, p), comm.irecv(got, p)]
+        for w in ws:
+            w.wait()
+        assert torch.all(got == float(p)).item()
+    # Every rank to every peer at that size: one batch_isend_irecv (a group
+    # per lane), which NCCL runs whatever the order of its ops.
+    outs = {q: torch.full((m,), float(r * 10 + q), device="cuda") for q in range(world) if q != r}
+    ins = {q: torch.empty(m, device="cuda") for q in outs}
+    ops = [pycomm.P2POp("isend", outs[q], q) for q in outs]
+    ops += [pycomm.P2POp("irecv", ins[q], q) for q in ins]
+    for w in comm.batch_isend_irecv(ops):
+        w.wait()
+    for q, got in ins.items():
+        assert torch.all(got == float(q * 10 + r)).item(), q
 
 
 @pytest.mark.parametrize("world", [2, 3])

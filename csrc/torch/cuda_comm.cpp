@@ -23,24 +23,36 @@
 //      the communicator, but its future has already been completed.
 //
 // User point-to-point (send/recv/isend/irecv/batch_isend_irecv, channel
-// kUser) runs on a lane of its own, like ProcessGroupNCCL's p2p: a second NCCL
-// communicator split from the first at construction (every rank constructs
-// its CudaComm at the same point, so the collective split is matched), with
-// its own CudaStreams (the NCCL group on its comm stream, joined into its
-// reduction stream, which carries no kernels) and NcclTransport. Steps 1-4
-// above are the same, on the lane's streams. So NCCL can never pair a user
-// send with a ring step's receive, and a pending irecv blocks neither the
-// GPU work nor the Works of later collectives. The ring algorithms' own
-// transfers (kCollective) stay on the first communicator. The two lanes are
-// ordered only through the caller's stream. One lock serialises enqueueing
-// on both communicators (NCCL forbids concurrent calls on communicators of
-// one device). As with ProcessGroupNCCL, NCCL connects a pair of ranks lazily
-// on its first transfer, which needs the peer to post its side too: until
-// then the enqueue waits on the host (bounded by the timeout).
+// kUser) runs on lanes of its own: two NCCL communicators split from the
+// first at construction (every rank constructs its communicator at the same
+// point, so the collective splits are matched), one per direction: rank r's
+// sends to higher ranks and receives from lower ones go to the "up" lane, the
+// others to the "down" lane. Each lane has its own CudaStreams (the NCCL group
+// on its comm stream, joined into its reduction stream, which carries no
+// kernels) and NcclTransport; steps 1-4 above are the same, on the lane's
+// streams. So NCCL can never pair a user send with a ring step's receive, a
+// pending irecv blocks neither the GPU work nor the Works of later
+// collectives, and isend(x, p); irecv(y, p) on both ranks completes at any
+// size: on each rank the send and the receive are on different lanes, so
+// neither waits behind the other (on one stream, each rank's receive would
+// queue behind its own send, which waits for the peer's receive). A
+// batch_isend_irecv posts one group per lane it touches; its Work completes
+// when both have. With three or more ranks, unbatched ops can still wait in
+// a cycle once messages exceed what NCCL buffers (every rank isends to every
+// peer before its first irecv: rank 1's receive from 0 queues behind its send
+// to 2, which waits for rank 2's receive from 1, queued behind its receive
+// from 0, which waits for rank 0's second send, queued behind its first); a
+// batch_isend_irecv never does (NCCL runs a group's ops together). The lanes
+// are ordered only through the caller's stream.
+// One lock serialises enqueueing on all communicators (NCCL forbids
+// concurrent calls on communicators of one device). NCCL connects a pair of
+// ranks lazily on its first transfer, and that enqueue waits on the host for
+// the peer; construction therefore connects every pair on both p2p lanes
+// with one group per lane (connect_p2p_lanes), so user p2p never waits there.
 //
 // Timeouts / dead peers. The watchdog also checks ncclCommGetAsyncError on
-// both communicators while work is pending and enforces the timeout per
-// operation; on an error or timeout it aborts both NCCL communicators
+// every communicator while work is pending and enforces the timeout per
+// operation; on an error or timeout it aborts all NCCL communicators
 // (kernels exit, streams drain) and fails every pending Work with CommError;
 // later calls raise. Works complete in order per lane.
 //
@@ -141,8 +153,11 @@ class CudaWork final : public Work {
   std::exception_ptr error_;
 };
 
-// One NCCL communicator with its streams, reducer and transport: the
-// collectives' lane (kCollective) or the user p2p lane (kUser).
+// The executor's lanes: the collectives' one and two for user p2p, one per
+// direction (see the top). Each is one NCCL communicator with its streams.
+enum LaneId : int { kLaneCollective = 0, kLaneUp = 1, kLaneDown = 2, kNumLanes = 3 };
+
+// One NCCL communicator with its streams, reducer and transport.
 struct Lane {
   std::unique_ptr<cuda::NcclComm> nccl;
   std::unique_ptr<cuda::CudaStreams> streams;
@@ -175,21 +190,24 @@ class CudaExecutor final : public Executor {
         slice_bytes_(static_cast<size_t>(options.slice_bytes)) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     auto nccl = std::make_unique<cuda::NcclComm>(unique_id, rank, world_size, device, timeout_);
-    // The user p2p lane (see the top). Split now, not lazily on the first
-    // p2p: the split is collective, and this point is the same on all ranks.
-    auto p2p = std::make_unique<cuda::NcclComm>(*nccl, "pycomm-p2p");
-    lanes_[kCollective].open(std::move(nccl), device, kCollective);
-    lanes_[kUser].open(std::move(p2p), device, kUser);
+    // The user p2p lanes (see the top). Split now, not lazily on the first
+    // p2p: a split is collective, and this point is the same on all ranks.
+    auto up = std::make_unique<cuda::NcclComm>(*nccl, "pycomm-p2p-up");
+    auto down = std::make_unique<cuda::NcclComm>(*nccl, "pycomm-p2p-down");
+    lanes_[kLaneCollective].open(std::move(nccl), device, kCollective);
+    lanes_[kLaneUp].open(std::move(up), device, kUser);
+    lanes_[kLaneDown].open(std::move(down), device, kUser);
+    connect_p2p_lanes();
     {
       // Allocated for the reduction stream (like reduce_scatter's buffer): on
       // the caller's stream the allocator could hand out a block whose last
       // user there is still pending, and our non-blocking streams would not
       // be ordered after it.
-      c10::cuda::CUDAStreamGuard g(reduction_stream(kCollective));
+      c10::cuda::CUDAStreamGuard g(reduction_stream(kLaneCollective));
       scratch_ = at::empty({static_cast<int64_t>(2 * slice_bytes_ + 64)},
                            at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
     }
-    record_on_streams(scratch_, *lanes_[kCollective].streams);
+    record_on_streams(scratch_, *lanes_[kLaneCollective].streams);
     watchdog_ = std::thread([this] { watchdog_loop(); });
   }
 
@@ -211,7 +229,7 @@ class CudaExecutor final : public Executor {
   bool on_own_thread() const override { return false; }
 
   at::Tensor empty_like(const at::Tensor& t) override {
-    c10::cuda::CUDAStreamGuard g(reduction_stream(kCollective));
+    c10::cuda::CUDAStreamGuard g(reduction_stream(kLaneCollective));
     return at::empty_like(t);
   }
 
@@ -220,73 +238,27 @@ class CudaExecutor final : public Executor {
     return c10::make_intrusive<CudaWork>(op, seq, std::move(outputs), device_);
   }
 
-  // Enqueues body on the lane of `channel`: kCollective (the collectives'
-  // communicator, streams and scratch) or kUser (the user p2p lane: its
-  // transport and streams only; no scratch).
-  void run(const c10::intrusive_ptr<Work>& w, Body body, Wait wait, Channel channel,
+  // Collectives run on the collectives' lane, with its scratch.
+  void run(const c10::intrusive_ptr<Work>& work, Body body, Wait wait, Channel channel,
            std::vector<at::Tensor> keep) override {
-    auto work = c10::static_intrusive_pointer_cast<CudaWork>(w);
-    Lane& lane = lanes_[channel];
-    {
-      std::lock_guard<std::mutex> lk(enqueue_mu_);  // one operation enqueues at a time
-      if (aborted()) {
-        throw CommError(join_msg(
-            {work->op(), ": the communicator was aborted earlier (", abort_reason(), ")"}));
-      }
-      c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-      const cudaStream_t user =
-          c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
-      const bool in_capture = capturing();
-      if (in_capture && wait == Wait::kHost) {
-        throw UsageError(join_msg({work->op(),
-                                   ": not allowed during CUDA graph capture (it "
-                                   "blocks the host)"}));
-      }
-      try {
-        lane.streams->begin(user);
-        const bool collective = channel == kCollective;
-        Context ctx{*lane.transport, *lane.reducer, collective ? scratch_.data_ptr() : nullptr,
-                    collective ? static_cast<size_t>(scratch_.nbytes()) : 0, slice_bytes_};
-        body(ctx);
-        lane.streams->record_done(work->done());
-      } catch (const UsageError& e) {
-        // Checked mode: every rank found the mismatch before any payload moved;
-        // the communicator stays usable.
-        const UsageError err(join_msg({work->op(), " #", std::to_string(work->seq()), " on rank ",
-                                       std::to_string(rank_), ": ", e.what()}));
-        work->fail(std::make_exception_ptr(err));
-        throw err;
-      } catch (const std::exception& e) {
-        const std::string msg =
-            failure_message(*work, rank_, "nccl", size_, device().str(), e.what());
-        abort(msg);
-        work->fail(std::make_exception_ptr(CommError(msg)));
-        throw CommError(msg);
-      }
-      for (const auto& t : keep) record_on_streams(t, *lane.streams);
-      work->enqueued(reduction_stream(channel));  // records the outputs on it too
-      if (wait == Wait::kSync) PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(user, work->done(), 0));
-      if (in_capture) {
-        work->complete();  // no host-side tracking of captured work (see the top)
-      } else {
-        {
-          std::lock_guard<std::mutex> wl(wd_mu_);
-          pending_[channel].push_back({work, Clock::now()});
-        }
-        wd_cv_.notify_one();
-      }
-    }
-    if (wait == Wait::kHost) {
-      lane.nccl->host_wait(work->done(), work->op().c_str());  // aborts + throws on error / timeout
-      work->rethrow_if_failed();
-    }
+    if (channel != kCollective) throw std::logic_error("CudaExecutor::run: user p2p is run_p2p's");
+    enqueue(work, {{kLaneCollective, std::move(body)}}, wait, keep);
   }
 
+  // User p2p: the ops go to the lane of their direction, as one group per
+  // lane; a Work with ops in both directions completes when both groups have.
   void run_p2p(const c10::intrusive_ptr<Work>& work, std::vector<P2POp> ops, Wait wait,
                std::vector<at::Tensor> keep) override {
-    run(
-        work, [ops](const Context& ctx) { ctx.transport.exchange(ops.data(), ops.size()); }, wait,
-        kUser, std::move(keep));
+    std::vector<P2POp> by_lane[kNumLanes];
+    for (const P2POp& op : ops) by_lane[lane_of(op)].push_back(op);
+    std::vector<std::pair<LaneId, Body>> parts;
+    for (LaneId l : {kLaneUp, kLaneDown}) {
+      if (by_lane[l].empty()) continue;
+      parts.emplace_back(l, [group = std::move(by_lane[l])](const Context& ctx) {
+        ctx.transport.exchange(group.data(), group.size());
+      });
+    }
+    enqueue(work, std::move(parts), wait, keep);
   }
 
   // Waits for pending work (bounded by the timeout: the watchdog aborts),
@@ -305,9 +277,9 @@ class CudaExecutor final : public Executor {
     // destroy may synchronise the ranks of a host). A failure (which has
     // aborted that communicator) does not keep the other from closing.
     std::exception_ptr err;
-    for (Channel c : {kUser, kCollective}) {
+    for (LaneId l : {kLaneDown, kLaneUp, kLaneCollective}) {
       try {
-        if (lanes_[c].nccl) lanes_[c].nccl->destroy();
+        if (lanes_[l].nccl) lanes_[l].nccl->destroy();
       } catch (...) {
         if (!err) err = std::current_exception();
       }
@@ -356,13 +328,146 @@ class CudaExecutor final : public Executor {
     c10::intrusive_ptr<CudaWork> work;
     Clock::time_point start;
   };
-  static constexpr int kNumLanes = 2;  // indexed by Channel: kCollective, kUser
+  // Rank r's sends to higher ranks and receives from lower ones travel on the
+  // up lane, the rest on the down lane: each pair of ranks then uses one lane
+  // per direction, so isend(x, p); irecv(y, p) on both ranks never queues a
+  // receive behind a send that waits for the peer's receive.
+  LaneId lane_of(const P2POp& op) const {
+    return (op.kind == P2POp::kSend) == (op.peer > rank_) ? kLaneUp : kLaneDown;
+  }
+
+  // NCCL connects a pair of ranks lazily, on the first transfer between them,
+  // and the enqueue waits on the host until the peer posts its side: a user's
+  // first isend to a peer that is itself in an isend would wait for ever.
+  // So every pair is connected now, on both p2p lanes, by one group per lane
+  // in which each rank sends to and receives from every peer of the lane's
+  // direction (1 MiB, so the channels of large messages connect too).
+  void connect_p2p_lanes() {
+    constexpr size_t kBytes = 1 << 20;
+    if (size_ < 2) return;
+    at::Tensor buf = at::empty({static_cast<int64_t>(kBytes * size_)},
+                               at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device_));
+    char* base = static_cast<char*>(buf.data_ptr());
+    const cudaStream_t user =
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
+    for (LaneId l : {kLaneUp, kLaneDown}) {
+      std::vector<P2POp> ops;
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        for (P2POp::Kind kind : {P2POp::kSend, P2POp::kRecv}) {
+          P2POp op{kind, base + p * kBytes, kBytes, p, kUser};
+          if (kind == P2POp::kSend) op.buf = base + rank_ * kBytes;
+          if (lane_of(op) == l) ops.push_back(op);
+        }
+      }
+      Lane& lane = lanes_[l];
+      lane.streams->begin(user);
+      lane.transport->exchange(ops.data(), ops.size());
+      cudaEvent_t done = cuda::make_event();
+      lane.streams->record_done(done);
+      try {
+        lane.nccl->host_wait(done, "connecting the p2p lanes");
+      } catch (...) {
+        (void)cudaEventDestroy(done);
+        throw;
+      }
+      (void)cudaEventDestroy(done);
+    }
+  }
+
+  // Enqueues the parts (a body per lane) as one op: each on its lane's
+  // streams, after the caller's current stream; the Work's `done` event is
+  // recorded on the last part's reduction stream once every part has passed.
+  void enqueue(const c10::intrusive_ptr<Work>& w, std::vector<std::pair<LaneId, Body>> parts,
+               Wait wait, const std::vector<at::Tensor>& keep) {
+    auto work = c10::static_intrusive_pointer_cast<CudaWork>(w);
+    if (parts.empty()) {  // batch_isend_irecv of nothing
+      work->complete();
+      work->enqueued(reduction_stream(kLaneCollective));
+      return;
+    }
+    const LaneId last = parts.back().first;
+    {
+      std::lock_guard<std::mutex> lk(enqueue_mu_);  // one operation enqueues at a time
+      if (aborted()) {
+        throw CommError(join_msg(
+            {work->op(), ": the communicator was aborted earlier (", abort_reason(), ")"}));
+      }
+      c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+      const cudaStream_t user =
+          c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
+      const bool in_capture = capturing();
+      if (in_capture && wait == Wait::kHost) {
+        throw UsageError(join_msg({work->op(),
+                                   ": not allowed during CUDA graph capture (it "
+                                   "blocks the host)"}));
+      }
+      std::vector<cudaEvent_t> joins;  // parts before the last one
+      try {
+        for (auto& [id, body] : parts) {
+          Lane& lane = lanes_[id];
+          lane.streams->begin(user);
+          const bool collective = id == kLaneCollective;
+          Context ctx{*lane.transport, *lane.reducer, collective ? scratch_.data_ptr() : nullptr,
+                      collective ? static_cast<size_t>(scratch_.nbytes()) : 0, slice_bytes_};
+          body(ctx);
+          if (id != last) {
+            joins.push_back(cuda::make_event());
+            lane.streams->record_done(joins.back());
+          }
+        }
+        for (cudaEvent_t ev : joins) {
+          PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(lanes_[last].streams->reduction(), ev, 0));
+        }
+        lanes_[last].streams->record_done(work->done());
+      } catch (const UsageError& e) {
+        destroy_events(joins);
+        // Checked mode: every rank found the mismatch before any payload moved;
+        // the communicator stays usable.
+        const UsageError err(join_msg({work->op(), " #", std::to_string(work->seq()), " on rank ",
+                                       std::to_string(rank_), ": ", e.what()}));
+        work->fail(std::make_exception_ptr(err));
+        throw err;
+      } catch (const std::exception& e) {
+        destroy_events(joins);
+        const std::string msg =
+            failure_message(*work, rank_, "nccl", size_, device().str(), e.what());
+        abort(msg);
+        work->fail(std::make_exception_ptr(CommError(msg)));
+        throw CommError(msg);
+      }
+      destroy_events(joins);  // released once the waits above have passed
+      for (const auto& [id, body] : parts) {
+        for (const auto& t : keep) record_on_streams(t, *lanes_[id].streams);
+      }
+      work->enqueued(reduction_stream(last));  // records the outputs on it too
+      if (wait == Wait::kSync) PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(user, work->done(), 0));
+      if (in_capture) {
+        work->complete();  // no host-side tracking of captured work (see the top)
+      } else {
+        {
+          std::lock_guard<std::mutex> wl(wd_mu_);
+          pending_[last].push_back({work, Clock::now()});
+        }
+        wd_cv_.notify_one();
+      }
+    }
+    if (wait == Wait::kHost) {
+      // Aborts and throws on an error or the timeout.
+      lanes_[last].nccl->host_wait(work->done(), work->op().c_str());
+      work->rethrow_if_failed();
+    }
+  }
+
+  static void destroy_events(const std::vector<cudaEvent_t>& events) {
+    for (cudaEvent_t ev : events) (void)cudaEventDestroy(ev);
+  }
 
   c10::cuda::CUDAStream torch_stream(cudaStream_t s) const {
     return c10::cuda::getStreamFromExternal(s, static_cast<c10::DeviceIndex>(device_));
   }
-  c10::cuda::CUDAStream reduction_stream(Channel c) const {
-    return torch_stream(lanes_[c].streams->reduction());
+  c10::cuda::CUDAStream reduction_stream(LaneId l) const {
+    return torch_stream(lanes_[l].streams->reduction());
   }
 
   bool capturing() const {
@@ -411,7 +516,12 @@ class CudaExecutor final : public Executor {
       Pending front[kNumLanes];  // front[l].work is null when lane l is idle
       {
         std::unique_lock<std::mutex> lk(wd_mu_);
-        auto idle = [&] { return pending_[kCollective].empty() && pending_[kUser].empty(); };
+        auto idle = [&] {
+          for (const auto& lane : pending_) {
+            if (!lane.empty()) return false;
+          }
+          return true;
+        };
         wd_cv_.wait(lk, [&] { return wd_stop_ || !idle(); });
         if (idle()) return;  // stop requested and drained
         for (int l = 0; l < kNumLanes; ++l) {
@@ -474,13 +584,13 @@ class CudaExecutor final : public Executor {
   int rank_, size_, device_;
   std::chrono::milliseconds timeout_;
   size_t slice_bytes_;
-  Lane lanes_[kNumLanes];  // indexed by Channel
+  Lane lanes_[kNumLanes];  // indexed by LaneId
   at::Tensor scratch_;
   std::mutex enqueue_mu_;
 
   std::mutex wd_mu_;
   std::condition_variable wd_cv_;
-  std::deque<Pending> pending_[kNumLanes];  // per Channel
+  std::deque<Pending> pending_[kNumLanes];  // per LaneId
   bool wd_stop_ = false;
   std::thread watchdog_;
 };
