@@ -155,8 +155,8 @@ def _p2p_and_layouts(rank: int, n: int, device: str = "cpu") -> int:
         got = torch.empty(1031, dtype=torch.float64, device=device)
         dist.recv(got, 0)
         assert torch.equal(got.cpu(), torch.arange(1031, dtype=torch.float64))
-    # The batch first: on CUDA, NCCL connects a pair at its first transfer,
-    # which a ring of lone isends (each waiting for its peer) could not do.
+    # A ring shift, batched and as lone isend/irecv pairs (small messages:
+    # on CUDA a ring of lone isends relies on NCCL buffering them).
     for count in COUNTS:
         got = torch.empty(count, dtype=torch.int64, device=device)
         ops = [dist.P2POp(dist.isend, full((count,), rank, torch.int64), nxt),
