@@ -1,7 +1,8 @@
-"""pycomm as a ``torch.distributed`` backend.
+"""pycomm as a ``torch.distributed`` backend, on CPU and CUDA tensors.
 
-``import pycomm`` registers the backend ``"pycomm"``; after that, unmodified
-torch code runs its collectives on pycomm's algorithms and transports::
+``import pycomm`` registers the backend ``"pycomm"`` (devices ``cpu`` and
+``cuda``); after that, unmodified torch code runs its collectives on pycomm's
+algorithms and transports::
 
     import torch.distributed as dist
     import pycomm  # noqa: F401  (registers backend="pycomm")
@@ -10,30 +11,47 @@ torch code runs its collectives on pycomm's algorithms and transports::
     dist.all_reduce(t)                                  # pycomm's all-reduce
     model = torch.nn.parallel.DistributedDataParallel(model)
 
-Each process group (the default one and every ``dist.new_group``) gets its own
-pycomm communicator, built over the group's store, ranks and timeout; the C++
-backend (``csrc/torch/backend.cpp``, ``ProcessGroupPycomm``) delegates every
-call to it.
+``backend="pycomm"`` and ``"cpu:pycomm,cuda:pycomm"`` give each process group
+(the default one and every ``dist.new_group``) ONE C++ backend
+(``csrc/torch/backend.cpp``, ``ProcessGroupPycomm``) that dispatches every call
+by its tensors' device: CPU tensors to the group's CPU communicator (shm or
+gloo, built with the group over its store, ranks and timeout), CUDA tensors to
+its CUDA communicator (nccl). The CUDA communicator is built lazily, at the
+group's first CUDA operation, like ProcessGroupNCCL's NCCL communicators: CPU
+users never pay for NCCL. Its creation is collective over the group, so the
+group's first CUDA operation must be one every rank of the group reaches (a
+collective; a first CUDA ``send``/``recv`` works only in a two-rank group); if
+it fails, later CUDA operations of the group raise the same error. It runs on
+the device of that first operation's tensors (one CUDA device per group).
+CUDA semantics are ProcessGroupNCCL's: an op runs after the caller's current
+stream, ``Work.wait()`` makes the current stream wait (with a ``timeout``: the
+host waits for the GPU), ``get_future()`` is CUDA-aware. With
+``"cpu:gloo,cuda:pycomm"`` torch sends only CUDA tensors here (the group still
+gets its, unused, CPU communicator).
 
 Supported: ``all_reduce`` (SUM, AVG, MAX, MIN, PRODUCT), ``broadcast``,
 ``all_gather`` (list), ``all_gather_into_tensor``, ``reduce_scatter`` (list),
 ``reduce_scatter_tensor``, ``send``/``recv``/``isend``/``irecv`` (tag 0),
-``batch_isend_irecv`` (posted together), ``barrier``, ``all_reduce_coalesced``;
-``async_op=True`` Works with ``get_future()``. Other ops (``reduce``,
-``gather``, ``scatter``, ``all_to_all``, ...) and other reduce ops raise an
-error naming them. The list variants and non-contiguous tensors go through a
-contiguous staging buffer and one copy each way. CPU tensors only: a CUDA
-tensor raises ``NotImplementedError`` (use ``backend="cpu:pycomm,cuda:nccl"``).
+``batch_isend_irecv`` (posted together), ``barrier`` (on the CUDA communicator
+when torch names a CUDA device: ``device_ids=`` or a group bound with
+``device_id=``), ``all_reduce_coalesced``; ``async_op=True`` Works with
+``get_future()``. Other ops (``reduce``, ``gather``, ``scatter``,
+``all_to_all``, ...) and other reduce ops raise an error naming them. The list
+variants and non-contiguous tensors go through a contiguous staging buffer and
+one copy each way (on CUDA: ordered on the streams, as the op). The tensors of
+one call must be on one device (else ``ValueError``).
 
 Options (:class:`Options`, passed as ``pg_options=``, or the environment):
-``transport`` (``PYCOMM_BACKEND_TRANSPORT``), ``algo``
-(``PYCOMM_BACKEND_ALGO``), ``timeout`` (else ``init_process_group``'s),
-``check`` (``PYCOMM_CHECK``), ``slice_bytes`` (``PYCOMM_SLICE_BYTES``). A
-``new_group`` without ``pg_options`` takes the default group's options.
+``transport`` (``PYCOMM_BACKEND_TRANSPORT``, CPU), ``algo``
+(``PYCOMM_BACKEND_ALGO``, CPU), ``cuda_algo`` (``PYCOMM_BACKEND_CUDA_ALGO``),
+``timeout`` (else ``init_process_group``'s), ``check`` (``PYCOMM_CHECK``),
+``slice_bytes`` (``PYCOMM_SLICE_BYTES``). A ``new_group`` without
+``pg_options`` takes the default group's options.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -52,6 +70,10 @@ BACKEND_NAME = "pycomm"
 
 _TRANSPORTS = ("auto", "shm", "gloo")
 _ALGOS = ("auto", "ring", "direct")
+_CUDA_ALGOS = ("auto", "ring", "nccl")
+#: Where a group's CUDA communicator keeps its rendezvous keys in the group's
+#: store (the CPU one uses "pycomm").
+_CUDA_KEY_PREFIX = "pycomm-cuda"
 
 
 @dataclass(frozen=True)
@@ -61,16 +83,21 @@ class Options:
     value, then the default.
 
     Args:
-        transport: ``"auto"`` (shared memory when every rank is on this host,
-            else gloo), ``"shm"`` or ``"gloo"``. Env ``PYCOMM_BACKEND_TRANSPORT``.
-        algo: the all-reduce algorithm: ``"auto"``, ``"ring"`` or ``"direct"``
-            (shm only). Other collectives use ``"auto"``. Env
+        transport: the CPU communicator's: ``"auto"`` (shared memory when
+            every rank is on this host, else gloo), ``"shm"`` or ``"gloo"``.
+            Env ``PYCOMM_BACKEND_TRANSPORT``. CUDA tensors always use nccl.
+        algo: the all-reduce algorithm on CPU tensors: ``"auto"``, ``"ring"``
+            or ``"direct"`` (shm only). Other collectives use ``"auto"``. Env
             ``PYCOMM_BACKEND_ALGO``.
-        timeout: bounds every blocking wait of the communicator (seconds or a
-            timedelta); default the ``timeout`` of ``init_process_group`` /
+        cuda_algo: the all-reduce algorithm on CUDA tensors: ``"auto"``,
+            ``"ring"`` (pycomm's ring over NCCL send/recv) or ``"nccl"``
+            (NCCL's own). Env ``PYCOMM_BACKEND_CUDA_ALGO``.
+        timeout: bounds every blocking wait of the communicators (seconds or
+            a timedelta); default the ``timeout`` of ``init_process_group`` /
             ``new_group``.
         check: checked mode (see :func:`pycomm.init`); env ``PYCOMM_CHECK``.
-        slice_bytes: ring pipelining granularity; env ``PYCOMM_SLICE_BYTES``.
+        slice_bytes: ring pipelining granularity (both devices); env
+            ``PYCOMM_SLICE_BYTES``, else each transport's default.
 
     Example::
 
@@ -79,6 +106,7 @@ class Options:
 
     transport: str | None = None
     algo: str | None = None
+    cuda_algo: str | None = None
     timeout: timedelta | float | None = None
     check: bool | None = None
     slice_bytes: int | None = None
@@ -87,18 +115,21 @@ class Options:
         """These options with the environment's defaults filled in and checked.
 
         Raises:
-            ValueError: an unknown transport or algo.
+            ValueError: an unknown transport, algo or cuda_algo.
         """
         transport = self.transport or os.environ.get("PYCOMM_BACKEND_TRANSPORT", "auto")
         algo = self.algo or os.environ.get("PYCOMM_BACKEND_ALGO", "auto")
+        cuda_algo = self.cuda_algo or os.environ.get("PYCOMM_BACKEND_CUDA_ALGO", "auto")
         if transport not in _TRANSPORTS:
             raise ValueError(
                 f"pycomm backend: transport={transport!r} is not one of {_TRANSPORTS} (the "
-                "backend runs on CPU tensors; CUDA tensors need another backend, e.g. "
-                "backend='cpu:pycomm,cuda:nccl')")
+                "CPU communicator's; CUDA tensors always use nccl)")
         if algo not in _ALGOS:
             raise ValueError(f"pycomm backend: algo={algo!r} is not one of {_ALGOS}")
-        return replace(self, transport=transport, algo=algo)
+        if cuda_algo not in _CUDA_ALGOS:
+            raise ValueError(
+                f"pycomm backend: cuda_algo={cuda_algo!r} is not one of {_CUDA_ALGOS}")
+        return replace(self, transport=transport, algo=algo, cuda_algo=cuda_algo)
 
 
 # The default group's options: a new_group without pg_options inherits them.
@@ -111,7 +142,8 @@ _communicators: dict[int, Communicator] = {}
 
 def _create_backend(dist_opts: Any, pg_options: Any) -> Any:
     """The creator ``register_backend`` calls for each process group (extended
-    API): a pycomm communicator over the group's store, rank, size and timeout,
+    API; once per group, for all its devices): the group's CPU communicator
+    over its store, rank, size and timeout, and a factory for its CUDA one,
     wrapped in the C++ ``ProcessGroupPycomm``."""
     global _world_options
     if pg_options is None:
@@ -125,14 +157,15 @@ def _create_backend(dist_opts: Any, pg_options: Any) -> Any:
             f"pycomm backend: pg_options must be a pycomm.backend.Options, got "
             f"{type(pg_options).__name__}")
     opts = opts.resolved()
+    timeout = opts.timeout if opts.timeout is not None else dist_opts.timeout
     comm = init(
         rank=dist_opts.group_rank,
         world_size=dist_opts.group_size,
-        store=dist_opts.store,  # torch's store, already prefixed per group and device
+        store=dist_opts.store,  # torch's store, already prefixed per group (and device)
         key_prefix="pycomm",
         transport=opts.transport or "auto",  # resolved() filled it in
         device="cpu",
-        timeout=opts.timeout if opts.timeout is not None else dist_opts.timeout,
+        timeout=timeout,
         check=opts.check,
         slice_bytes=opts.slice_bytes,
         set_default=False,
@@ -148,7 +181,47 @@ def _create_backend(dist_opts: Any, pg_options: Any) -> Any:
     for key in [k for k, c in _communicators.items() if c.closed]:
         del _communicators[key]  # groups destroyed since (shutdown closed them)
     _communicators[id(comm._impl)] = comm
-    return _C.make_backend(comm._impl, opts.algo)
+    cuda_factory = functools.partial(_create_cuda_communicator, dist_opts.store,
+                                     dist_opts.group_rank, dist_opts.group_size, timeout, opts)
+    return _C.make_backend(comm._impl, opts.algo, cuda_factory, opts.cuda_algo)
+
+
+def _create_cuda_communicator(store: Any, rank: int, world_size: int,
+                              timeout: timedelta | float, opts: Options, device: str,
+                              op: str) -> Any:
+    """A group's CUDA communicator on ``device``, built when ``op`` (the
+    group's first CUDA operation, on every rank) needs it; the C++ backend
+    calls it with the GIL and keeps the returned ``_C.Comm``.
+
+    Raises:
+        ValueError: this pycomm build or torch has no CUDA, or no such device.
+        RuntimeError: the NCCL setup failed (e.g. a rank of the group did not
+            reach a CUDA operation within the timeout).
+    """
+    if not getattr(_C, "WITH_CUDA", False):
+        raise ValueError(
+            f"{op} on {device}: this pycomm build has no CUDA/NCCL support "
+            "(pycomm._C.WITH_CUDA is False): rebuild pycomm against a CUDA torch, or use "
+            "backend='cpu:pycomm,cuda:nccl'")
+    dev = torch.device(device)
+    if not torch.cuda.is_available():
+        raise ValueError(f"{op} on {device}: torch.cuda.is_available() is False")
+    try:
+        # init() makes dev the current device; the caller's is restored after.
+        with torch.cuda.device(dev):
+            comm = init(rank=rank, world_size=world_size, store=store,
+                        key_prefix=_CUDA_KEY_PREFIX, transport="nccl", device=dev,
+                        timeout=timeout, check=opts.check, slice_bytes=opts.slice_bytes,
+                        set_default=False)
+    except ValueError as e:
+        raise ValueError(f"{op}: cannot create the process group's CUDA communicator: {e}") from e
+    except Exception as e:
+        raise RuntimeError(
+            f"{op}: creating the process group's CUDA communicator on {dev} failed: {e}. It is "
+            "created at the group's first CUDA operation, which every rank of the group must "
+            "reach (a collective, not a send/recv between some of its ranks)") from e
+    _communicators[id(comm._impl)] = comm
+    return comm._impl
 
 
 def register() -> None:
@@ -157,12 +230,15 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    # One backend object serves both devices (torch creates one when every
+    # device of a group names "pycomm"); devices= does not displace torch's
+    # defaults (cpu: gloo, cuda: nccl) for other users.
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True,
-                                  devices=["cpu"])
+                                  devices=["cpu", "cuda"])
     _registered = True
 
 
-def get_communicator(group: Any = None) -> Communicator:
+def get_communicator(group: Any = None, device: str | torch.device = "cpu") -> Communicator:
     """The pycomm :class:`~pycomm.Communicator` behind a process group of the
     pycomm backend, to use pycomm's own API (``algo=``, ...) on its ranks.
 
@@ -171,19 +247,30 @@ def get_communicator(group: Any = None) -> Communicator:
     Args:
         group: a process group created with the pycomm backend (default: the
             default group).
+        device: ``"cpu"`` (the CPU communicator) or a CUDA device (the CUDA
+            communicator; ``"cuda"``: the current device). If the group has
+            run no CUDA operation yet, the CUDA communicator is created now,
+            which is collective: every rank of the group must call this then.
 
     Returns:
         The communicator (``rank`` and ``world_size`` are the group's).
 
     Raises:
-        TypeError: the group's CPU backend is not pycomm's.
+        TypeError: the group's backend for ``device`` is not pycomm's.
+        ValueError: a device other than CPU and CUDA; no CUDA in this build;
+            a CUDA device other than the one the group's CUDA communicator
+            runs on.
 
     Example::
 
         >>> dist.init_process_group("pycomm")
         >>> comm = pycomm.backend.get_communicator()
         >>> comm.all_reduce(t, algo="ring")
+        >>> gpu = pycomm.backend.get_communicator(device="cuda")  # every rank
     """
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    impl = _C.backend_comm(pg._get_backend(torch.device("cpu")))
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    impl = _C.backend_comm(pg._get_backend(dev), str(dev))
     return _communicators[id(impl)]

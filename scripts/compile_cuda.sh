@@ -9,7 +9,7 @@
 # nvidia-nccl-cu13 wheel), CUDA_ARCH (default 90), JOBS (default: CPU count).
 # Device code is built as setup.py builds it without a GPU ("9.0+PTX"): sm_ARCH
 # machine code plus compute_ARCH PTX, so the PTX generation is checked too.
-# Also syntax-checks the torch binding csrc/torch/cuda_comm.cpp with
+# Also syntax-checks the torch binding (csrc/torch/*.cpp) with
 # -DPYCOMM_WITH_CUDA when the installed torch ships c10/cuda headers
 # (PYCOMM_SKIP_BINDING_CHECK=1 skips it). Exits non-zero on any error.
 set -euo pipefail
@@ -84,7 +84,7 @@ if [[ -z "${PYCOMM_SKIP_BINDING_CHECK:-}" && -f "$ROOT/csrc/torch/cuda_comm.cpp"
       INC+=(-isystem "$OUT/stub")
       echo "  note CPU torch: stub c10/cuda/impl/cuda_cmake_macros.h for the syntax check"
     fi
-    for f in "$ROOT"/csrc/torch/cuda_comm.cpp "$ROOT"/csrc/torch/bindings.cpp "$ROOT"/csrc/torch/comm.cpp; do
+    for f in "$ROOT"/csrc/torch/*.cpp; do
       g++ -std=c++17 -fsyntax-only -Wall -Wno-unused-function -DPYCOMM_WITH_CUDA=1 \
         -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
         "${INC[@]}" -isystem "$PY_INC" -isystem "$CUDA_INC" -I"$NCCL_HOME/include" "$f" \

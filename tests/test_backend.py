@@ -22,12 +22,13 @@ DTYPES = [torch.float32, torch.float64, torch.int32]
 OPS = ["sum", "avg", "max", "min", "product"]
 
 
-def _init(rank: int, world_size: int, port: int, pg_options=None) -> None:
+def _init(rank: int, world_size: int, port: int, pg_options=None,
+          backend: str = "pycomm") -> None:
     import torch.distributed as dist
 
     import pycomm  # noqa: F401  (registers the backend)
 
-    dist.init_process_group("pycomm", store=client_store(port, world_size), rank=rank,
+    dist.init_process_group(backend, store=client_store(port, world_size), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=60),
                             pg_options=pg_options)
 
@@ -49,9 +50,9 @@ def _cases():
 
 # ---------------------------------------------------------------- collectives
 
-def _reductions(rank: int, n: int) -> int:
+def _reductions(rank: int, n: int, device: str = "cpu") -> int:
     """all_reduce (sync, async + future, coalesced), reduce_scatter_tensor and
-    reduce_scatter (list) for every count x dtype x op."""
+    reduce_scatter (list) for every count x dtype x op, on ``device``."""
     import torch.distributed as dist
 
     checked = 0
@@ -59,94 +60,145 @@ def _reductions(rank: int, n: int) -> int:
         what = f"{op} {dtype} count={count}"
         inputs = [rank_input(r, count, dtype, op) for r in range(n)]
         ref = reference(inputs, op)
-        t = inputs[rank].clone()
+        t = inputs[rank].to(device, copy=True)
         assert dist.all_reduce(t, op=_torch_op(op)) is None
-        assert_matches(t, ref, f"all_reduce {what}")
+        assert_matches(t.cpu(), ref, f"all_reduce {what}")
 
-        t = inputs[rank].clone()
+        t = inputs[rank].to(device, copy=True)
         work = dist.all_reduce(t, op=_torch_op(op), async_op=True)
         value = work.get_future().wait()
         assert value[0] is t or value[0].data_ptr() == t.data_ptr()
-        assert work.wait() and work.is_completed() and work.is_success()
-        assert_matches(t, ref, f"async all_reduce {what}")
+        assert work.wait()
+        assert_matches(t.cpu(), ref, f"async all_reduce {what}")
+        _assert_completes(work)
 
         # reduce-scatter: rank r's input holds n blocks; block j goes to rank j.
         big = [rank_input(r, n * count, dtype, op, seed=1) for r in range(n)]
         full = reference(big, op)
         mine = full[rank * count:(rank + 1) * count]
-        out = torch.empty(count, dtype=dtype)
-        dist.reduce_scatter_tensor(out, big[rank].clone(), op=_torch_op(op))
-        assert_matches(out, mine, f"reduce_scatter_tensor {what}")
-        out = torch.full((count,), 7, dtype=dtype)
-        work = dist.reduce_scatter(out, list(big[rank].clone().chunk(n)) if count else
-                                   [torch.empty(0, dtype=dtype) for _ in range(n)],
-                                   op=_torch_op(op), async_op=True)
+        out = torch.empty(count, dtype=dtype, device=device)
+        dist.reduce_scatter_tensor(out, big[rank].to(device, copy=True), op=_torch_op(op))
+        assert_matches(out.cpu(), mine, f"reduce_scatter_tensor {what}")
+        out = torch.full((count,), 7, dtype=dtype, device=device)
+        chunks = (list(big[rank].to(device, copy=True).chunk(n)) if count else
+                  [torch.empty(0, dtype=dtype, device=device) for _ in range(n)])
+        work = dist.reduce_scatter(out, chunks, op=_torch_op(op), async_op=True)
         work.wait()
-        assert_matches(out, mine, f"reduce_scatter (list) {what}")
+        assert_matches(out.cpu(), mine, f"reduce_scatter (list) {what}")
         checked += 4
 
     # all_reduce_coalesced: several tensors, one flat all-reduce.
-    xs = [rank_input(rank, c, torch.float64, "sum", seed=2) for c in COUNTS]
+    xs = [rank_input(rank, c, torch.float64, "sum", seed=2).to(device) for c in COUNTS]
     refs = [reference([rank_input(r, c, torch.float64, "sum", seed=2) for r in range(n)], "sum")
             for c in COUNTS]
     dist.all_reduce_coalesced(xs)
     for x, ref, c in zip(xs, refs, COUNTS):
-        assert_matches(x, ref, f"all_reduce_coalesced count={c}")
+        assert_matches(x.cpu(), ref, f"all_reduce_coalesced count={c}")
     return checked + 1
 
 
-def _gathers_and_broadcast(rank: int, n: int) -> int:
-    """all_gather (list), all_gather_into_tensor and broadcast from every root."""
+def _assert_completes(work, limit: float = 60.0) -> None:
+    """The Work reports completion and success (CUDA: once the GPU is done,
+    which the watchdog sees shortly after)."""
+    import time
+
+    deadline = time.monotonic() + limit
+    while not work.is_completed():
+        assert time.monotonic() < deadline, "the Work never completed"
+        time.sleep(0.005)
+    assert work.is_success() and work.exception() is None
+
+
+def _gathers_and_broadcast(rank: int, n: int, device: str = "cpu") -> int:
+    """all_gather (list), all_gather_into_tensor and broadcast from every root,
+    on ``device``."""
     import torch.distributed as dist
 
     checked = 0
     for count in COUNTS:
         for dtype in DTYPES:
             inputs = [rank_input(r, count, dtype, "sum", seed=3) for r in range(n)]
-            outs = [torch.full((count,), 5, dtype=dtype) for _ in range(n)]
-            # The staged list is filled before the future completes.
-            dist.all_gather(outs, inputs[rank].clone(), async_op=True).get_future().wait()
+            outs = [torch.full((count,), 5, dtype=dtype, device=device) for _ in range(n)]
+            # The staged list is filled before the future completes (CUDA: the
+            # future's value is ordered after the copies).
+            dist.all_gather(outs, inputs[rank].to(device, copy=True),
+                            async_op=True).get_future().wait()
             for r in range(n):
-                assert torch.equal(outs[r], inputs[r]), f"all_gather {dtype} count={count} r={r}"
-            flat = torch.empty(n * count, dtype=dtype)
-            dist.all_gather_into_tensor(flat, inputs[rank].clone(), async_op=True).wait()
-            assert torch.equal(flat, torch.cat(inputs)), f"all_gather_into_tensor {dtype} {count}"
+                assert torch.equal(outs[r].cpu(), inputs[r]), \
+                    f"all_gather {dtype} count={count} r={r}"
+            flat = torch.empty(n * count, dtype=dtype, device=device)
+            dist.all_gather_into_tensor(flat, inputs[rank].to(device, copy=True),
+                                        async_op=True).wait()
+            assert torch.equal(flat.cpu(), torch.cat(inputs)), \
+                f"all_gather_into_tensor {dtype} {count}"
             for src in range(n):
-                t = inputs[rank].clone()
+                t = inputs[rank].to(device, copy=True)
                 dist.broadcast(t, src=src)
-                assert torch.equal(t, inputs[src]), f"broadcast {dtype} count={count} src={src}"
+                assert torch.equal(t.cpu(), inputs[src]), \
+                    f"broadcast {dtype} count={count} src={src}"
             checked += 2 + n
     return checked
 
 
-def _p2p_and_layouts(rank: int, n: int) -> int:
+def _p2p_and_layouts(rank: int, n: int, device: str = "cpu") -> int:
     """send/recv, isend/irecv, batch_isend_irecv around the ring, barrier, and
-    non-contiguous tensors (staged through a contiguous copy)."""
+    non-contiguous tensors (staged through a contiguous copy), on ``device``."""
     import torch.distributed as dist
+
+    def full(shape, value, dtype=torch.float32):
+        return torch.full(shape, value, dtype=dtype, device=device)
 
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     if rank == 0:
-        dist.send(torch.arange(1031, dtype=torch.float64), 1)
+        dist.send(torch.arange(1031, dtype=torch.float64, device=device), 1)
     elif rank == 1:
-        got = torch.empty(1031, dtype=torch.float64)
+        got = torch.empty(1031, dtype=torch.float64, device=device)
         dist.recv(got, 0)
-        assert torch.equal(got, torch.arange(1031, dtype=torch.float64))
+        assert torch.equal(got.cpu(), torch.arange(1031, dtype=torch.float64))
+    # A ring shift, batched and as lone isend/irecv pairs (small messages:
+    # on CUDA a ring of lone isends relies on NCCL buffering them).
     for count in COUNTS:
-        got = torch.empty(count)
-        works = [dist.isend(torch.full((count,), float(rank)), nxt), dist.irecv(got, prv)]
-        for w in works:
-            w.wait()
-        assert torch.equal(got, torch.full((count,), float(prv))), f"isend/irecv count={count}"
-        got = torch.empty(count, dtype=torch.int64)
-        ops = [dist.P2POp(dist.isend, torch.full((count,), rank), nxt),
+        got = torch.empty(count, dtype=torch.int64, device=device)
+        ops = [dist.P2POp(dist.isend, full((count,), rank, torch.int64), nxt),
                dist.P2POp(dist.irecv, got, prv)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
-        assert torch.equal(got, torch.full((count,), prv)), f"batch_isend_irecv count={count}"
+        assert torch.equal(got.cpu(), torch.full((count,), prv)), \
+            f"batch_isend_irecv count={count}"
+        got = torch.empty(count, device=device)
+        works = [dist.isend(full((count,), float(rank)), nxt), dist.irecv(got, prv)]
+        for w in works:
+            w.wait()
+        assert torch.equal(got.cpu(), torch.full((count,), float(prv))), \
+            f"isend/irecv count={count}"
     dist.barrier()
     dist.barrier(async_op=True).wait()
-    # Work.wait(timeout) raises when the op is still pending, and the op
-    # completes later all the same.
+
+    # Non-contiguous tensors: the strided column is updated, the rest is not.
+    base = torch.stack([full((13,), float(rank + 1)), full((13,), -1.0)], dim=1)
+    col = base[:, 0]
+    assert not col.is_contiguous()
+    dist.all_reduce(col)
+    assert torch.equal(base[:, 0].cpu(), torch.full((13,), n * (n + 1) / 2))
+    assert torch.equal(base[:, 1].cpu(), torch.full((13,), -1.0))
+    bcast = full((4, 6), float(rank)).t()
+    work = dist.broadcast(bcast, src=n - 1, async_op=True)
+    work.wait()  # the copy back is ordered before what follows (CUDA: on the current stream)
+    assert torch.equal(bcast.cpu(), torch.full((6, 4), float(n - 1)))
+    strided = torch.zeros(2, 13, device=device)[:, ::2]
+    if rank == 0:
+        dist.send(full((2, 7), 1.0), 1)
+    elif rank == 1:
+        dist.recv(strided, 0)
+        assert torch.equal(strided.cpu(), torch.ones(2, 7))
+    return 4
+
+
+def _wait_timeout(rank: int) -> int:
+    """Work.wait(timeout) raises when the op is still pending, and the op
+    completes later all the same (CPU: a pending irecv)."""
+    import torch.distributed as dist
+
     late = torch.zeros(3)
     if rank == 0:
         work = dist.irecv(late, 1)
@@ -158,24 +210,7 @@ def _p2p_and_layouts(rank: int, n: int) -> int:
     elif rank == 0:
         work.wait()
         assert torch.equal(late, torch.ones(3))
-
-    # Non-contiguous tensors: the strided column is updated, the rest is not.
-    base = torch.stack([torch.full((13,), float(rank + 1)), torch.full((13,), -1.0)], dim=1)
-    col = base[:, 0]
-    assert not col.is_contiguous()
-    dist.all_reduce(col)
-    assert torch.equal(base[:, 0], torch.full((13,), n * (n + 1) / 2))
-    assert torch.equal(base[:, 1], torch.full((13,), -1.0))
-    bcast = torch.full((4, 6), float(rank)).t()
-    dist.broadcast(bcast, src=n - 1)
-    assert torch.equal(bcast, torch.full((6, 4), float(n - 1)))
-    strided = torch.zeros(2, 13)[:, ::2]
-    if rank == 0:
-        dist.send(torch.ones(2, 7), 1)
-    elif rank == 1:
-        dist.recv(strided, 0)
-        assert torch.equal(strided, torch.ones(2, 7))
-    return 5
+    return 1
 
 
 def _collectives(rank: int, world_size: int, port: int) -> int:
@@ -191,7 +226,7 @@ def _collectives(rank: int, world_size: int, port: int) -> int:
         comm = pycomm.backend.get_communicator()
         assert (comm.rank, comm.world_size) == (rank, world_size)
         return (_reductions(rank, world_size) + _gathers_and_broadcast(rank, world_size)
-                + _p2p_and_layouts(rank, world_size))
+                + _p2p_and_layouts(rank, world_size) + _wait_timeout(rank))
     finally:
         dist.destroy_process_group()
 
@@ -267,6 +302,74 @@ def test_groups_options_and_errors():
     assert spawn_ranks(_groups_options_errors, 3, timeout=240) == [["ok"]] * 3
 
 
+def _devices_and_dispatch(rank: int, world_size: int, port: int, backend: str) -> list:
+    import torch.distributed as dist
+
+    import pycomm
+    from pycomm._ext import _C
+
+    _init(rank, world_size, port, backend=backend)
+    try:
+        # One backend object serves both devices: calls are dispatched by device.
+        pg = dist.group.WORLD
+        assert {d.type for d in pg._device_types} == {"cpu", "cuda"}
+        on_cpu, on_cuda = pg._get_backend(torch.device("cpu")), pg._get_backend(torch.device("cuda"))
+        assert on_cpu.name() == on_cuda.name() == "pycomm"
+        assert _C.backend_comm(on_cuda) is _C.backend_comm(on_cpu)  # the CPU communicator
+        # CPU users are unaffected: ops, object collectives and barrier run on CPU.
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((3,), world_size * (world_size + 1) / 2))
+        objs: list = [None] * world_size
+        dist.all_gather_object(objs, {"rank": rank})
+        assert objs == [{"rank": r} for r in range(world_size)]
+        dist.barrier()
+        # The tensors of one call must be on one device; other devices are refused.
+        _raises(ValueError, r"output_tensor_list\[1\] is on meta but input is on cpu",
+                dist.all_gather, [torch.empty(2), torch.empty(2, device="meta")], torch.ones(2))
+        _raises(ValueError, "runs on CPU and CUDA tensors, got one on meta", on_cpu.allreduce,
+                [torch.ones(2, device="meta")])
+        if not _C.WITH_CUDA:
+            # The CUDA communicator is made on demand (the C++ backend calls
+            # pycomm/backend.py's factory); without CUDA it says what is
+            # missing, and a failed creation stays failed.
+            for _ in range(2):
+                _raises(ValueError, "get_communicator on cuda:0: this pycomm build has no "
+                        r"CUDA/NCCL support \(pycomm._C.WITH_CUDA is False\)",
+                        pycomm.backend.get_communicator, device="cuda")
+        # A backend made without a CUDA factory serves CPU tensors only.
+        bare = _C.make_backend(_C.backend_comm(on_cpu), "auto")
+        _raises(ValueError, "without a CUDA communicator factory", _C.backend_comm, bare, "cuda:0")
+        assert _C.backend_comm(bare) is _C.backend_comm(on_cpu)
+        z = torch.full((2,), float(rank))
+        dist.all_reduce(z, op=dist.ReduceOp.MAX)
+        assert torch.equal(z, torch.full((2,), float(world_size - 1)))
+        return ["ok"]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["pycomm", "cpu:pycomm,cuda:pycomm"])
+def test_one_backend_for_cpu_and_cuda(backend):
+    assert spawn_ranks(_devices_and_dispatch, 2, backend, timeout=120) == [["ok"]] * 2
+
+
+def test_options_resolve_and_validate(monkeypatch):
+    import pycomm
+
+    monkeypatch.setenv("PYCOMM_BACKEND_CUDA_ALGO", "nccl")
+    monkeypatch.delenv("PYCOMM_BACKEND_ALGO", raising=False)
+    opts = pycomm.backend.Options(transport="gloo").resolved()
+    assert (opts.transport, opts.algo, opts.cuda_algo) == ("gloo", "auto", "nccl")
+    assert pycomm.backend.Options(cuda_algo="ring").resolved().cuda_algo == "ring"
+    with pytest.raises(ValueError, match="cuda_algo='direct' is not one of"):
+        pycomm.backend.Options(cuda_algo="direct").resolved()
+    with pytest.raises(ValueError, match="algo='nccl' is not one of"):
+        pycomm.backend.Options(algo="nccl").resolved()
+    with pytest.raises(ValueError, match="transport='nccl' is not one of .* CUDA tensors always"):
+        pycomm.backend.Options(transport="nccl").resolved()
+
+
 def _reinit_without_options(rank: int, world_size: int, port: int) -> list:
     import torch.distributed as dist
 
@@ -326,23 +429,31 @@ def _train(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int)
 DDP_MLP = {"hidden": 64, "depth": 3}  # 16-64-64-64-4: 9.7 K parameters
 
 
-def _ddp_rank(rank: int, world_size: int, port: int, steps: int) -> dict:
+def _ddp_train(rank: int, world_size: int, steps: int, device: torch.device) -> dict:
+    """torch DDP over the default group, each rank on its shard of the batch,
+    on ``device``: the trained parameters (numpy), bucket sizes and backend."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    model = _mlp(**DDP_MLP).to(device)
+    # 8 KiB buckets: from the second iteration on (DDP rebuilds its
+    # buckets in gradient-ready order) the 8 parameters go out in several.
+    ddp = DDP(model, bucket_cap_mb=8 / 1024)
+    x, y = (t.to(device) for t in _batch())
+    shard = slice(rank * len(x) // world_size, (rank + 1) * len(x) // world_size)
+    _train(ddp, x[shard], y[shard], steps)
+    buckets = [b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets()]
+    backend = ddp.process_group._get_backend(torch.device(device.type)).name()
+    return {"params": _to_parent(p.cpu() for p in model.parameters()), "buckets": buckets,
+            "backend": (dist.get_backend(ddp.process_group), backend)}
+
+
+def _ddp_rank(rank: int, world_size: int, port: int, steps: int) -> dict:
+    import torch.distributed as dist
+
     _init(rank, world_size, port)
     try:
-        model = _mlp(**DDP_MLP)
-        # 8 KiB buckets: from the second iteration on (DDP rebuilds its
-        # buckets in gradient-ready order) the 8 parameters go out in several.
-        ddp = DDP(model, bucket_cap_mb=8 / 1024)
-        x, y = _batch()
-        shard = slice(rank * len(x) // world_size, (rank + 1) * len(x) // world_size)
-        _train(ddp, x[shard], y[shard], steps)
-        buckets = [b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets()]
-        backend = ddp.process_group._get_backend(torch.device("cpu")).name()
-        return {"params": _to_parent(model.parameters()), "buckets": buckets,
-                "backend": (dist.get_backend(ddp.process_group), backend)}
+        return _ddp_train(rank, world_size, steps, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
 

@@ -10,6 +10,7 @@ without CUDA or without a CUDA build of pycomm._C.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import multiprocessing as mp
@@ -774,3 +775,159 @@ def _ddp_hooks_over_nccl(comm, store):
 
 def test_ddp_hooks_over_nccl():
     run_ranks(2, _ddp_hooks_over_nccl)
+
+
+# ---------------------------------------------------------------- torch.distributed backend on CUDA
+
+@contextlib.contextmanager
+def _pycomm_process_group(comm, store, backend="pycomm"):
+    """torch.distributed's default group over pycomm's backend, on the ranks
+    of the harness (whose own communicator the tests leave alone)."""
+    import torch.distributed as dist
+
+    import pycomm  # noqa: F401  (registers the backend)
+
+    dist.init_process_group(backend, store=dist.PrefixStore(f"pg/{backend}", store),
+                            rank=comm.rank, world_size=comm.world_size,
+                            timeout=timedelta(seconds=120))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _cuda_communicators():
+    import pycomm
+
+    return [c for c in pycomm.backend._communicators.values()
+            if c.transport == "nccl" and not c.closed]
+
+
+def _backend_every_op(comm, store, backend):
+    """tests/test_backend.py's op sweep (every op, sync and async, against
+    float64 references; staged list and non-contiguous variants; p2p) on CUDA
+    tensors through torch.distributed; the CUDA communicator appears at the
+    first CUDA op; a subgroup and a CUDA barrier."""
+    import torch.distributed as dist
+
+    import pycomm
+    from tests.test_backend import _gathers_and_broadcast, _p2p_and_layouts, _reductions
+
+    r, n = comm.rank, comm.world_size
+    with _pycomm_process_group(comm, store, backend):
+        t = torch.full((3,), float(r + 1))
+        dist.all_reduce(t)  # CPU
+        dist.barrier()
+        assert _cuda_communicators() == [], "the CUDA communicator must wait for a CUDA op"
+        checked = (_reductions(r, n, "cuda") + _gathers_and_broadcast(r, n, "cuda")
+                   + _p2p_and_layouts(r, n, "cuda"))
+        assert checked > 100
+        gpu = pycomm.backend.get_communicator(device="cuda")
+        assert (gpu.transport, str(gpu.device), gpu.rank, gpu.world_size) == ("nccl", "cuda:0", r, n)
+        assert len(_cuda_communicators()) == 1
+        sub = dist.new_group([0, 1])
+        if r < 2:
+            x = torch.full((5,), float(r + 1), device="cuda")
+            dist.all_reduce(x, group=sub)
+            assert torch.equal(x.cpu(), torch.full((5,), 3.0))
+            assert pycomm.backend.get_communicator(sub, device="cuda").world_size == 2
+        dist.barrier(device_ids=[0])  # on the CUDA communicator
+        # A call mixing devices: ValueError, the group stays usable.
+        with pytest.raises(ValueError, match=r"output_tensor_list\[0\] is on cpu but input is on cuda:0"):
+            dist.all_gather([torch.empty(2) for _ in range(n)], torch.ones(2, device="cuda"))
+        y = torch.full((2,), float(r), device="cuda")
+        dist.all_reduce(y, op=dist.ReduceOp.MAX)
+        assert torch.equal(y.cpu(), torch.full((2,), float(n - 1)))
+
+
+@pytest.mark.parametrize("world,backend", [(2, "pycomm"), (3, "pycomm"),
+                                           (2, "cpu:pycomm,cuda:pycomm")])
+def test_backend_every_op_on_cuda(world, backend):
+    run_ranks(world, _backend_every_op, backend=backend)
+
+
+def _backend_streams(comm, store):
+    """ProcessGroupNCCL's stream semantics through the pycomm backend: an op
+    runs after the caller's current stream, Work.wait() orders that stream
+    after the op (and after the copy back of a staged output) without the
+    host, get_future()/then() are stream-ordered, Work.wait(timeout) waits
+    for the GPU. A GPU sleep in front of each input makes a race visible."""
+    import torch.distributed as dist
+
+    r, n = comm.rank, comm.world_size
+    expect = n * (n + 1) / 2
+    big = 1 << 20
+    with _pycomm_process_group(comm, store):
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            t = torch.zeros(big, device="cuda")
+            torch.cuda._sleep(int(2e8))
+            t.fill_(float(r + 1))
+            work = dist.all_reduce(t, async_op=True)
+            work.wait()
+            t.mul_(2)  # on s, after the all-reduce
+        s.synchronize()
+        assert torch.all(t == 2 * expect).item()
+
+        s2 = torch.cuda.Stream()
+        with torch.cuda.stream(s2):
+            base = torch.zeros(big, 2, device="cuda")
+            torch.cuda._sleep(int(2e8))
+            base[:, 0].fill_(float(r + 1))
+            col = base[:, 0]  # non-contiguous: staged, copied back after the op
+            doubled = dist.all_reduce(col, async_op=True).get_future().then(
+                lambda f: f.value()[0] * 2).wait()
+            outs = [torch.empty(big, device="cuda") for _ in range(n)]
+            torch.cuda._sleep(int(2e8))
+            mine = torch.full((big,), float(r), device="cuda")
+            dist.all_gather(outs, mine, async_op=True).wait()  # staged list
+            gathered = torch.stack(outs)  # on s2, after the copies out
+        s2.synchronize()
+        assert torch.all(doubled == 2 * expect).item()
+        assert torch.all(base[:, 0] == expect).item() and torch.all(base[:, 1] == 0).item()
+        for q in range(n):
+            assert torch.all(gathered[q] == q).item()
+
+        # A sync op orders the current stream after it, the copy back included.
+        u = torch.full((4, 6), float(r + 1), device="cuda").t()
+        dist.all_reduce(u)
+        u.add_(1)
+        torch.cuda.synchronize()
+        assert torch.all(u == expect + 1).item()
+
+        # wait(timeout): the host waits until the GPU has run the op.
+        with torch.cuda.stream(s):
+            v = torch.zeros(big, device="cuda")
+            torch.cuda._sleep(int(2e8))
+            v.fill_(1.0)
+            work = dist.all_reduce(v, async_op=True)
+            assert work.wait(timeout=timedelta(seconds=60))
+            assert work.is_completed() and work.is_success() and work.exception() is None
+        s.synchronize()
+        assert torch.all(v == n).item()
+
+
+def test_backend_stream_semantics():
+    run_ranks(2, _backend_streams)
+
+
+def _backend_ddp(comm, store):
+    """torch DDP (several buckets) over backend="pycomm" on CUDA equals one
+    process trained on the full batch (tests/test_backend.py's CPU test)."""
+    from tests.test_backend import DDP_MLP, _batch, _ddp_train, _mlp, _train
+
+    steps = 4
+    with _pycomm_process_group(comm, store):
+        out = _ddp_train(comm.rank, comm.world_size, steps, torch.device("cuda", 0))
+    assert out["backend"] == ("pycomm", "pycomm")
+    assert len(out["buckets"]) >= 3, out["buckets"]
+    ref = _mlp(**DDP_MLP).cuda()
+    x, y = _batch()
+    _train(ref, x.cuda(), y.cuda(), steps)
+    for p, q in zip(out["params"], ref.parameters()):
+        torch.testing.assert_close(torch.from_numpy(p), q.detach().cpu(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_backend_ddp_on_cuda_equals_one_process(world):
+    run_ranks(world, _backend_ddp)

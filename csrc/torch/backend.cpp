@@ -1,11 +1,13 @@
 #include "backend.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <condition_variable>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 namespace py = pybind11;
 
@@ -15,15 +17,41 @@ namespace {
 
 c10::TypePtr tensor_list_type() { return c10::ListType::create(c10::TensorType::get()); }
 
-c10::intrusive_ptr<c10::ivalue::Future> completed_future(const std::vector<at::Tensor>& outputs) {
-  auto f = c10::make_intrusive<c10::ivalue::Future>(tensor_list_type());
+// The devices a future of an op on `device` synchronises with: none on CPU;
+// on CUDA the op's device, which makes the future CUDA-aware (its value and
+// callbacks are ordered after the current stream at completion).
+std::vector<c10::Device> future_devices(const c10::Device& device) {
+  if (device.is_cpu()) return {};
+  return {device};
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> pending_future(const c10::Device& device) {
+  return c10::make_intrusive<c10::ivalue::Future>(tensor_list_type(), future_devices(device));
+}
+
+// A future completed now (for CUDA: after the work queued so far on the
+// current stream, which a synchronous op has ordered after itself).
+c10::intrusive_ptr<c10::ivalue::Future> completed_future(const std::vector<at::Tensor>& outputs,
+                                                         const c10::Device& device) {
+  auto f = pending_future(device);
   f->markCompleted(c10::IValue(outputs));
   return f;
 }
 
 // A contiguous stand-in for `t` that the communicator can work in: `t`
-// itself when it is contiguous, else a contiguous copy.
+// itself when it is contiguous, else a contiguous copy (on the caller's
+// current stream, before the op).
 at::Tensor contiguous_buffer(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
+// A staging buffer that a copy on the current stream has just read: on a
+// device with a caching allocator (CUDA), its memory must not be reused for a
+// new allocation before that stream has passed the copy, though the buffer's
+// last reference goes away now (it was allocated on another stream).
+void keep_until_current_stream_passes(const at::Tensor& t) {
+  if (!t.defined() || t.device().is_cpu() || !t.has_storage()) return;
+  const c10::impl::VirtualGuardImpl impl(t.device().type());
+  impl.recordDataPtrOnStream(t.storage().data_ptr(), impl.getStream(t.device()));
+}
 
 // Copies `src` (same number of elements) into the caller's tensor `dst`
 // unless they are the same storage view.
@@ -31,6 +59,7 @@ void copy_back(const at::Tensor& dst, const at::Tensor& src) {
   if (dst.is_same(src)) return;
   at::NoGradGuard no_grad;
   dst.copy_(src.view(dst.sizes()));
+  keep_until_current_stream_passes(src);
 }
 
 // What an op on `buf` (contiguous_buffer(dst), or a flat staging buffer) must
@@ -46,24 +75,47 @@ void check_one(const std::vector<at::Tensor>& tensors, const char* op) {
                     tensors.size());
 }
 
-// The CUDA communicator (CudaComm) is a separate class that this backend
-// does not drive yet; say so instead of failing deep inside the op.
-void check_cpu(const at::Tensor& t, const char* arg, const char* op) {
-  TORCH_CHECK_VALUE(t.defined(), op, ": ", arg, " is an undefined tensor");
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      t.device().is_cpu(), op, ": ", arg, " is on ", t.device().str(),
-      "; the pycomm torch.distributed backend runs on CPU tensors only (its CUDA communicator "
-      "is not wired into the backend yet). Use backend=\"cpu:pycomm,cuda:nccl\" for CUDA "
-      "tensors, or pycomm.init(device=\"cuda\") directly");
-}
+// The one device all tensors of an op are on (the communicator it runs on).
+// Every tensor must be defined and on the same device as the first.
+class OpDevice {
+ public:
+  explicit OpDevice(const char* op) : op_(op) {}
 
-// list variants: every tensor of `list` has `like`'s dtype and element count.
+  OpDevice& add(const at::Tensor& t, const std::string& arg) {
+    TORCH_CHECK_VALUE(t.defined(), op_, ": ", arg, " is an undefined tensor");
+    if (!device_) {
+      device_ = t.device();
+      first_ = arg;
+    } else {
+      TORCH_CHECK_VALUE(t.device() == *device_, op_, ": ", arg, " is on ", t.device().str(),
+                        " but ", first_, " is on ", device_->str(),
+                        "; the tensors of one call must be on one device");
+    }
+    return *this;
+  }
+  OpDevice& add_list(const std::vector<at::Tensor>& list, const char* arg) {
+    for (size_t r = 0; r < list.size(); ++r)
+      add(list[r], std::string(arg) + "[" + std::to_string(r) + "]");
+    return *this;
+  }
+  c10::Device get() const {
+    TORCH_CHECK_VALUE(device_.has_value(), op_, ": needs at least one tensor");
+    return *device_;
+  }
+
+ private:
+  const char* op_;
+  std::optional<c10::Device> device_;
+  std::string first_;
+};
+
+// list variants: every tensor of `list` has `like`'s dtype and element count
+// (devices: OpDevice).
 void check_list(const std::vector<at::Tensor>& list, const char* list_arg, const at::Tensor& like,
                 const char* like_arg, int world_size, const char* op) {
   TORCH_CHECK_VALUE(static_cast<int>(list.size()) == world_size, op, ": ", list_arg,
                     " must hold world_size = ", world_size, " tensors, got ", list.size());
   for (size_t r = 0; r < list.size(); ++r) {
-    check_cpu(list[r], list_arg, op);
     TORCH_CHECK_TYPE(list[r].scalar_type() == like.scalar_type(), op, ": ", list_arg, "[", r,
                      "] has dtype ", list[r].scalar_type(), " but ", like_arg, " has ",
                      like.scalar_type());
@@ -104,6 +156,54 @@ const char* c10d_op_name(c10d::ReduceOp::RedOpType op) {
   }
 }
 
+bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+// pycomm/backend.py's Python callable (device string, op name) -> _C.Comm as
+// a CommFactory. It is called with the GIL taken here (c10d's bindings
+// release it around every op); its Python exception becomes ValueError /
+// TypeError / RuntimeError with the same message, raised without the GIL. The
+// callable is released under the GIL: the backend may die on any thread.
+CommFactory factory_from_python(py::object fn) {
+  if (fn.is_none()) return {};
+  std::shared_ptr<py::object> holder(new py::object(std::move(fn)), [](py::object* p) {
+    if (!Py_IsInitialized() || python_finalizing()) return;  // the interpreter is gone: leak
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+  return [holder](const c10::Device& device, const std::string& op) -> std::shared_ptr<Comm> {
+    std::string what;
+    PyObject* kind = PyExc_RuntimeError;
+    {
+      py::gil_scoped_acquire gil;
+      try {
+        return (*holder)(device.str(), op).cast<std::shared_ptr<Comm>>();
+      } catch (py::error_already_set& e) {
+        if (e.matches(PyExc_ValueError)) {
+          kind = PyExc_ValueError;
+        } else if (e.matches(PyExc_TypeError)) {
+          kind = PyExc_TypeError;
+        }
+        what = py::str(e.value());
+      } catch (const py::cast_error& e) {
+        kind = PyExc_TypeError;
+        what = op +
+               ": the pycomm backend's communicator factory did not return a pycomm._C.Comm (" +
+               e.what() + ")";
+      }
+    }
+    TORCH_CHECK_VALUE(kind != PyExc_ValueError, what);
+    TORCH_CHECK_TYPE(kind != PyExc_TypeError, what);
+    TORCH_CHECK(false, what);
+    return nullptr;  // not reached: the check above throws
+  };
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- BackendWork
@@ -116,57 +216,148 @@ BackendWork::BackendWork(int rank, c10d::OpType type, c10::intrusive_ptr<pycomm:
       future_(std::move(future)),
       outputs_(std::move(outputs)) {}
 
-bool BackendWork::isCompleted() { return future_->completed(); }
+bool BackendWork::isCompleted() { return future_->completed() && (!op_ || op_->is_completed()); }
 
-bool BackendWork::isSuccess() const { return future_->completed() && !future_->hasError(); }
+bool BackendWork::isSuccess() const {
+  return future_->completed() && !future_->hasError() && (!op_ || op_->is_success());
+}
 
 std::exception_ptr BackendWork::exception() const {
-  return future_->completed() && future_->hasError() ? future_->exception_ptr() : nullptr;
+  if (future_->completed() && future_->hasError()) return future_->exception_ptr();
+  if (op_ && op_->is_completed() && !op_->is_success()) {
+    // CUDA: the op failed after its future was completed (at the enqueue);
+    // its wait() rethrows that error before it touches any stream.
+    try {
+      op_->wait();
+    } catch (...) {
+      return std::current_exception();
+    }
+  }
+  return nullptr;
 }
 
 std::vector<at::Tensor> BackendWork::result() { return outputs_; }
 
+void BackendWork::synchronize() {
+  if (future_->devices().empty()) return;  // CPU: nothing is stream-ordered
+  if (op_) op_->wait();
+  future_->wait();
+}
+
 bool BackendWork::wait(std::chrono::milliseconds timeout) {
-  if (timeout == kNoTimeout) {
-    // The pycomm op first: its wait() throws rather than deadlock when called
-    // on the worker thread (inside a Future callback) before completion.
-    if (op_) op_->wait();
-    future_->wait();
-  } else if (!future_->completed()) {
-    struct Done {
-      std::mutex mu;
-      std::condition_variable cv;
-      bool done = false;
+  if (timeout != kNoTimeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto timed_out = [&] {
+      return std::runtime_error("pycomm backend: " + c10d::opTypeToString(opType_) +
+                                " did not complete within " + std::to_string(timeout.count()) +
+                                " ms (Work.wait timeout)");
     };
-    auto done = std::make_shared<Done>();
-    future_->addCallback([done](c10::ivalue::Future&) {
-      std::lock_guard<std::mutex> lk(done->mu);
-      done->done = true;
-      done->cv.notify_all();
-    });
-    std::unique_lock<std::mutex> lk(done->mu);
-    if (!done->cv.wait_for(lk, timeout, [&] { return done->done; })) {
-      throw std::runtime_error("pycomm backend: " + c10d::opTypeToString(opType_) +
-                               " did not complete within " + std::to_string(timeout.count()) +
-                               " ms (Work.wait timeout)");
+    if (!future_->completed()) {
+      struct Done {
+        std::mutex mu;
+        std::condition_variable cv;
+        bool done = false;
+      };
+      auto done = std::make_shared<Done>();
+      future_->addCallback([done](c10::ivalue::Future&) {
+        std::lock_guard<std::mutex> lk(done->mu);
+        done->done = true;
+        done->cv.notify_all();
+      });
+      std::unique_lock<std::mutex> lk(done->mu);
+      if (!done->cv.wait_until(lk, deadline, [&] { return done->done; })) throw timed_out();
+    }
+    // CUDA: the future completed at the enqueue; the host waits for the GPU
+    // (polling the op's state, as ProcessGroupNCCL's wait with a timeout).
+    while (op_ && !op_->is_completed()) {
+      if (std::chrono::steady_clock::now() >= deadline) throw timed_out();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
+  // The pycomm op first. CPU: blocks until done; its wait() throws rather
+  // than deadlock when called on the worker thread (inside a Future
+  // callback) before completion. CUDA: the current stream waits for the op;
+  // an error met after the enqueue is raised.
+  if (op_) op_->wait();
+  // CPU: the copy back; CUDA: the current stream waits for the future's
+  // events (recorded after the copy back).
+  future_->wait();
   if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
   return true;
 }
 
 // ---------------------------------------------------------------- ProcessGroupPycomm
 
-ProcessGroupPycomm::ProcessGroupPycomm(std::shared_ptr<Comm> comm, std::string algo)
-    : c10d::Backend(comm->rank(), comm->world_size()),
-      comm_(std::move(comm)),
-      algo_(std::move(algo)) {
-  TORCH_CHECK_VALUE(comm_->device() == "cpu",
-                    "the pycomm backend needs a CPU communicator, got one on ", comm_->device());
+ProcessGroupPycomm::ProcessGroupPycomm(std::shared_ptr<Comm> cpu_comm, std::string cpu_algo,
+                                       CommFactory cuda_factory, std::string cuda_algo)
+    : c10d::Backend(cpu_comm->rank(), cpu_comm->world_size()),
+      cpu_comm_(std::move(cpu_comm)),
+      cpu_algo_(std::move(cpu_algo)),
+      cuda_factory_(std::move(cuda_factory)),
+      cuda_algo_(std::move(cuda_algo)) {
+  TORCH_CHECK_VALUE(cpu_comm_->device() == "cpu",
+                    "the pycomm backend needs a CPU communicator, got one on ",
+                    cpu_comm_->device());
   init();
 }
 
 ProcessGroupPycomm::~ProcessGroupPycomm() = default;
+
+std::shared_ptr<Comm> ProcessGroupPycomm::comm_for(c10::Device device, const char* op) {
+  if (device.is_cpu()) return cpu_comm_;
+  TORCH_CHECK_VALUE(device.is_cuda(), op,
+                    ": the pycomm backend runs on CPU and CUDA tensors, got one on ", device.str());
+  if (!device.has_index()) device = c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice();
+  std::shared_ptr<Comm> comm;
+  {
+    std::lock_guard<std::mutex> lk(cuda_mu_);
+    TORCH_CHECK(!shut_down_, op, ": this pycomm process group was shut down");
+    comm = cuda_comm_;
+  }
+  if (!comm) {
+    // One creation at a time; cuda_mu_ is not held meanwhile (abort() and
+    // shutdown() must not wait for an NCCL bootstrap).
+    std::lock_guard<std::mutex> create(create_mu_);
+    {
+      std::lock_guard<std::mutex> lk(cuda_mu_);
+      comm = cuda_comm_;
+    }
+    if (!comm) {
+      TORCH_CHECK_VALUE(static_cast<bool>(cuda_factory_), op, ": got a tensor on ", device.str(),
+                        ", but this pycomm process group was made without a CUDA communicator "
+                        "factory (_C.make_backend(cuda_factory=None)): CPU tensors only");
+      // A failed creation is final: the ranks that got further may have
+      // used up the rendezvous (the NCCL id in the store), so a retry could
+      // only mismatch. Later CUDA ops raise the same error.
+      if (cuda_failure_) std::rethrow_exception(cuda_failure_);
+      try {
+        comm = cuda_factory_(device, op);
+      } catch (...) {
+        cuda_failure_ = std::current_exception();
+        throw;
+      }
+      TORCH_CHECK(comm != nullptr && comm->rank() == rank_ && comm->world_size() == size_, op,
+                  ": the CUDA communicator made for this group does not match it (rank ",
+                  comm ? comm->rank() : -1, " of ", comm ? comm->world_size() : -1,
+                  ", the group's: rank ", rank_, " of ", size_, ")");
+      std::lock_guard<std::mutex> lk(cuda_mu_);
+      if (shut_down_) {
+        comm->abort("the process group was shut down while its CUDA communicator was created");
+        TORCH_CHECK(false, op, ": this pycomm process group was shut down");
+      }
+      cuda_comm_ = comm;
+    }
+  }
+  TORCH_CHECK_VALUE(comm->device() == device.str(), op, ": a tensor is on ", device.str(),
+                    " but this group's CUDA communicator runs on ", comm->device(),
+                    " (a pycomm process group uses one CUDA device: the one of its first CUDA "
+                    "operation)");
+  return comm;
+}
+
+const std::string& ProcessGroupPycomm::algo_for(const c10::Device& device) const {
+  return device.is_cpu() ? cpu_algo_ : cuda_algo_;
+}
 
 void ProcessGroupPycomm::check_not_coalescing(const char* op) const {
   TORCH_CHECK_NOT_IMPLEMENTED(
@@ -191,23 +382,28 @@ int ProcessGroupPycomm::reduce_op(const c10d::ReduceOp& op, const char* opname) 
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::launch(c10d::OpType type, const char* op,
-                                                          bool async_op,
+                                                          const c10::Device& device, bool async_op,
                                                           std::vector<at::Tensor> outputs,
                                                           const Issue& issue, Finish finish) {
   check_not_coalescing(op);
+  const std::shared_ptr<Comm> comm = comm_for(device, op);
   if (!async_op) {
-    // Synchronous: Comm runs the op on this thread when its worker is idle
-    // (no hand-off), waits, and throws on failure.
-    issue(false);
+    // Synchronous. CPU: Comm runs the op on this thread when its worker is
+    // idle (no hand-off), waits, and throws on failure. CUDA: the current
+    // stream is ordered after the op, and the copy back runs on it.
+    issue(*comm, false);
     if (finish) finish();
-    return c10::make_intrusive<BackendWork>(rank_, type, nullptr, completed_future(outputs),
+    return c10::make_intrusive<BackendWork>(rank_, type, nullptr, completed_future(outputs, device),
                                             outputs);
   }
-  c10::intrusive_ptr<pycomm::Work> work = issue(true);
+  c10::intrusive_ptr<pycomm::Work> work = issue(*comm, true);
   c10::intrusive_ptr<c10::ivalue::Future> future = work->future();
   if (finish) {
-    // Runs on the worker as the op completes, before anyone waiting on the
-    // returned Work or its future sees it; an error of the op passes through.
+    // An error of the op passes through. CPU: runs on the worker as the op
+    // completes, before anyone waiting on the returned Work or its future
+    // sees it. CUDA: runs now (the op's future completed at the enqueue), on
+    // a stream that waits for the op; the continuation's future, and so the
+    // Work, are ordered after the copy.
     future = future->then(
         [finish = std::move(finish), outputs](c10::ivalue::Future& done) {
           done.value();  // rethrows the op's error
@@ -225,24 +421,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
   constexpr const char* kOp = "allreduce";
   check_one(tensors, kOp);
   const at::Tensor t = tensors[0];
-  check_cpu(t, "tensor", kOp);
+  const c10::Device dev = OpDevice(kOp).add(t, "tensor").get();
   TORCH_CHECK_NOT_IMPLEMENTED(!opts.sparseIndices.has_value(),
                               "allreduce: the pycomm backend does not support sparse tensors");
   const int rop = reduce_op(opts.reduceOp, kOp);
   at::Tensor buf = contiguous_buffer(t);
   Finish finish = copy_back_when_staged(t, buf);
+  const std::string algo = algo_for(dev);
   return launch(
-      c10d::OpType::ALLREDUCE, kOp, opts.asyncOp, {t},
-      [this, buf, rop](bool async_op) { return comm_->all_reduce(buf, rop, algo_, async_op); },
+      c10d::OpType::ALLREDUCE, kOp, dev, opts.asyncOp, {t},
+      [buf, rop, algo](Comm& c, bool async_op) { return c.all_reduce(buf, rop, algo, async_op); },
       std::move(finish));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   constexpr const char* kOp = "allreduce_coalesced";
-  TORCH_CHECK_VALUE(!tensors.empty(), kOp, ": needs at least one tensor");
+  const c10::Device dev = OpDevice(kOp).add_list(tensors, "tensors").get();
   for (const auto& t : tensors) {
-    check_cpu(t, "tensors", kOp);
     TORCH_CHECK_TYPE(t.scalar_type() == tensors[0].scalar_type(), kOp,
                      ": every tensor must have the same dtype, got ", tensors[0].scalar_type(),
                      " and ", t.scalar_type());
@@ -251,9 +447,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
   // One all_reduce over a flat copy of all tensors, copied back on completion.
   at::Tensor flat = flatten(tensors);
   std::vector<at::Tensor> list = tensors;
+  const std::string algo = algo_for(dev);
   return launch(
-      c10d::OpType::ALLREDUCE_COALESCED, kOp, opts.asyncOp, list,
-      [this, flat, rop](bool async_op) { return comm_->all_reduce(flat, rop, algo_, async_op); },
+      c10d::OpType::ALLREDUCE_COALESCED, kOp, dev, opts.asyncOp, list,
+      [flat, rop, algo](Comm& c, bool async_op) { return c.all_reduce(flat, rop, algo, async_op); },
       [list, flat] { unflatten(list, flat); });
 }
 
@@ -263,13 +460,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(std::vector<at::Ten
   check_one(tensors, kOp);
   TORCH_CHECK_VALUE(opts.rootTensor == 0, kOp, ": rootTensor must be 0, got ", opts.rootTensor);
   const at::Tensor t = tensors[0];
-  check_cpu(t, "tensor", kOp);
+  const c10::Device dev = OpDevice(kOp).add(t, "tensor").get();
   at::Tensor buf = contiguous_buffer(t);
   Finish finish = copy_back_when_staged(t, buf);
   const int src = static_cast<int>(opts.rootRank);
   return launch(
-      c10d::OpType::BROADCAST, kOp, opts.asyncOp, {t},
-      [this, buf, src](bool async_op) { return comm_->broadcast(buf, src, "auto", async_op); },
+      c10d::OpType::BROADCAST, kOp, dev, opts.asyncOp, {t},
+      [buf, src](Comm& c, bool async_op) { return c.broadcast(buf, src, "auto", async_op); },
       std::move(finish));
 }
 
@@ -281,30 +478,29 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
   TORCH_CHECK_VALUE(outputs.size() == 1, kOp,
                     ": the pycomm backend takes one output list per call, got ", outputs.size());
   const at::Tensor in = inputs[0];
-  check_cpu(in, "input", kOp);
   std::vector<at::Tensor> outs = outputs[0];
+  const c10::Device dev = OpDevice(kOp).add(in, "input").add_list(outs, "output_tensor_list").get();
   check_list(outs, "output_tensor_list", in, "input", size_, kOp);
   // Gathered into one flat staging buffer, then copied out to the list.
   at::Tensor flat = at::empty({in.numel() * size_}, in.options());
   at::Tensor src = contiguous_buffer(in);
   return launch(
-      c10d::OpType::ALLGATHER, kOp, opts.asyncOp, outs,
-      [this, flat, src](bool async_op) { return comm_->all_gather(flat, src, "auto", async_op); },
+      c10d::OpType::ALLGATHER, kOp, dev, opts.asyncOp, outs,
+      [flat, src](Comm& c, bool async_op) { return c.all_gather(flat, src, "auto", async_op); },
       [outs, flat] { unflatten(outs, flat); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   constexpr const char* kOp = "_allgather_base";
-  check_cpu(output, "output", kOp);
-  check_cpu(input, "input", kOp);
+  const c10::Device dev = OpDevice(kOp).add(output, "output").add(input, "input").get();
   const at::Tensor out = output;
   at::Tensor buf = contiguous_buffer(out);
   at::Tensor src = contiguous_buffer(input);
   Finish finish = copy_back_when_staged(out, buf);
   return launch(
-      c10d::OpType::_ALLGATHER_BASE, kOp, opts.asyncOp, {out},
-      [this, buf, src](bool async_op) { return comm_->all_gather(buf, src, "auto", async_op); },
+      c10d::OpType::_ALLGATHER_BASE, kOp, dev, opts.asyncOp, {out},
+      [buf, src](Comm& c, bool async_op) { return c.all_gather(buf, src, "auto", async_op); },
       std::move(finish));
 }
 
@@ -316,7 +512,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
   TORCH_CHECK_VALUE(inputs.size() == 1, kOp,
                     ": the pycomm backend takes one input list per call, got ", inputs.size());
   const at::Tensor out = outputs[0];
-  check_cpu(out, "output", kOp);
+  const c10::Device dev = OpDevice(kOp).add(out, "output").add_list(inputs[0], "input_list").get();
   check_list(inputs[0], "input_list", out, "output", size_, kOp);
   const int rop = reduce_op(opts.reduceOp, kOp);
   // The list is concatenated into one flat input (Comm reduces in a copy of it).
@@ -324,9 +520,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
   at::Tensor buf = contiguous_buffer(out);
   Finish finish = copy_back_when_staged(out, buf);
   return launch(
-      c10d::OpType::REDUCE_SCATTER, kOp, opts.asyncOp, {out},
-      [this, buf, flat, rop](bool async_op) {
-        return comm_->reduce_scatter(buf, flat, rop, "auto", async_op);
+      c10d::OpType::REDUCE_SCATTER, kOp, dev, opts.asyncOp, {out},
+      [buf, flat, rop](Comm& c, bool async_op) {
+        return c.reduce_scatter(buf, flat, rop, "auto", async_op);
       },
       std::move(finish));
 }
@@ -334,25 +530,33 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   constexpr const char* kOp = "_reduce_scatter_base";
-  check_cpu(output, "output", kOp);
-  check_cpu(input, "input", kOp);
+  const c10::Device dev = OpDevice(kOp).add(output, "output").add(input, "input").get();
   const int rop = reduce_op(opts.reduceOp, kOp);
   const at::Tensor out = output;
   at::Tensor buf = contiguous_buffer(out);
   at::Tensor src = contiguous_buffer(input);
   Finish finish = copy_back_when_staged(out, buf);
   return launch(
-      c10d::OpType::_REDUCE_SCATTER_BASE, kOp, opts.asyncOp, {out},
-      [this, buf, src, rop](bool async_op) {
-        return comm_->reduce_scatter(buf, src, rop, "auto", async_op);
+      c10d::OpType::_REDUCE_SCATTER_BASE, kOp, dev, opts.asyncOp, {out},
+      [buf, src, rop](Comm& c, bool async_op) {
+        return c.reduce_scatter(buf, src, rop, "auto", async_op);
       },
       std::move(finish));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOptions& opts) {
+  // torch.distributed.barrier names a device when the group is bound to one
+  // (init_process_group(device_id=...)) or device_ids are given: a CUDA
+  // barrier then runs on the CUDA communicator; otherwise on the CPU one.
+  c10::Device dev(c10::kCPU);
+  if (opts.device.has_value()) {
+    dev = *opts.device;
+  } else if (!opts.device_ids.empty()) {
+    dev = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(opts.device_ids[0]));
+  }
   return launch(
-      c10d::OpType::BARRIER, "barrier", opts.asyncOp, {},
-      [this](bool async_op) { return comm_->barrier(async_op); }, nullptr);
+      c10d::OpType::BARRIER, "barrier", dev, opts.asyncOp, {},
+      [](Comm& c, bool async_op) { return c.barrier(async_op); }, nullptr);
 }
 
 // ---------------------------------------------------------------- point to point
@@ -363,7 +567,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::p2p(c10d::OpType type, const 
   check_one(tensors, op);
   const bool is_send = type == c10d::OpType::SEND;
   const at::Tensor t = tensors[0];
-  check_cpu(t, "tensor", op);
+  const c10::Device dev = OpDevice(op).add(t, "tensor").get();
   // pycomm pairs the messages between two ranks in posting order; a tag
   // could only be ignored, which would pair the wrong messages.
   TORCH_CHECK_NOT_IMPLEMENTED(tag == 0, op, ": tag=", tag,
@@ -373,7 +577,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::p2p(c10d::OpType type, const 
   if (coalescing_) {
     // Validated now, posted with the batch by endCoalescing.
     check_peer(peer, is_send ? "dst" : "src", op, rank_, size_, /*allow_self=*/false);
-    auto future = c10::make_intrusive<c10::ivalue::Future>(tensor_list_type());
+    auto future = pending_future(dev);
     coalesced_.push_back({TensorP2P{is_send, buf, peer}, is_send ? at::Tensor() : t, future});
     return c10::make_intrusive<BackendWork>(rank_, type, nullptr, future,
                                             std::vector<at::Tensor>{t});
@@ -381,9 +585,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::p2p(c10d::OpType type, const 
   Finish finish = is_send ? Finish{} : copy_back_when_staged(t, buf);
   // Always asynchronous: the send/recv of c10d returns a Work to wait on.
   return launch(
-      type, op, /*async_op=*/true, {t},
-      [this, buf, peer, is_send](bool async_op) {
-        return is_send ? comm_->send(buf, peer, async_op) : comm_->recv(buf, peer, async_op);
+      type, op, dev, /*async_op=*/true, {t},
+      [buf, peer, is_send](Comm& c, bool async_op) {
+        return is_send ? c.send(buf, peer, async_op) : c.recv(buf, peer, async_op);
       },
       std::move(finish));
 }
@@ -405,22 +609,29 @@ void ProcessGroupPycomm::startCoalescing() {
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::endCoalescing() {
+  constexpr const char* kOp = "batch_isend_irecv";
   TORCH_CHECK(coalescing_, "pycomm backend: endCoalescing without startCoalescing");
   coalescing_ = false;
   std::vector<Coalesced> items;
   items.swap(coalesced_);
+  if (items.empty()) {
+    return c10::make_intrusive<BackendWork>(rank_, c10d::OpType::COALESCED, nullptr,
+                                            completed_future({}, c10::Device(c10::kCPU)),
+                                            std::vector<at::Tensor>{});
+  }
   std::vector<at::Tensor> outputs;
   std::vector<TensorP2P> reqs;
-  for (const auto& c : items) {
+  OpDevice device(kOp);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const auto& c = items[i];
+    device.add(c.req.tensor, "op " + std::to_string(i) + "'s tensor");
     reqs.push_back(c.req);
     outputs.push_back(c.user.defined() ? c.user : c.req.tensor);
   }
-  if (reqs.empty()) {
-    return c10::make_intrusive<BackendWork>(rank_, c10d::OpType::COALESCED, nullptr,
-                                            completed_future({}), outputs);
-  }
-  c10::intrusive_ptr<pycomm::Work> work = comm_->batch_p2p(reqs);
-  // On completion: staged receives copied back, then each op's own future.
+  const std::shared_ptr<Comm> comm = comm_for(device.get(), kOp);
+  c10::intrusive_ptr<pycomm::Work> work = comm->batch_p2p(reqs);
+  // On completion (CUDA: at the enqueue, on a stream ordered after the batch):
+  // staged receives copied back, then each op's own future.
   auto future = work->future()->then(
       [items, outputs](c10::ivalue::Future& done) {
         try {
@@ -442,39 +653,79 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::endCoalescing() {
                                           std::move(future), std::move(outputs));
 }
 
-void ProcessGroupPycomm::shutdown() { comm_->close(); }
+void ProcessGroupPycomm::shutdown() {
+  std::shared_ptr<Comm> cuda;
+  {
+    std::lock_guard<std::mutex> lk(cuda_mu_);
+    shut_down_ = true;
+    cuda = cuda_comm_;
+  }
+  // Both, on every rank in the same order; the first failure is raised.
+  std::exception_ptr err;
+  for (const auto& comm : {cuda, cpu_comm_}) {
+    try {
+      if (comm) comm->close();
+    } catch (...) {
+      if (!err) err = std::current_exception();
+    }
+  }
+  if (err) std::rethrow_exception(err);
+}
 
-void ProcessGroupPycomm::abort() { comm_->abort("aborted through torch.distributed"); }
+void ProcessGroupPycomm::abort() {
+  std::shared_ptr<Comm> cuda;
+  {
+    std::lock_guard<std::mutex> lk(cuda_mu_);
+    cuda = cuda_comm_;
+  }
+  for (const auto& comm : {cuda, cpu_comm_}) {
+    if (comm) comm->abort("aborted through torch.distributed");
+  }
+}
 
 // ---------------------------------------------------------------- Python
+
+namespace {
+
+ProcessGroupPycomm& as_pycomm(const c10::intrusive_ptr<c10d::Backend>& backend, const char* fn) {
+  auto* pg = dynamic_cast<ProcessGroupPycomm*>(backend.get());
+  TORCH_CHECK_TYPE(pg != nullptr, fn, ": not a pycomm backend (its name is '",
+                   backend->getBackendName(), "')");
+  return *pg;
+}
+
+}  // namespace
 
 void bind_backend(py::module_& m) {
   m.def(
       "make_backend",
-      [](std::shared_ptr<Comm> comm, const std::string& algo) -> c10::intrusive_ptr<c10d::Backend> {
+      [](std::shared_ptr<Comm> comm, const std::string& algo, py::object cuda_factory,
+         const std::string& cuda_algo) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(comm, "make_backend: comm is None");
-        return c10::make_intrusive<ProcessGroupPycomm>(std::move(comm), algo);
+        return c10::make_intrusive<ProcessGroupPycomm>(
+            std::move(comm), algo, factory_from_python(std::move(cuda_factory)), cuda_algo);
       },
-      py::arg("comm"), py::arg("algo"),
-      "A c10d Backend (torch._C._distributed_c10d.Backend) over `comm`, for "
-      "torch.distributed.Backend.register_backend (pycomm/backend.py)");
+      py::arg("comm"), py::arg("algo"), py::arg("cuda_factory") = py::none(),
+      py::arg("cuda_algo") = "auto",
+      "A c10d Backend (torch._C._distributed_c10d.Backend) over the CPU communicator `comm`, "
+      "for torch.distributed.Backend.register_backend (pycomm/backend.py). "
+      "cuda_factory(device: str, op: str) -> Comm builds the CUDA communicator at the first "
+      "CUDA operation (None: CPU tensors only).");
   m.def(
       "backend_comm",
-      [](const c10::intrusive_ptr<c10d::Backend>& backend) -> std::shared_ptr<Comm> {
-        auto* pg = dynamic_cast<ProcessGroupPycomm*>(backend.get());
-        TORCH_CHECK_TYPE(pg != nullptr, "backend_comm: not a pycomm backend (its name is '",
-                         backend->getBackendName(), "')");
-        return pg->comm();
+      [](const c10::intrusive_ptr<c10d::Backend>& backend,
+         const std::string& device) -> std::shared_ptr<Comm> {
+        return as_pycomm(backend, "backend_comm").comm_for(c10::Device(device), "get_communicator");
       },
-      py::arg("backend"));
+      py::arg("backend"), py::arg("device") = "cpu", py::call_guard<py::gil_scoped_release>(),
+      "The backend's communicator for `device` (CUDA: created now if it does not exist yet, "
+      "collectively)");
   m.def(
       "backend_algo",
-      [](const c10::intrusive_ptr<c10d::Backend>& backend) -> std::string {
-        auto* pg = dynamic_cast<ProcessGroupPycomm*>(backend.get());
-        TORCH_CHECK_TYPE(pg != nullptr, "backend_algo: not a pycomm backend");
-        return pg->algo();
+      [](const c10::intrusive_ptr<c10d::Backend>& backend, const std::string& device) {
+        return as_pycomm(backend, "backend_algo").algo_for(c10::Device(device));
       },
-      py::arg("backend"));
+      py::arg("backend"), py::arg("device") = "cpu");
 }
 
 }  // namespace pycomm

@@ -1,19 +1,41 @@
 // pycomm as a torch.distributed backend: init_process_group(backend="pycomm").
 //
-// ProcessGroupPycomm is a thin c10d::Backend over one pycomm::Comm (the same
-// C++ communicator behind pycomm.Communicator): it maps c10d's calls and
-// options onto Comm's ops, stages what Comm cannot take directly (tensor lists,
+// ProcessGroupPycomm is a thin c10d::Backend over pycomm::Comm (the C++
+// communicator behind pycomm.Communicator): it maps c10d's calls and options
+// onto Comm's ops, stages what Comm cannot take directly (tensor lists,
 // non-contiguous tensors) through contiguous buffers, and wraps pycomm::Work in
-// a c10d::Work. No algorithm lives here. pycomm/backend.py registers it.
+// a c10d::Work. No algorithm lives here. pycomm/backend.py registers it for
+// "cpu" and "cuda".
 //
-// CPU only: the CUDA communicator (CudaComm) has a different C++ class and is
-// not wired in yet, so a CUDA tensor raises a clear error naming the way out.
+// Devices. torch registers ONE backend object for every device of a group
+// when they all name "pycomm", so each call is dispatched by its tensors'
+// device (all of a call's tensors on one device, else ValueError):
+//   cpu   the group's CPU communicator (shm / gloo), built with the group;
+//   cuda  the group's CUDA communicator (nccl), built lazily at the group's
+//         first CUDA operation by a factory from pycomm/backend.py, as
+//         ProcessGroupNCCL builds its NCCL communicators: a CPU-only user never
+//         pays for (or fails on) NCCL setup, and since every rank of the group
+//         reaches its first CUDA operation at the same point, the NCCL
+//         bootstrap matches. That creation is collective over the whole group
+//         (a first CUDA send/recv between two ranks of a larger group waits for
+//         the others until the timeout: run a CUDA collective first); a failed
+//         creation is final (later CUDA ops raise its error). One CUDA
+//         device per group (the first op's); a tensor on another one raises.
+// CUDA stream semantics are ProcessGroupNCCL's, inherited from Comm's CUDA
+// executor: an op runs after the caller's current stream; a sync op orders the
+// current stream after it; Work.wait() makes the current stream wait (the host
+// does not, unless a timeout is given); get_future() is CUDA-aware. Staging
+// copies run on the caller's stream before the op (inputs) and, after it, on
+// the stream of a CUDA-aware future callback (outputs), which the returned
+// Work and future are ordered after.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -21,12 +43,14 @@
 
 namespace pycomm {
 
-// A c10d::Work whose completion, error and result come from one future: the
-// pycomm op's own, or a continuation of it that copies staged outputs back.
+// A c10d::Work over one pycomm op (`op`) and the future the caller sees:
+// the op's own, or a continuation of it that copies staged outputs back.
+// CPU: the future completes when the op (and the copy) has. CUDA: both
+// futures are CUDA-aware and complete at the enqueue; the op's Work tracks
+// the GPU (is_completed, errors after the enqueue).
 class BackendWork final : public c10d::Work {
  public:
-  // `op` (may be null for ops that already finished) is waited on first:
-  // pycomm::Work::wait() refuses to block the communicator's worker thread.
+  // `op` may be null for ops that already finished (synchronous calls).
   BackendWork(int rank, c10d::OpType type, c10::intrusive_ptr<pycomm::Work> op,
               c10::intrusive_ptr<c10::ivalue::Future> future, std::vector<at::Tensor> outputs);
 
@@ -34,9 +58,13 @@ class BackendWork final : public c10d::Work {
   bool isSuccess() const override;
   std::exception_ptr exception() const override;
   std::vector<at::Tensor> result() override;
-  void synchronize() override {}
-  // timeout 0 (c10d's kNoTimeout) waits without limit; the communicator's
-  // own timeout bounds every transfer anyway.
+  // CUDA: the caller's current stream waits for the op (as wait()).
+  void synchronize() override;
+  // timeout 0 (c10d's kNoTimeout) waits without limit (CPU; the
+  // communicator's own timeout bounds every transfer anyway) or without
+  // blocking the host (CUDA: the current stream waits). A timeout blocks the
+  // host until the op is complete, GPU included (as ProcessGroupNCCL), and
+  // raises when it is not by then.
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 
@@ -46,17 +74,30 @@ class BackendWork final : public c10d::Work {
   std::vector<at::Tensor> outputs_;
 };
 
+// Builds the group's communicator for `device` (CUDA, with an index) when
+// operation `op` first needs it; throws (ValueError / RuntimeError) with the
+// reason. bind_backend makes one from pycomm/backend.py's Python callable.
+using CommFactory =
+    std::function<std::shared_ptr<Comm>(const c10::Device& device, const std::string& op)>;
+
 class ProcessGroupPycomm final : public c10d::Backend {
  public:
-  // `algo`: the all_reduce algorithm ("auto", "ring", "direct"); the other
-  // collectives use "auto".
-  ProcessGroupPycomm(std::shared_ptr<Comm> comm, std::string algo);
+  // `cpu_comm`: the group's CPU communicator; `cuda_factory` (may be empty:
+  // CUDA tensors then raise) builds the CUDA one at the first CUDA op.
+  // `cpu_algo` / `cuda_algo`: the all_reduce algorithm on each ("auto",
+  // "ring", "direct" / "auto", "ring", "nccl"); the other collectives use
+  // "auto".
+  ProcessGroupPycomm(std::shared_ptr<Comm> cpu_comm, std::string cpu_algo, CommFactory cuda_factory,
+                     std::string cuda_algo);
   ~ProcessGroupPycomm() override;
 
   const std::string getBackendName() const override { return "pycomm"; }
   bool supportsCoalescing() const override { return true; }
-  const std::shared_ptr<Comm>& comm() const { return comm_; }
-  const std::string& algo() const { return algo_; }
+  // The communicator for tensors on `device` ("cpu", or CUDA: created now if
+  // this is the group's first CUDA use, collectively); `op` names the caller
+  // in errors (ValueError for a device this group cannot serve).
+  std::shared_ptr<Comm> comm_for(c10::Device device, const char* op);
+  const std::string& algo_for(const c10::Device& device) const;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -88,13 +129,18 @@ class ProcessGroupPycomm final : public c10d::Backend {
 
  private:
   // Runs after the op succeeds: copies staged results into the caller's
-  // tensors (on the worker thread for async ops, the caller's for sync ones).
+  // tensors. CPU: on the worker thread for async ops, the caller's for sync
+  // ones. CUDA: on the caller's current stream for sync ops; for async ones
+  // in a CUDA-aware future callback, on a stream ordered after the op.
   using Finish = std::function<void()>;
-  // Issues the Comm op with the given async_op; returns its Work (null when
-  // it ran synchronously).
-  using Issue = std::function<c10::intrusive_ptr<pycomm::Work>(bool async_op)>;
+  // Issues the op on `comm` with the given async_op; returns its Work (null
+  // when it ran synchronously).
+  using Issue = std::function<c10::intrusive_ptr<pycomm::Work>(Comm& comm, bool async_op)>;
 
-  c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, const char* op, bool async_op,
+  // Runs `issue` on the communicator of `device` (every tensor of the op is
+  // on it: check_devices).
+  c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, const char* op,
+                                        const c10::Device& device, bool async_op,
                                         std::vector<at::Tensor> outputs, const Issue& issue,
                                         Finish finish);
   c10::intrusive_ptr<c10d::Work> p2p(c10d::OpType type, const char* op,
@@ -102,8 +148,15 @@ class ProcessGroupPycomm final : public c10d::Backend {
   void check_not_coalescing(const char* op) const;
   int reduce_op(const c10d::ReduceOp& op, const char* opname) const;
 
-  std::shared_ptr<Comm> comm_;
-  std::string algo_;
+  std::shared_ptr<Comm> cpu_comm_;
+  std::string cpu_algo_;
+  CommFactory cuda_factory_;
+  std::string cuda_algo_;
+  std::mutex create_mu_;             // one creation of cuda_comm_ at a time
+  std::exception_ptr cuda_failure_;  // why it failed (guarded by create_mu_)
+  std::mutex cuda_mu_;               // guards cuda_comm_ and shut_down_ (held briefly)
+  std::shared_ptr<Comm> cuda_comm_;  // null until the first CUDA op
+  bool shut_down_ = false;
   struct Coalesced {
     TensorP2P req;
     at::Tensor user;  // the caller's tensor when `req.tensor` is a staging copy
