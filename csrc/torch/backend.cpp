@@ -253,17 +253,7 @@ bool BackendWork::wait(std::chrono::milliseconds timeout) {
                                 " ms (Work.wait timeout)");
     };
     if (!future_->completed()) {
-      struct Done {
-        std::mutex mu;
-        std::condition_variable cv;
-        bool done = false;
-      };
-      auto done = std::make_shared<Done>();
-      future_->addCallback([done](c10::ivalue::Future&) {
-        std::lock_guard<std::mutex> lk(done->mu);
-        done->done = true;
-        done->cv.notify_all();
-      });
+      auto done = completion_flag(future_);
       std::unique_lock<std::mutex> lk(done->mu);
       if (!done->cv.wait_until(lk, deadline, [&] { return done->done; })) throw timed_out();
     }

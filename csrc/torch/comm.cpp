@@ -66,18 +66,18 @@ void Work::report(std::exception_ptr e) const {
   std::rethrow_exception(e);
 }
 
-void Work::wait_interruptibly() {
-  struct Flag {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-  };
-  auto flag = std::make_shared<Flag>();
-  future_->addCallback([flag](c10::ivalue::Future&) {
+std::shared_ptr<CompletionFlag> completion_flag(const c10::intrusive_ptr<c10::ivalue::Future>& f) {
+  auto flag = std::make_shared<CompletionFlag>();
+  f->addCallback([flag](c10::ivalue::Future&) {
     std::lock_guard<std::mutex> lk(flag->mu);
     flag->done = true;
     flag->cv.notify_all();
   });
+  return flag;
+}
+
+void Work::wait_interruptibly() {
+  auto flag = completion_flag(future_);
   std::unique_lock<std::mutex> lk(flag->mu);
   while (!flag->cv.wait_for(lk, kInterruptPoll, [&] { return flag->done; })) {
     lk.unlock();

@@ -23,6 +23,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
@@ -97,6 +98,15 @@ class Work : public c10::intrusive_ptr_target {
   // wait() on the main thread: sleeps in short slices, checking for signals.
   void wait_interruptibly();
 };
+
+// A flag that a callback on `future` sets when it completes, for waits with a
+// deadline or a poll: wait on `cv` under `mu` until `done`.
+struct CompletionFlag {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+};
+std::shared_ptr<CompletionFlag> completion_flag(const c10::intrusive_ptr<c10::ivalue::Future>& f);
 
 // op -> [(max_bytes, algo), ...]: the first rule with bytes <= max_bytes (or
 // max_bytes < 0, no limit) is what algo="auto" runs (measured on a GPU by
