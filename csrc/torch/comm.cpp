@@ -335,7 +335,7 @@ class CpuExecutor final : public Executor {
         deferred_.push_back({work, h, std::chrono::steady_clock::now() + timeout_, peers});
         worker_->kick();
       } catch (const std::exception& e) {
-        fail_op(work, e);
+        fail_p2p(work, e, peers);
       }
     });
   }
@@ -392,6 +392,18 @@ class CpuExecutor final : public Executor {
                    : std::make_exception_ptr(CommError(msg)));
   }
 
+  // fail_op for a deferred p2p op, naming its peers where the transport's own
+  // error does not (gloo's "Connection closed by peer [127.0.0.1]:47338").
+  void fail_p2p(const c10::intrusive_ptr<Work>& work, const std::exception& e,
+                const std::string& peers) {
+    const std::string what = e.what();
+    if (dynamic_cast<const Interrupted*>(&e) != nullptr || what.find(peers) != std::string::npos) {
+      fail_op(work, e);
+    } else {
+      fail_op(work, CommError(what + " (" + peers + ")"));
+    }
+  }
+
   // On the executing thread; true while any deferred op is pending.
   bool poll_deferred() {
     for (auto it = deferred_.begin(); it != deferred_.end();) {
@@ -406,7 +418,7 @@ class CpuExecutor final : public Executor {
           throw CommError(msg.str());
         }
       } catch (const std::exception& e) {
-        fail_op(it->work, e);
+        fail_p2p(it->work, e, it->peers);
         it = deferred_.erase(it);
         continue;
       }
