@@ -324,6 +324,11 @@ def _devices_and_dispatch(rank: int, world_size: int, port: int, backend: str) -
         dist.all_gather_object(objs, {"rank": rank})
         assert objs == [{"rank": r} for r in range(world_size)]
         dist.barrier()
+        if not torch.cuda.is_available():
+            # Scripts written for NCCL pass device_ids=[local_rank]; without a
+            # GPU that barrier stays on CPU (it once asked for the CUDA
+            # communicator and failed).
+            dist.barrier(device_ids=[0])
         # The tensors of one call must be on one device; other devices are refused.
         _raises(ValueError, r"output_tensor_list\[1\] is on meta but input is on cpu",
                 dist.all_gather, [torch.empty(2), torch.empty(2, device="meta")], torch.ones(2))

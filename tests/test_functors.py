@@ -230,6 +230,22 @@ def test_scale_matches_accumulation_type(dtype, factor):
     _assert_bitwise(dst, ref)
 
 
+@pytest.mark.parametrize("dtype", sorted(FLOATS, key=str), ids=str)
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("n", [1, 4099, 100003])
+def test_fused_reduce_scale_equals_reduce_then_scale(dtype, op, n):
+    """AVG's last step runs reduce + scale fused, block by block (one pass over
+    memory): bitwise what reduce_ then scale_ give, NaNs included, across the
+    block edges (16 KiB) and the SIMD tails."""
+    a, b = _inputs(dtype, n, seed=11)
+    two_pass = a.clone()
+    _C.reduce_(two_pass, b, OPS[op])
+    _C.scale_(two_pass, 1 / 3)
+    fused = a.clone()
+    _C.reduce_scale_(fused, b, OPS[op], 1 / 3)
+    assert torch.equal(fused.view(torch.uint8), two_pass.view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.uint8], ids=str)
 def test_scale_rejects_integers(dtype):
     with pytest.raises(ValueError):

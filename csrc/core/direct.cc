@@ -9,6 +9,21 @@ namespace {
 // Pieces of at least this many bytes use the two-shot variant on 3+ ranks.
 constexpr size_t kTwoShotMinBytes = 64 * 1024;
 
+// out = ((src(0) op src(1)) op src(2)) ... op src(n-1), scaled by 1/n for AVG
+// in the last step (reduce_scale: one pass over memory on the CPU too).
+template <class Src>
+void reduce_all(Reducer& red, char* out, Src src, int n, size_t m, DType dtype, ReduceOp op) {
+  const double factor = 1.0 / n;
+  for (int r = 1; r < n; ++r) {
+    const char* acc = r == 1 ? src(0) : out;
+    if (op == ReduceOp::kAvg && r == n - 1) {
+      red.reduce_scale(out, acc, src(r), m, dtype, op, factor);
+    } else {
+      red.reduce(out, acc, src(r), m, dtype, op);
+    }
+  }
+}
+
 }  // namespace
 
 void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op) {
@@ -41,9 +56,7 @@ void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
     if (n == 2 || m * es < kTwoShotMinBytes) {
       // One-shot: every rank reduces the whole piece from all n buffers, in
       // the same order: ((b0 op b1) op b2) ... op b(n-1).
-      red.reduce(dst, first(0, dst), first(1, dst), m, dtype, op);
-      for (int r = 2; r < n; ++r) red.reduce(dst, dst, in(r), m, dtype, op);
-      if (op == ReduceOp::kAvg) red.scale(dst, m, dtype, 1.0 / n);
+      reduce_all(red, dst, [&](int r) { return r < 2 ? first(r, dst) : in(r); }, n, m, dtype, op);
       continue;
     }
     // Two-shot: rank r reduces chunk r of the piece (same order as above)
@@ -54,9 +67,9 @@ void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
     const size_t off = ch.offset(me) * es, len = ch.length(me);
     if (len > 0) {
       char* out = dst + off;
-      red.reduce(out, first(0, dst) + off, first(1, dst) + off, len, dtype, op);
-      for (int r = 2; r < n; ++r) red.reduce(out, out, in(r) + off, len, dtype, op);
-      if (op == ReduceOp::kAvg) red.scale(out, len, dtype, 1.0 / n);
+      reduce_all(
+          red, out, [&](int r) { return (r < 2 ? first(r, dst) : in(r)) + off; }, n, len, dtype,
+          op);
       red.copy(static_cast<char*>(sb->local(which)) + off, out, len * es);
     }
     sb->arrive_and_wait(sb->next_epoch(), which);

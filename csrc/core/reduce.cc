@@ -282,6 +282,22 @@ void cpu_scale(void* dst, size_t count, DType dtype, double factor) {
   });
 }
 
+void CpuReducer::reduce_scale(void* dst, const void* a, const void* b, size_t count, DType dtype,
+                              ReduceOp op, double factor) {
+  // 16 KiB blocks (a multiple of every SIMD width): L1-sized, so the scale
+  // re-reads what the reduce just wrote from cache.
+  const size_t es = dtype_size(dtype);
+  const size_t block = (16 * 1024) / es;
+  char* d = static_cast<char*>(dst);
+  const char* pa = static_cast<const char*>(a);
+  const char* pb = static_cast<const char*>(b);
+  for (size_t i = 0; i < count; i += block) {
+    const size_t n = std::min(block, count - i);
+    cpu_reduce(d + i * es, pa + i * es, pb + i * es, n, dtype, op);
+    cpu_scale(d + i * es, n, dtype, factor);
+  }
+}
+
 void CpuReducer::copy(void* dst, const void* src, size_t bytes) {
   if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
 }

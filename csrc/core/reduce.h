@@ -72,6 +72,11 @@ class CpuReducer final : public Reducer {
   void scale(void* dst, size_t count, DType dtype, double factor) override {
     cpu_scale(dst, count, dtype, factor);
   }
+  // reduce() then scale() block by block, each block scaled while it is
+  // still in cache: one pass over memory instead of two, the same functions
+  // on the same elements, so bitwise what reduce() then scale() give.
+  void reduce_scale(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op,
+                    double factor) override;
   void copy(void* dst, const void* src, size_t bytes) override;
   void to_wire(void* dst, const float* src, size_t count, DType wire) override {
     cpu_to_wire(dst, src, count, wire);

@@ -60,6 +60,7 @@ void copy_back(const at::Tensor& dst, const at::Tensor& src) {
   at::NoGradGuard no_grad;
   dst.copy_(src.view(dst.sizes()));
   keep_until_current_stream_passes(src);
+  keep_until_current_stream_passes(dst);  // the caller may drop it before the copy ran
 }
 
 // What an op on `buf` (contiguous_buffer(dst), or a flat staging buffer) must
@@ -303,6 +304,8 @@ std::shared_ptr<Comm> ProcessGroupPycomm::comm_for(c10::Device device, const cha
     std::lock_guard<std::mutex> lk(cuda_mu_);
     TORCH_CHECK(!shut_down_, op, ": this pycomm process group was shut down");
     comm = cuda_comm_;
+    // After abort(), no new CUDA communicator (an existing one raises itself).
+    TORCH_CHECK(comm || !aborted_, op, ": this pycomm process group was aborted");
   }
   if (!comm) {
     // One creation at a time; cuda_mu_ is not held meanwhile (abort() and
@@ -331,9 +334,15 @@ std::shared_ptr<Comm> ProcessGroupPycomm::comm_for(c10::Device device, const cha
                   comm ? comm->rank() : -1, " of ", comm ? comm->world_size() : -1,
                   ", the group's: rank ", rank_, " of ", size_, ")");
       std::lock_guard<std::mutex> lk(cuda_mu_);
-      if (shut_down_) {
-        comm->abort("the process group was shut down while its CUDA communicator was created");
-        TORCH_CHECK(false, op, ": this pycomm process group was shut down");
+      if (shut_down_ || aborted_) {
+        comm->abort(
+            "the process group was shut down or aborted while its CUDA communicator "
+            "was created");
+        try {
+          comm->close();
+        } catch (...) {
+        }
+        TORCH_CHECK(false, op, ": this pycomm process group was shut down or aborted");
       }
       cuda_comm_ = comm;
     }
@@ -535,15 +544,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOptions& opts) {
-  // torch.distributed.barrier names a device when the group is bound to one
-  // (init_process_group(device_id=...)) or device_ids are given: a CUDA
-  // barrier then runs on the CUDA communicator; otherwise on the CPU one.
+  // A CUDA barrier (on the CUDA communicator) when the group is bound to a
+  // CUDA device (init_process_group(device_id=...): torch's barrier op does
+  // not pass it in opts, the backend holds it) or device_ids are given, and
+  // this group can have a CUDA communicator at all: torch fills device_ids in
+  // for any accelerator, and on a CPU-only host scripts written for NCCL
+  // still pass device_ids=[local_rank]. Otherwise on the CPU communicator.
+  const bool cuda_ok = static_cast<bool>(cuda_factory_) && at::hasCUDA();
   c10::Device dev(c10::kCPU);
   if (opts.device.has_value()) {
     dev = *opts.device;
+  } else if (auto bound = getBoundDeviceId()) {
+    dev = *bound;
   } else if (!opts.device_ids.empty()) {
     dev = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(opts.device_ids[0]));
   }
+  if (dev.is_cuda() && !cuda_ok) dev = c10::Device(c10::kCPU);
   return launch(
       c10d::OpType::BARRIER, "barrier", dev, opts.asyncOp, {},
       [](Comm& c, bool async_op) { return c.barrier(async_op); }, nullptr);
@@ -666,6 +682,7 @@ void ProcessGroupPycomm::abort() {
   std::shared_ptr<Comm> cuda;
   {
     std::lock_guard<std::mutex> lk(cuda_mu_);
+    aborted_ = true;  // a CUDA communicator still being created is aborted when it arrives
     cuda = cuda_comm_;
   }
   for (const auto& comm : {cuda, cpu_comm_}) {

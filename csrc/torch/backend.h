@@ -157,6 +157,7 @@ class ProcessGroupPycomm final : public c10d::Backend {
   std::mutex cuda_mu_;               // guards cuda_comm_ and shut_down_ (held briefly)
   std::shared_ptr<Comm> cuda_comm_;  // null until the first CUDA op
   bool shut_down_ = false;
+  bool aborted_ = false;  // guarded by cuda_mu_
   struct Coalesced {
     TensorP2P req;
     at::Tensor user;  // the caller's tensor when `req.tensor` is a staging copy

@@ -67,6 +67,22 @@ void cpu_reduce_(at::Tensor dst, const at::Tensor& src, int op) {
                      static_cast<pycomm::ReduceOp>(op));
 }
 
+// The CPU reducer's fused reduce + scale (AVG's last step), for the test
+// that it equals reduce_ then scale_ bit for bit.
+void cpu_reduce_scale_(at::Tensor dst, const at::Tensor& src, int op, double factor) {
+  TORCH_CHECK_VALUE(dst.device().is_cpu() && src.device().is_cpu() && dst.is_contiguous() &&
+                        src.is_contiguous() && dst.numel() == src.numel(),
+                    "reduce_scale_: contiguous CPU tensors of equal numel only");
+  TORCH_CHECK_TYPE(dst.scalar_type() == src.scalar_type(),
+                   "reduce_scale_: dst and src differ in dtype");
+  TORCH_CHECK_VALUE(op >= 0 && op < pycomm::kNumReduceOps, "reduce_scale_: unknown op");
+  const auto dt = pycomm::to_dtype(dst.scalar_type(), "dst");
+  TORCH_CHECK_VALUE(pycomm::is_floating(dt), "reduce_scale_: floating dtype only");
+  py::gil_scoped_release nogil;
+  pycomm::CpuReducer().reduce_scale(dst.data_ptr(), dst.data_ptr(), src.data_ptr(), dst.numel(), dt,
+                                    static_cast<pycomm::ReduceOp>(op), factor);
+}
+
 void cpu_scale_(at::Tensor dst, double factor) {
   TORCH_CHECK_VALUE(dst.device().is_cpu() && dst.is_contiguous(),
                     "scale_: contiguous CPU tensor only");
@@ -163,6 +179,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shm_unlink", &pycomm::ShmTransport::unlink, py::arg("name"));
   m.def("reduce_", &cpu_reduce_, py::arg("dst"), py::arg("src"), py::arg("op"));
   m.def("scale_", &cpu_scale_, py::arg("dst"), py::arg("factor"));
+  m.def("reduce_scale_", &cpu_reduce_scale_, py::arg("dst"), py::arg("src"), py::arg("op"),
+        py::arg("factor"));
   m.def("half_to_float", [](uint16_t h) { return pycomm::half_to_float(h); });
   m.def("float_to_half", [](float f) { return pycomm::float_to_half(f); });
   m.def("bf16_to_float", [](uint16_t h) { return pycomm::bf16_to_float(h); });
