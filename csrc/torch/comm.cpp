@@ -93,10 +93,12 @@ void Work::wait_interruptibly() {
   }
 }
 
-void Work::complete() {
+void Work::complete() { complete_future(); }
+
+void Work::complete_future(std::optional<std::vector<c10::ivalue::Future::WeakStorage>> storages) {
   if (future_->completed()) return;  // the user set a result already
   try {
-    future_->markCompleted(c10::IValue(outputs_));
+    future_->markCompleted(c10::IValue(outputs_), std::move(storages));
   } catch (const std::exception&) {  // lost a race with the user's set_result
   }
 }
@@ -217,6 +219,11 @@ std::string failure_message(const Work& work, int rank, const std::string& trans
   return msg.str();
 }
 
+UsageError usage_failure(const Work& work, int rank, const std::exception& e) {
+  return UsageError(join_msg({work.op(), " #", std::to_string(work.seq()), " on rank ",
+                              std::to_string(rank), ": ", e.what()}));
+}
+
 void check_options(const CommOptions& options) {
   if (options.slice_bytes < 64) throw UsageError("slice_bytes must be at least 64");
   if (options.timeout_ms <= 0) throw UsageError("timeout must be positive");
@@ -275,7 +282,7 @@ class CpuExecutor final : public Executor {
     return work;
   }
 
-  void run(const c10::intrusive_ptr<Work>& work, Body body, Wait wait, Channel,
+  void run(const c10::intrusive_ptr<Work>& work, Body body, Wait wait,
            std::vector<at::Tensor> keep) override {
     std::function<void()> task = [this, work, body = std::move(body), keep = std::move(keep)]() {
       if (fail_if_aborted(work)) return;
@@ -286,9 +293,7 @@ class CpuExecutor final : public Executor {
       } catch (const UsageError& e) {
         // Detected by every rank before any payload moved (checked mode):
         // the communicator stays usable.
-        work->fail(std::make_exception_ptr(
-            UsageError(join_msg({work->op(), " #", std::to_string(work->seq()), " on rank ",
-                                 std::to_string(rank()), ": ", e.what()}))));
+        work->fail(std::make_exception_ptr(usage_failure(*work, rank(), e)));
       } catch (const std::exception& e) {
         fail_op(work, e);
       }
@@ -320,7 +325,7 @@ class CpuExecutor final : public Executor {
     if (wait != Wait::kAsync) {
       run(
           work, [ops](const Context& ctx) { ctx.transport.exchange(ops.data(), ops.size()); }, wait,
-          kUser, std::move(keep));
+          std::move(keep));
       return;
     }
     std::ostringstream peers;
@@ -683,40 +688,39 @@ class Comm::CallGuard {
   bool owner_ = false;
 };
 
-c10::intrusive_ptr<Work> Comm::launch(const char* op, std::vector<at::Tensor> outputs, Body body,
-                                      Wait wait, std::vector<at::Tensor> keep) {
+c10::intrusive_ptr<Work> Comm::start(
+    const char* op, std::vector<at::Tensor> outputs, Wait wait,
+    const std::function<void(const c10::intrusive_ptr<Work>&)>& submit) {
   CallGuard guard(*this, op);
   check_open(op);
-  // The outputs too: on GPU every tensor an op touches is recorded on the
-  // communicator's streams (the allocator must not reuse its memory early).
-  keep.insert(keep.end(), outputs.begin(), outputs.end());
   auto work = exec_->new_work(op, ++seq_, std::move(outputs));
   work->set_reported_flag(failure_reported_);
   try {
-    exec_->run(work, std::move(body), wait, kCollective, std::move(keep));
+    submit(work);
   } catch (const CommError&) {
-    failure_reported_->store(true);
+    failure_reported_->store(true);  // raised to the caller right here
     throw;
   }
   if (wait == Wait::kAsync) return work;
   return {};
 }
 
+c10::intrusive_ptr<Work> Comm::launch(const char* op, std::vector<at::Tensor> outputs, Body body,
+                                      Wait wait, std::vector<at::Tensor> keep) {
+  // The outputs too: on GPU every tensor an op touches is recorded on the
+  // communicator's streams (the allocator must not reuse its memory early).
+  keep.insert(keep.end(), outputs.begin(), outputs.end());
+  return start(op, std::move(outputs), wait, [&](const c10::intrusive_ptr<Work>& work) {
+    exec_->run(work, std::move(body), wait, std::move(keep));
+  });
+}
+
 c10::intrusive_ptr<Work> Comm::launch_p2p(const char* op, std::vector<at::Tensor> tensors,
                                           std::vector<P2POp> ops, Wait wait) {
-  CallGuard guard(*this, op);
-  check_open(op);
   for (auto& o : ops) o.channel = kUser;
-  auto work = exec_->new_work(op, ++seq_, tensors);
-  work->set_reported_flag(failure_reported_);
-  try {
+  return start(op, tensors, wait, [&](const c10::intrusive_ptr<Work>& work) {
     exec_->run_p2p(work, std::move(ops), wait, std::move(tensors));
-  } catch (const CommError&) {
-    failure_reported_->store(true);
-    throw;
-  }
-  if (wait == Wait::kAsync) return work;
-  return {};
+  });
 }
 
 c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std::string& algo,

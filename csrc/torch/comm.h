@@ -86,6 +86,10 @@ class Work : public c10::intrusive_ptr_target {
   const std::vector<at::Tensor>& outputs() const { return outputs_; }
   // Rethrows e after noting that the caller saw a failure.
   [[noreturn]] void report(std::exception_ptr e) const;
+  // Completes the future with the outputs (unless the user set a result
+  // already); `storages` names the memory its events cover when the outputs
+  // have none (a CUDA-aware future of an op without outputs).
+  void complete_future(std::optional<std::vector<c10::ivalue::Future::WeakStorage>> storages = {});
 
  private:
   std::string op_;
@@ -143,6 +147,8 @@ using Body = std::function<void(const Context&)>;
 // included, on every device (barrier).
 enum class Wait { kAsync, kSync, kHost };
 
+// A body's UsageError (checked mode), prefixed with "all_reduce #3 on rank 1: ".
+UsageError usage_failure(const Work& work, int rank, const std::exception& e);
 // "all_reduce #3 on rank 1 (shm transport, world_size 2, cpu) failed: why".
 std::string failure_message(const Work& work, int rank, const std::string& transport,
                             int world_size, const std::string& device, const std::string& why);
@@ -165,13 +171,13 @@ class Executor {
   // A Work of this executor's kind for the op about to run.
   virtual c10::intrusive_ptr<Work> new_work(const char* op, uint64_t seq,
                                             std::vector<at::Tensor> outputs) = 0;
-  // Runs `body` as `work` over the transport of `channel` (kCollective, or
-  // kUser for user p2p): completes or fails `work`, returning as `wait` says;
+  // Runs the collective `body` as `work`: completes or fails `work`,
+  // returning as `wait` says;
   // a synchronous op's error is thrown. A body's UsageError (checked mode:
   // every rank detected it before any payload moved) fails only this op;
   // any other error aborts the communicator. `keep` holds tensors the body
   // reads until the op is done.
-  virtual void run(const c10::intrusive_ptr<Work>& work, Body body, Wait wait, Channel channel,
+  virtual void run(const c10::intrusive_ptr<Work>& work, Body body, Wait wait,
                    std::vector<at::Tensor> keep) = 0;
   // User p2p: posts `ops` (channel kUser) and completes `work` when they are
   // done, without holding up later ops (a pending irecv never blocks a later
@@ -263,6 +269,11 @@ class Comm {
                                   Wait wait, std::vector<at::Tensor> keep = {});
   c10::intrusive_ptr<Work> launch_p2p(const char* op, std::vector<at::Tensor> tensors,
                                       std::vector<P2POp> ops, Wait wait);
+  // What both share: the call guard, check_open, a numbered Work, `submit`
+  // to the executor, and noting a CommError raised to the caller.
+  c10::intrusive_ptr<Work> start(
+      const char* op, std::vector<at::Tensor> outputs, Wait wait,
+      const std::function<void(const c10::intrusive_ptr<Work>&)>& submit);
   // Wraps a collective's body: assigns the collective sequence number when
   // the body runs (execution order, which is what pairs ops across ranks),
   // hands the op header to the transport (checked against the peers' on

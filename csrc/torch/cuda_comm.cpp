@@ -117,16 +117,11 @@ class CudaWork final : public Work {
   // that its future is still ordered after the op.
   void enqueued(const c10::cuda::CUDAStream& stream, const at::Tensor& anchor) {
     c10::cuda::CUDAStreamGuard guard(stream);
-    auto fut = future();
-    if (fut->completed()) return;  // the user set a result already
-    try {
-      if (outputs().empty()) {
-        fut->markCompleted(c10::IValue(outputs()), std::vector<c10::ivalue::Future::WeakStorage>{
-                                                       anchor.storage().getWeakStorageImpl()});
-      } else {
-        fut->markCompleted(c10::IValue(outputs()));
-      }
-    } catch (const std::exception&) {  // lost a race with the user's set_result
+    if (outputs().empty()) {
+      complete_future(
+          std::vector<c10::ivalue::Future::WeakStorage>{anchor.storage().getWeakStorageImpl()});
+    } else {
+      complete_future();
     }
   }
   // wait() also blocks the host until the op is done (barrier, like
@@ -218,7 +213,8 @@ class CudaExecutor final : public Executor {
         size_(nccl->world_size()),
         device_(nccl->device()),
         timeout_(options.timeout_ms),
-        slice_bytes_(static_cast<size_t>(options.slice_bytes)) {
+        slice_bytes_(static_cast<size_t>(options.slice_bytes)),
+        enqueue_mu_(device_mutex(device_)) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     nccl->set_timeout(timeout_);
     const int device = device_;
@@ -263,7 +259,7 @@ class CudaExecutor final : public Executor {
   // ncclCommSplit of the collectives' communicator (a collective of this
   // one: every rank calls it at the same point of its op sequence).
   std::unique_ptr<Executor> split(int color, int key, const CommOptions& options) override {
-    std::lock_guard<std::recursive_mutex> lk(enqueue_mutex());
+    std::lock_guard<std::recursive_mutex> lk(enqueue_mu_);
     if (aborted()) {
       throw CommError(
           join_msg({"split: the communicator was aborted earlier (", abort_reason(), ")"}));
@@ -285,9 +281,8 @@ class CudaExecutor final : public Executor {
   }
 
   // Collectives run on the collectives' lane, with its scratch.
-  void run(const c10::intrusive_ptr<Work>& work, Body body, Wait wait, Channel channel,
+  void run(const c10::intrusive_ptr<Work>& work, Body body, Wait wait,
            std::vector<at::Tensor> keep) override {
-    if (channel != kCollective) throw std::logic_error("CudaExecutor::run: user p2p is run_p2p's");
     enqueue(work, {{kLaneCollective, std::move(body)}}, wait, keep);
   }
 
@@ -317,7 +312,7 @@ class CudaExecutor final : public Executor {
     }
     wd_cv_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
-    std::lock_guard<std::recursive_mutex> lk(enqueue_mutex());
+    std::lock_guard<std::recursive_mutex> lk(enqueue_mu_);
     scratch_.reset();  // after recordStream: freed once our streams pass this point
     // The split-off communicator first, on every rank in the same order (a
     // destroy may synchronise the ranks of a host). A failure (which has
@@ -434,7 +429,7 @@ class CudaExecutor final : public Executor {
     }
     const LaneId last = parts.back().first;
     {
-      std::lock_guard<std::recursive_mutex> lk(enqueue_mutex());  // one enqueue at a time
+      std::lock_guard<std::recursive_mutex> lk(enqueue_mu_);  // one enqueue at a time
       if (aborted()) {
         throw CommError(join_msg(
             {work->op(), ": the communicator was aborted earlier (", abort_reason(), ")"}));
@@ -474,8 +469,7 @@ class CudaExecutor final : public Executor {
         destroy_events(joins);
         // Checked mode: every rank found the mismatch before any payload moved;
         // the communicator stays usable.
-        const UsageError err(join_msg({work->op(), " #", std::to_string(work->seq()), " on rank ",
-                                       std::to_string(rank_), ": ", e.what()}));
+        const UsageError err = usage_failure(*work, rank_, e);
         work->fail(std::make_exception_ptr(err));
         throw err;
       } catch (const std::exception& e) {
@@ -641,14 +635,15 @@ class CudaExecutor final : public Executor {
   // split() gives several communicators (and executors) per device: one lock
   // per device serialises every enqueue on it. Recursive: split() holds it
   // while the new executor splits and connects its own lanes.
-  std::recursive_mutex& enqueue_mutex() const {
+  static std::recursive_mutex& device_mutex(int device) {
     static std::mutex guard;
     static std::map<int, std::unique_ptr<std::recursive_mutex>> per_device;
     std::lock_guard<std::mutex> lk(guard);
-    auto& m = per_device[device_];
+    auto& m = per_device[device];
     if (!m) m = std::make_unique<std::recursive_mutex>();
     return *m;
   }
+  std::recursive_mutex& enqueue_mu_;  // device_mutex(device_), looked up once
 
   std::mutex wd_mu_;
   std::condition_variable wd_cv_;
