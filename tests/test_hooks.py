@@ -553,3 +553,47 @@ def test_ddp_benchmark_harness_runs(tmp_path):
     ddp = [r for r in rows if r["variant"] == "pycomm-ddp"]
     assert all(0 <= r["hidden_fraction"] <= 1 and r["comm_ms"] > 0 for r in ddp)
     assert len(data["meta"]["commit"]) >= 40 and out_png.stat().st_size > 0
+
+
+def test_ddp_benchmark_floor_variants_pinned(tmp_path, monkeypatch):
+    """The diagnostic variants that bound what a hook can gain (compute-only,
+    ddp-no-comm, ddp-one-pass) run; --pin binds each rank to its own CPU; the
+    one-pass hook scales every bucket in place by 1/world_size on its thread."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    path = root / "benchmarks" / "ddp" / "bench.py"
+    spec = importlib.util.spec_from_file_location("ddp_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look the module up
+    spec.loader.exec_module(bench)
+
+    class Bucket:
+        def __init__(self, t):
+            self.t = t
+
+        def buffer(self):
+            return self.t
+
+    t = torch.arange(8, dtype=torch.float32)
+    got = bench._one_pass(bench._OnePass(world_size=4), Bucket(t)).wait()
+    assert got.data_ptr() == t.data_ptr() and torch.equal(t, torch.arange(8.0) / 4)
+
+    out_json = tmp_path / "r.json"
+    variants = ["torch-gloo", "compute-only", "ddp-no-comm", "ddp-one-pass"]
+    proc = subprocess.run(
+        [sys.executable, str(path), "--width", "64", "--depth", "1", "--inputs", "32",
+         "--rounds", "1", "--steps", "2", "--warmup", "1", "--pin", "--variants",
+         ",".join(variants), "--json", str(out_json), "--plot", str(tmp_path / "r.png")],
+        env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out_json.read_text())
+    assert [r["variant"] for r in data["rows"]] == variants
+    allowed = sorted(os.sched_getaffinity(0))
+    assert data["meta"]["args"]["pin"] is True
+    assert data["meta"]["rank_cpus"] == [[allowed[r % len(allowed)]] for r in range(2)]

@@ -47,9 +47,11 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -146,6 +148,31 @@ def _unreduced(state, bucket):  # type: ignore[no-untyped-def]
     return fut
 
 
+class _OnePass:
+    """State of :func:`_one_pass`: one thread that scales each bucket in place
+    by 1/world_size and completes its future, as a communicator's worker
+    would. That is the least an in-place all-reduce costs a rank (read and
+    write every gradient once, off the autograd thread) without any of the
+    exchange between ranks: the floor of ``hook-allreduce`` on this machine."""
+
+    def __init__(self, world_size: int) -> None:
+        self.scale = 1.0 / world_size
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="one-pass", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            buffer, fut = self.queue.get()
+            fut.set_result(buffer.mul_(self.scale))  # mul_ runs without the GIL
+
+
+def _one_pass(state, bucket):  # type: ignore[no-untyped-def]
+    """A hook that hands the bucket to ``state``'s thread (see _OnePass)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    state.queue.put((bucket.buffer(), fut))
+    return fut
+
+
 variant(BASELINE, exact=True)(_torch_ddp)
 variant("hook-allreduce", exact=True)(_torch_ddp_with(hooks.allreduce_hook))
 variant("hook-ring-fp16")(_torch_ddp_with(hooks.ring_fp16_hook))
@@ -159,6 +186,8 @@ variant("backend-pycomm-gloo", default=False, exact=True)(  # pycomm's ring over
     _torch_ddp_on_pycomm(transport="gloo"))
 variant("compute-only", default=False)(lambda model, env: model)  # no DDP at all: the floor
 variant("ddp-no-comm", default=False)(_torch_ddp_with(_unreduced, state=lambda env: None))
+variant("ddp-one-pass", default=False)(
+    _torch_ddp_with(_one_pass, state=lambda env: _OnePass(env.world_size)))
 variant("torch-gloo-view", default=False, exact=True)(
     lambda model, env: _torch_ddp(model, env, gradient_as_bucket_view=True))
 variant("hook-allreduce-view", default=False, exact=True)(
@@ -279,6 +308,9 @@ def _phases(args: argparse.Namespace) -> list[tuple[str, list[str], float]]:
 
 def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace) -> dict:
     """Runs every phase of ``args.mode`` on this rank; returns its raw times."""
+    if args.pin:  # before torch and pycomm start threads: they inherit it
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     torch.set_num_threads(args.threads)
     store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank,
@@ -288,7 +320,8 @@ def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace) ->
     g = torch.Generator().manual_seed(1 + rank)  # fixed data, this rank's shard
     x = torch.randn(args.batch, args.inputs, generator=g)
     y = torch.randn(args.batch, args.outputs, generator=g)
-    out: dict[str, Any] = {"transport": comm.transport, "phases": []}
+    out: dict[str, Any] = {"transport": comm.transport, "cpus": sorted(os.sched_getaffinity(0)),
+                           "phases": []}
     for phase, names, cap in _phases(args):
         result = _run_phase(dataclasses.replace(env, bucket_cap_mb=cap), names, args, x, y)
         out["phases"].append({"phase": phase, **result})
@@ -506,6 +539,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transport", default="shm", choices=("auto", "shm", "gloo"),
                    help="of the pycomm communicator the hooks and pycomm-ddp use")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--pin", action="store_true",
+                   help="bind each rank (all its threads) to one CPU: rank r to the r-th allowed CPU")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant and round")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
@@ -548,11 +583,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "env": {k: v for k, v in os.environ.items() if k.startswith("PYCOMM_")},
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     print(f"# DDP step time: {params / 1e6:.2f}M-parameter MLP ({args.depth} x {args.width}), "
-          f"{args.nproc} CPU ranks x {args.threads} thread(s), batch {args.batch}/rank, "
+          f"{args.nproc} CPU ranks x {args.threads} thread(s){' (pinned)' if args.pin else ''}, batch {args.batch}/rank, "
           f"{args.rounds} rounds x {args.steps} steps (+{args.warmup} warmup), modes "
           f"{','.join(args.mode)}; commit {meta['commit'][:12]}", flush=True)
     per_rank = launch(args)
     meta["transport"] = per_rank[0]["transport"]
+    meta["rank_cpus"] = [r["cpus"] for r in per_rank]  # what each rank could run on
     rows = summarize(per_rank)
     print(format_table(rows), flush=True)
     bad = param_mismatches(rows)
