@@ -234,9 +234,10 @@ def test_scale_matches_accumulation_type(dtype, factor):
 @pytest.mark.parametrize("op", ["sum", "avg", "max"])
 @pytest.mark.parametrize("n", [1, 4099, 100003])
 def test_fused_reduce_scale_equals_reduce_then_scale(dtype, op, n):
-    """AVG's last step runs reduce + scale fused, block by block (one pass over
-    memory): bitwise what reduce_ then scale_ give, NaNs included, across the
-    block edges (16 KiB) and the SIMD tails."""
+    """AVG's last step runs reduce + scale fused (element by element for
+    float32/float64 with AVX2, else in 16 KiB blocks: one pass over memory):
+    bitwise what reduce_ then scale_ give, NaNs included, across the block
+    edges and the SIMD tails."""
     a, b = _inputs(dtype, n, seed=11)
     two_pass = a.clone()
     _C.reduce_(two_pass, b, OPS[op])

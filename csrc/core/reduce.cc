@@ -158,6 +158,14 @@ PYCOMM_AVX2 void reduce_loop_avx2(T* dst, const T* a, const T* b, size_t n, Fn f
   for (size_t i = 0; i < n; ++i) dst[i] = combine(a[i], b[i], fn);
 }
 
+// reduce then scale fused element by element (float32/float64): the same two
+// roundings as reduce_loop then the scale, in one pass over memory.
+template <class T, class Fn>
+PYCOMM_AVX2 void reduce_scale_loop_avx2(T* dst, const T* a, const T* b, size_t n, Fn fn,
+                                        double factor) {
+  for (size_t i = 0; i < n; ++i) dst[i] = scale_one(combine(a[i], b[i], fn), factor);
+}
+
 // Wire-dtype conversions, 8 lanes at a time (same codec as above).
 template <class W>
 PYCOMM_AVX2 void to_wire_avx2(W* dst, const float* src, size_t n) {
@@ -284,6 +292,22 @@ void cpu_scale(void* dst, size_t count, DType dtype, double factor) {
 
 void CpuReducer::reduce_scale(void* dst, const void* a, const void* b, size_t count, DType dtype,
                               ReduceOp op, double factor) {
+#if PYCOMM_X86_SIMD
+  if ((dtype == DType::kFloat32 || dtype == DType::kFloat64) && have_avx2_f16c()) {
+    dispatch_dtype(dtype, [&](auto tag) {
+      using T = decltype(tag);
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+        dispatch_op(op, [&](auto fn) {
+          reduce_scale_loop_avx2(static_cast<T*>(dst), static_cast<const T*>(a),
+                                 static_cast<const T*>(b), count, fn, factor);
+          return 0;
+        });
+      }
+      return 0;
+    });
+    return;
+  }
+#endif
   // 16 KiB blocks (a multiple of every SIMD width): L1-sized, so the scale
   // re-reads what the reduce just wrote from cache.
   const size_t es = dtype_size(dtype);
