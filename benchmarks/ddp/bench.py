@@ -450,8 +450,9 @@ def git_commit() -> str:
     try:
         sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                              text=True, check=True).stdout.strip()
+        # "-dirty" if the code it measures changed (not the results it writes)
         dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "csrc",
-                                "pycomm", "benchmarks/ddp"], capture_output=True, text=True).stdout
+                                "pycomm", "benchmarks/ddp/*.py"], capture_output=True, text=True).stdout
         return sha + ("-dirty" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
