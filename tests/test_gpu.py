@@ -141,7 +141,8 @@ def _child(fn, rank, world, port, queue, kwargs):
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
                               timeout=timedelta(seconds=TIMEOUT))
         comm = pycomm.init(rank=rank, world_size=world, store=store, transport="nccl",
-                           device="cuda:0", timeout=kwargs.pop("comm_timeout", 120),
+                           device=kwargs.pop("device", "cuda:0"),
+                           timeout=kwargs.pop("comm_timeout", 120),
                            slice_bytes=kwargs.pop("slice_bytes", None),
                            check=kwargs.pop("check", False), set_default=False)
         try:
@@ -618,6 +619,26 @@ def _timeout(comm, store, allow_close_error):
 
 def test_timeout_aborts_and_raises():
     run_ranks(2, _timeout, comm_timeout=3, allow_close_error=True)
+
+
+def _ops_off_the_current_device(comm, store):
+    # The communicator is on cuda:1 and the caller's current device stays
+    # cuda:0 (init never calls set_device): every Work's event must still be
+    # made on cuda:1, where the op's streams are.
+    assert comm.device == torch.device("cuda:1") and torch.cuda.current_device() == 0
+    t = torch.full((1 << 20,), float(comm.rank + 1), device="cuda:1")
+    comm.all_reduce(t)
+    w = comm.all_reduce(t, async_op=True)
+    w.wait()
+    torch.cuda.synchronize("cuda:1")
+    want = float(sum(range(1, comm.world_size + 1)) * comm.world_size)
+    assert torch.equal(t, torch.full_like(t, want))
+    assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_communicator_off_the_current_device():
+    run_ranks(2, _ops_off_the_current_device, device="cuda:1")
 
 
 # ---------------------------------------------------------------- pipeline

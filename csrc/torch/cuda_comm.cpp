@@ -101,13 +101,21 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// An event in `device`'s context: Works are made on the caller's thread,
+// whose current device need not be the communicator's (init never calls
+// set_device), and recording an event on another device's stream fails.
+cudaEvent_t event_on(int device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  return cuda::make_event();
+}
+
 class CudaWork final : public Work {
  public:
   CudaWork(std::string op, uint64_t seq, std::vector<at::Tensor> outputs, int device)
       : Work(std::move(op), seq, std::move(outputs),
              {c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))}),
         device_(device),
-        done_(cuda::make_event()) {}
+        done_(event_on(device)) {}
   ~CudaWork() override { (void)cudaEventDestroy(done_); }
 
   // The op is enqueued: completes the CUDA-aware future with an event on
