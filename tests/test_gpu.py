@@ -602,7 +602,7 @@ def _timeout(comm, store, allow_close_error):
     import pycomm
 
     if comm.rank == 1:
-        time.sleep(12)  # never joins the collective
+        time.sleep(25)  # never joins the collective (rank 0 gives up after 10 s)
         return
     t = torch.ones(1 << 16, device="cuda")
     # Either the enqueue (NCCL connects lazily, which needs the peer) or the
@@ -618,7 +618,9 @@ def _timeout(comm, store, allow_close_error):
 
 
 def test_timeout_aborts_and_raises():
-    run_ranks(2, _timeout, comm_timeout=3, allow_close_error=True)
+    # 10 s, not less: the timeout also bounds the communicator's creation (NCCL
+    # init, two splits, the p2p lanes' connect) on a GPU that may start cold.
+    run_ranks(2, _timeout, comm_timeout=10, allow_close_error=True)
 
 
 def _ops_off_the_current_device(comm, store):
