@@ -207,12 +207,12 @@ def _create_cuda_communicator(store: Any, rank: int, world_size: int,
     if not torch.cuda.is_available():
         raise ValueError(f"{op} on {device}: torch.cuda.is_available() is False")
     try:
-        # init() makes dev the current device; the caller's is restored after.
-        with torch.cuda.device(dev):
-            comm = init(rank=rank, world_size=world_size, store=store,
-                        key_prefix=_CUDA_KEY_PREFIX, transport="nccl", device=dev,
-                        timeout=timeout, check=opts.check, slice_bytes=opts.slice_bytes,
-                        set_default=False)
+        # dev has its index (the op's tensors'); init never changes the
+        # caller's current device.
+        comm = init(rank=rank, world_size=world_size, store=store,
+                    key_prefix=_CUDA_KEY_PREFIX, transport="nccl", device=dev,
+                    timeout=timeout, check=opts.check, slice_bytes=opts.slice_bytes,
+                    set_default=False)
     except ValueError as e:
         raise ValueError(f"{op}: cannot create the process group's CUDA communicator: {e}") from e
     except Exception as e:

@@ -436,9 +436,7 @@ class Communicator:
         for name, value in (("color", color), ("key", key)):
             if not -2**31 <= value < 2**31:
                 raise ValueError(f"split: {name}={value} does not fit in 32 bits (NCCL's split)")
-        settings = self._settings
-        if timeout is not None:
-            settings = replace(settings, timeout=_timeout_from(timeout))
+        settings = self._group_settings(timeout)
         # Every rank splits in the same order: the count names the group's
         # store (for its own groups later) identically on its members.
         self._nccl_splits += 1
@@ -448,6 +446,12 @@ class Communicator:
             return None
         store = dist.PrefixStore(f"nccl-split/{self._nccl_splits}/{color}", self._store)
         return Communicator(impl, store=store, settings=settings)
+
+    def _group_settings(self, timeout: timedelta | float | None) -> "_Settings":
+        """A sub-communicator's settings: this one's, with ``timeout`` if given."""
+        if timeout is None:
+            return self._settings
+        return replace(self._settings, timeout=_timeout_from(timeout))
 
     def _check_usable(self, op: str) -> None:
         if self.closed:
@@ -467,9 +471,7 @@ class Communicator:
         self._group_counts[members] = count
         ident = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:16]
         store = dist.PrefixStore(f"group/{ident}/{count}", self._store)
-        settings = self._settings
-        if timeout is not None:
-            settings = replace(settings, timeout=_timeout_from(timeout))
+        settings = self._group_settings(timeout)
         try:
             return _build(store, members.index(self.rank), len(members), settings.transport,
                           settings.device, settings.timeout, settings.slice_bytes, settings.check,
