@@ -192,6 +192,7 @@ class Communicator:
         # group that other ranks never create cannot shift theirs.
         self._group_counts: dict[tuple[int, ...], int] = {}
         self._nccl_splits = 0  # split() calls over NCCL (all ranks make them)
+        self._symmetric_failed = False  # a register_tensor returned False (_try_register)
 
     # -- properties ------------------------------------------------------
     @property
@@ -306,6 +307,69 @@ class Communicator:
     def barrier(self) -> None:
         """Returns once every rank has entered the barrier."""
         self._impl.barrier()
+
+    # -- symmetric memory ------------------------------------------------
+    def register_tensor(self, tensor: torch.Tensor) -> bool:
+        """Moves the storage of ``tensor`` into symmetric memory, in place:
+        shared memory that every rank of this communicator maps, so that an
+        :meth:`all_reduce` of it reads the peers' copies and writes the
+        result into every copy, with nothing staged through the transport's
+        buffers (on 2 ranks half the memory traffic; torch calls this idea
+        ``SymmetricMemory``, NCCL "registered buffers").
+
+        A collective: every rank calls it at the same point of its op
+        sequence, with a tensor whose storage has the same number of bytes.
+        Like :meth:`torch.Tensor.share_memory_`, the data is copied and the
+        storage's memory swapped, so ``tensor`` and every view of its storage
+        keep their identity and values (only ``data_ptr()`` changes). The
+        memory is released when the storage is freed; registering again moves
+        it to a fresh region.
+
+        The fast path applies to ``all_reduce`` (``algo`` "auto" or "direct")
+        of a tensor that spans its whole registered storage, when every rank
+        passes its registered tensor. Otherwise (a view, an unregistered
+        tensor on some rank) every rank takes the staged path: same bits,
+        nothing to get wrong.
+
+        Args:
+            tensor: a contiguous CPU tensor; its whole storage is registered.
+
+        Returns:
+            True when registered. False on every rank, with a warning naming
+            the rank and the reason, when some rank could not reserve the
+            memory (``/dev/shm`` too small) or has ``PYCOMM_SHM_SYMMETRIC=0``;
+            the tensor is then unchanged.
+
+        Raises:
+            ValueError: the communicator's transport is not ``shm``, or the
+                tensor is not on its device.
+            CommError: the collective failed (a dead peer, the timeout,
+                storages of different sizes).
+        """
+        _need_tensors("register_tensor", tensor=tensor)
+        why = self._impl.register_tensor(tensor)
+        if why:
+            warnings.warn(f"pycomm: register_tensor: no symmetric memory ({why}); all_reduce "
+                          "stages through the transport's buffers instead", stacklevel=2)
+        return not why
+
+    def is_registered(self, tensor: torch.Tensor) -> bool:
+        """True when the storage of ``tensor`` was moved into symmetric memory
+        by :meth:`register_tensor` of this communicator."""
+        return self._impl.is_registered(tensor)
+
+    def _try_register(self, tensor: torch.Tensor) -> bool:
+        """:meth:`register_tensor` where it pays and is allowed: on ``shm``,
+        once per storage, and never again after one returned False (every
+        rank saw that False, so every rank stops asking at the same point).
+        For buffers that every rank allocates alike and reduces whole, every
+        step (gradient buckets); a collective whenever it registers."""
+        if self.transport != "shm" or self._symmetric_failed:
+            return False
+        if self.is_registered(tensor):
+            return True
+        self._symmetric_failed = not self.register_tensor(tensor)
+        return not self._symmetric_failed
 
     # -- point to point --------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int) -> None:

@@ -322,6 +322,35 @@ def test_ddp_hooks_match_plain_ddp_and_single_process(world_size):
     print({k: v[0] if isinstance(v, tuple) else v for k, v in per_rank[0].items()})
 
 
+def _registration_case(comm, view: bool):
+    """What allreduce_hook finds registered right after its call: DDP's own
+    buckets (symmetric memory from the first call on), never the copies that
+    fp16_compress_wrapper hands it."""
+    seen: dict[str, list[bool]] = {"plain": [], "wrapped": []}
+
+    def recording(key):
+        def hook(state, bucket):
+            fut = hooks.allreduce_hook(state, bucket)
+            seen[key].append(comm.is_registered(bucket.buffer()))
+            return fut
+        return hook
+
+    pg = _torch_pg(comm, f"registration-{next(_pg_count)}")
+    plain = _train(comm, pg, gradient_as_bucket_view=view)
+    params = _train(comm, pg, recording("plain"), gradient_as_bucket_view=view)
+    _train(comm, pg, hooks.fp16_compress_wrapper(recording("wrapped")),
+           gradient_as_bucket_view=view)
+    return seen, _max_diff(params, plain)
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_allreduce_hook_moves_ddp_buckets_into_symmetric_memory(view):
+    for seen, diff in run_ranks(_registration_case, 2, "shm", view, timeout=300):
+        assert seen["plain"] and all(seen["plain"]), seen
+        assert seen["wrapped"] and not any(seen["wrapped"]), seen
+        assert diff < 1e-5, diff
+
+
 def test_ddp_allreduce_hook_over_gloo_transport():
     per_rank = run_ranks(_ddp_hooks_case, 2, "gloo", ["allreduce", "ring_fp16"], {},
                          timeout=300)

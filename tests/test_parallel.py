@@ -173,10 +173,13 @@ def _rebuild_case(comm):
     for p in ddp.module.parameters():
         p.register_post_accumulate_grad_hook(lambda q: ready.append(names[id(q)]))
     before = ddp.bucket_assignment()
+    # On shm every bucket lives in symmetric memory, the rebuilt ones too.
+    assert all(comm.is_registered(b.buffer) for b in ddp._buckets)
     _train(ddp, batches[:1], r)
     first_order = list(ready)
     after = ddp.bucket_assignment()
     _train(ddp, batches[1:], r)
+    assert all(comm.is_registered(b.buffer) for b in ddp._buckets)
     reference = _train(_Scrambled(0), batches)
     _assert_same_params(ddp.module, reference, "vs full batch")
     assert ddp.stats().rebuilt_after == 1

@@ -151,6 +151,15 @@ void dissemination_barrier(const Context& ctx);
 // element is computed by the same expression on every rank, so the results
 // are bitwise identical. AVG then scales by 1/n. Throws UsageError if the
 // transport has no SharedBuffers.
-void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op);
+//
+// `sym`: non-null when `data` is this rank's copy of symmetric region `sym`,
+// all of it (data == sym->base(rank), count elements == sym->bytes()). If
+// every rank passes the same region, nothing is staged: rank r reduces chunk
+// r from every rank's copy and writes the result into every copy (two
+// arrivals in all, half the memory traffic on 2 ranks); the same expression,
+// so the same bits. If any rank passes no region or another one, every rank
+// takes the staged path above.
+void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
+                       const SymmetricRegion* sym = nullptr);
 
 }  // namespace pycomm

@@ -24,9 +24,37 @@ void reduce_all(Reducer& red, char* out, Src src, int n, size_t m, DType dtype, 
   }
 }
 
+// The all-reduce over symmetric memory, after the first arrival: rank r
+// reduces chunk r of the tensor straight from every rank's copy (same order
+// as below) into a buffer of its own, in pieces that stay in L2, and writes
+// each piece into every rank's copy; a last arrival ends it. Per rank that is
+// one read of its chunk on every rank and one write of it to every rank,
+// with nothing staged: on 2 ranks half the memory traffic of the staged
+// one-shot. Nobody reads a chunk's inputs but its owner, so the owner may
+// overwrite them as it goes.
+void symmetric_all_reduce(SharedBuffers& sb, Reducer& red, const SymmetricRegion& sym, int which,
+                          int n, int me, size_t count, DType dtype, ReduceOp op) {
+  const size_t es = dtype_size(dtype);
+  const size_t per = std::max<size_t>(1, sb.capacity() / es);
+  char* scratch = static_cast<char*>(sb.local(which));  // nobody reads it now
+  const Chunks ch = Chunks::aligned(count, n, es);
+  const size_t first = ch.offset(me), len = ch.length(me);
+  for (size_t done = 0; done < len; done += per) {
+    const size_t m = std::min(per, len - done), off = (first + done) * es;
+    reduce_all(
+        red, scratch, [&](int r) { return static_cast<const char*>(sym.base(r)) + off; }, n, m,
+        dtype, op);
+    for (int r = 0; r < n; ++r) red.copy(sym.base(r) + off, scratch, m * es);
+  }
+  // The same buffer and tag as the first arrival: a slower peer may not have
+  // read this rank's tag yet.
+  sb.arrive_and_wait(sb.next_epoch(), which, sym.id());
+}
+
 }  // namespace
 
-void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op) {
+void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
+                       const SymmetricRegion* sym) {
   Transport& tr = ctx.transport;
   const int n = tr.world_size();
   const int me = tr.rank();
@@ -45,7 +73,22 @@ void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
     char* dst = base + begin * es;
     const int which = sb->next_buffer();
     red.copy(sb->local(which), dst, m * es);
-    sb->arrive_and_wait(sb->next_epoch(), which);
+    // The first arrival also says whether this rank's `data` is all of a
+    // symmetric region (its tag: the region's number, equal on every rank
+    // that allocated it together). If every rank's is the same region, the
+    // ranks switch to symmetric_all_reduce; otherwise (say, one rank passed
+    // another tensor) they all go on staging pieces. All ranks read the same
+    // n tags, so they all decide alike.
+    const uint64_t tag = begin == 0 && sym != nullptr ? sym->id() : 0;
+    sb->arrive_and_wait(sb->next_epoch(), which, tag);
+    if (tag != 0) {
+      bool all = true;
+      for (int r = 0; r < n && all; ++r) all = sb->tag(r, which) == tag;
+      if (all) {
+        symmetric_all_reduce(*sb, red, *sym, which, n, me, count, dtype, op);
+        return;
+      }
+    }
     auto in = [&](int r) { return static_cast<const char*>(sb->remote(r, which)); };
     // The first reduction reads this rank's own input from `dst` (identical
     // to its shared copy, and hot in L2) rather than from the shared buffer,
@@ -72,7 +115,7 @@ void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
           op);
       red.copy(static_cast<char*>(sb->local(which)) + off, out, len * es);
     }
-    sb->arrive_and_wait(sb->next_epoch(), which);
+    sb->arrive_and_wait(sb->next_epoch(), which, tag);  // same tag: see transport.h
     for (int r = 0; r < n; ++r) {
       if (r == me || ch.length(r) == 0) continue;
       const size_t o = ch.offset(r) * es;

@@ -22,7 +22,8 @@ enum class CollKind : int32_t {
   kAllGather = 3,
   kBroadcast = 4,
   kBarrier = 5,
-  kCheck = 6,  // checked mode's fingerprint exchange ahead of a collective
+  kCheck = 6,     // checked mode's fingerprint exchange ahead of a collective
+  kRegister = 7,  // Communicator.register_tensor (count: the storage's bytes)
 };
 const char* coll_name(CollKind k);
 

@@ -33,7 +33,7 @@ namespace pycomm {
 namespace {
 
 constexpr uint64_t kMagic = 0x316d68735f6d6370ULL;  // "pcm_shm1"
-constexpr uint32_t kVersion = 3;
+constexpr uint32_t kVersion = 4;
 constexpr size_t kLine = 64;
 constexpr size_t kPage = 4096;
 constexpr int64_t kHealthEveryNs = 1000000;      // liveness check period while waiting: 1 ms
@@ -93,7 +93,59 @@ size_t env_size(const char* name, size_t dflt) {
 
 std::string errno_str(int e) { return std::string(std::strerror(e)); }
 
+// SymmetricRegion::domain(): one per ShmTransport in this process.
+std::atomic<uint64_t> g_symmetric_domains{0};
+
+// Symmetric memory: each rank's part is a segment of its own. In the
+// direct buffer used to agree on the outcome (allocate_symmetric): a flag
+// word, then the reason a rank failed.
+constexpr size_t kSymReasonBytes = 240;
+struct SymOutcome {
+  uint32_t ok;
+  char why[kSymReasonBytes];
+};
+
+// Creates, reserves and maps shared memory `name` of `bytes` (a multiple of
+// the page size); nullptr with `why` set when it cannot.
+void* create_mapping(const std::string& name, size_t bytes, std::string* why) {
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    *why = "cannot create " + name + ": " + errno_str(errno);
+    return nullptr;
+  }
+  int e = ftruncate(fd, static_cast<off_t>(bytes)) == 0 ? 0 : errno;
+  // As for the segment: reserve the pages now, or a full /dev/shm would
+  // SIGBUS on first touch instead of failing here.
+  if (e == 0) {
+    const int fe = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    if (fe != 0 && fe != EOPNOTSUPP && fe != EINVAL) e = fe;
+  }
+  void* p = MAP_FAILED;
+  if (e == 0) {
+    p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (p == MAP_FAILED) e = errno;
+  }
+  close(fd);
+  if (e != 0) {
+    shm_unlink(name.c_str());
+    *why = "cannot reserve " + std::to_string(bytes) + " bytes of shared memory (" + name +
+           "): " + errno_str(e) + " (/dev/shm too small?)";
+    return nullptr;
+  }
+  return p;
+}
+
 }  // namespace
+
+SymmetricRegion::SymmetricRegion(uint64_t domain, uint64_t id, size_t bytes,
+                                 std::vector<void*> bases, size_t map_bytes)
+    : domain_(domain), id_(id), bytes_(bytes), map_bytes_(map_bytes), bases_(std::move(bases)) {}
+
+SymmetricRegion::~SymmetricRegion() {
+  for (void* b : bases_) {
+    if (b) munmap(b, map_bytes_);
+  }
+}
 
 // ------------------------------------------------------------ the layout
 
@@ -115,13 +167,15 @@ struct alignas(kLine) RankInfo {
   char pad3[kLine - 24];
 };
 
-// Next to each direct buffer: the OpHeader of the piece in it, written before
-// the owner arrives (its epoch store releases it) and read by the peers after.
+// Next to each direct buffer: the OpHeader of the piece in it and the
+// arrival's tag (SharedBuffers::arrive_and_wait), written before the owner
+// arrives (its epoch store releases them) and read by the peers after.
 struct alignas(kLine) BufferOp {
   std::atomic<uint64_t> seq;
   std::atomic<uint64_t> count;
   std::atomic<uint64_t> packed;
-  char pad[kLine - 24];
+  std::atomic<uint64_t> tag;
+  char pad[kLine - 32];
 };
 
 struct alignas(kLine) Header {
@@ -199,7 +253,11 @@ ShmConfig ShmConfig::from_env() {
 
 ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bool create,
                            ShmConfig cfg)
-    : name_(name), rank_(rank), size_(world_size), cfg_(cfg) {
+    : name_(name),
+      rank_(rank),
+      size_(world_size),
+      cfg_(cfg),
+      symmetric_domain_(++g_symmetric_domains) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     throw CommError("shm transport: rank " + std::to_string(rank) +
                     " out of range for world_size " + std::to_string(world_size));
@@ -816,13 +874,18 @@ void* ShmTransport::local(int which) { return seg_->direct(rank_, which); }
 
 const void* ShmTransport::remote(int r, int which) const { return seg_->direct(r, which); }
 
-void ShmTransport::arrive_and_wait(uint64_t epoch, int which) {
+uint64_t ShmTransport::tag(int r, int which) const {
+  return seg_->bufop(r, which)->tag.load(std::memory_order_relaxed);
+}
+
+void ShmTransport::arrive_and_wait(uint64_t epoch, int which, uint64_t tag) {
   check_not_aborted("direct all-reduce");
   BufferOp* mine = seg_->bufop(rank_, which);
   const uint64_t packed = op_.packed();
   mine->seq.store(op_.seq, std::memory_order_relaxed);
   mine->count.store(op_.count, std::memory_order_relaxed);
   mine->packed.store(packed, std::memory_order_relaxed);
+  mine->tag.store(tag, std::memory_order_relaxed);
   seg_->ranks[rank_].epoch.store(epoch, std::memory_order_release);
   for (int r = 0; r < size_; ++r) {
     if (r != rank_) notify(r);
@@ -847,6 +910,77 @@ void ShmTransport::arrive_and_wait(uint64_t epoch, int which) {
       fail("shm transport: " + mismatch_message(rank_, op_, r, OpHeader::unpack(seq, count, p)));
     }
   }
+}
+
+std::string ShmTransport::symmetric_name(uint64_t id, int r) const {
+  return name_ + ".s" + std::to_string(id) + "." + std::to_string(r);
+}
+
+std::shared_ptr<SymmetricRegion> ShmTransport::allocate_symmetric(size_t bytes, std::string* why) {
+  const uint64_t id = ++symmetric_count_;
+  const size_t map_bytes = round_up(std::max<size_t>(bytes, 1), kPage);
+  std::vector<void*> bases(static_cast<size_t>(size_), nullptr);
+  auto unmap_all = [&] {
+    for (void*& b : bases) {
+      if (b) munmap(b, map_bytes);
+      b = nullptr;
+    }
+  };
+  std::string mine_why;
+  const char* env = std::getenv("PYCOMM_SHM_SYMMETRIC");
+  if (env != nullptr && std::string(env) == "0") {
+    mine_why = "symmetric memory is disabled (PYCOMM_SHM_SYMMETRIC=0)";
+  } else {
+    bases[rank_] = create_mapping(symmetric_name(id, rank_), map_bytes, &mine_why);
+  }
+  try {
+    // Agree on the outcome: every rank publishes its own in a direct buffer.
+    const int which = next_buffer();
+    auto* out = static_cast<SymOutcome*>(local(which));
+    out->ok = bases[rank_] != nullptr;
+    std::snprintf(out->why, kSymReasonBytes, "%s", mine_why.c_str());
+    arrive_and_wait(next_epoch(), which);
+    for (int r = 0; r < size_; ++r) {
+      const auto* theirs = static_cast<const SymOutcome*>(remote(r, which));
+      if (theirs->ok == 1) continue;
+      unmap_all();
+      shm_unlink(symmetric_name(id, rank_).c_str());
+      *why = "rank " + std::to_string(r) + ": " + std::string(theirs->why);
+      return nullptr;
+    }
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      const std::string name = symmetric_name(id, r);
+      const int fd = shm_open(name.c_str(), O_RDWR, 0);
+      struct stat st;
+      if (fd < 0 || fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < map_bytes) {
+        const int e = errno;
+        if (fd >= 0) close(fd);
+        throw CommError("shm transport: cannot open rank " + std::to_string(r) +
+                        "'s symmetric memory " + name + ": " + errno_str(e));
+      }
+      void* p = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+      const int e = errno;
+      close(fd);
+      if (p == MAP_FAILED) {
+        throw CommError("shm transport: cannot map rank " + std::to_string(r) +
+                        "'s symmetric memory " + name + ": " + errno_str(e));
+      }
+      bases[r] = p;
+    }
+    // Every rank has mapped every part: the names can go (the memory stays
+    // until the last process unmaps it).
+    arrive_and_wait(next_epoch(), next_buffer());
+    shm_unlink(symmetric_name(id, rank_).c_str());
+  } catch (...) {
+    // A peer failed or died half way: remove every rank's name (ENOENT is
+    // fine), so that nothing is left in /dev/shm by a rank that died.
+    unmap_all();
+    for (int r = 0; r < size_; ++r) shm_unlink(symmetric_name(id, r).c_str());
+    throw;
+  }
+  return std::make_shared<SymmetricRegion>(symmetric_domain_, id, bytes, std::move(bases),
+                                           map_bytes);
 }
 
 void ShmTransport::begin_op(const OpHeader& h) {

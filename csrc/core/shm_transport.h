@@ -16,7 +16,16 @@
 //                                      message, sender's op header } }
 //                 data[slots][slot_bytes]
 //   Direct      per rank direct_buffers buffers of direct_bytes (SharedBuffers)
-//   BufferOp    per direct buffer: the op header of the piece in it
+//   BufferOp    per direct buffer: the op header of the piece in it, and the
+//               tag of its owner's last arrival
+//
+// Symmetric memory (SharedBuffers::allocate_symmetric) lives outside the
+// segment: rank r's part of allocation k is a segment of its own,
+// "<segment name>.s<k>.<r>", created and reserved by r (O_EXCL, 0600), mapped
+// by every rank (after the ranks agreed that every part was created: a flag
+// in a direct buffer), and unlinked by r once every rank has mapped it (a
+// second arrival). A rank that fails or sees a peer die half way unlinks
+// every rank's name, so a dead rank leaves nothing in /dev/shm.
 //
 // Protocol of a channel (single producer, single consumer): head and tail are
 // 64-bit sequence numbers that never wrap; slot = seq % slots. The producer
@@ -128,7 +137,10 @@ class ShmTransport final : public Transport, public SharedBuffers {
   int num_buffers() const override;
   void* local(int which) override;
   const void* remote(int r, int which) const override;
-  void arrive_and_wait(uint64_t epoch, int which) override;
+  void arrive_and_wait(uint64_t epoch, int which, uint64_t tag = 0) override;
+  uint64_t tag(int r, int which) const override;
+  std::shared_ptr<SymmetricRegion> allocate_symmetric(size_t bytes, std::string* why) override;
+  uint64_t symmetric_domain() const override { return symmetric_domain_; }
   void begin_op(const OpHeader& h) override;
 
   const std::string& segment_name() const { return name_; }
@@ -165,6 +177,8 @@ class ShmTransport final : public Transport, public SharedBuffers {
   std::string aborted_by(uint32_t abort_word) const;
   bool peer_dead(int* who);
   [[noreturn]] void fail(const std::string& msg);
+  // Rank r's part of symmetric allocation `id`: "<segment name>.s<id>.<r>".
+  std::string symmetric_name(uint64_t id, int r) const;
 
   std::string name_;
   int rank_;
@@ -193,6 +207,8 @@ class ShmTransport final : public Transport, public SharedBuffers {
   std::vector<bool> pidfd_ok_;            // false: pidfd_open unavailable, use kill + /proc
   int64_t last_health_ns_ = 0;
   int64_t last_interrupt_ns_ = 0;
+  uint64_t symmetric_domain_;     // process-unique (SymmetricRegion::domain)
+  uint64_t symmetric_count_ = 0;  // allocate_symmetric calls so far
 };
 
 }  // namespace pycomm

@@ -20,7 +20,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "op_header.h"
 #include "types.h"
@@ -47,6 +49,32 @@ struct P2POp {
 // Identifies a posted group until it is waited for.
 using Handle = uint64_t;
 
+// Memory that every rank of a shared-memory transport maps: rank r's copy of
+// a region lies at base(r) in this process (like NCCL's registered buffers or
+// torch's SymmetricMemory, over POSIX shared memory). Created collectively by
+// SharedBuffers::allocate_symmetric. Each process unmaps its views when its
+// last reference goes, whatever the peers still hold: the memory itself is
+// freed once every process has unmapped it.
+class SymmetricRegion {
+ public:
+  SymmetricRegion(uint64_t domain, uint64_t id, size_t bytes, std::vector<void*> bases,
+                  size_t map_bytes);
+  ~SymmetricRegion();
+  SymmetricRegion(const SymmetricRegion&) = delete;
+  SymmetricRegion& operator=(const SymmetricRegion&) = delete;
+  // The transport that made it (unique in this process, never reused).
+  uint64_t domain() const { return domain_; }
+  // Allocation number within that transport: equal on every rank (>= 1).
+  uint64_t id() const { return id_; }
+  size_t bytes() const { return bytes_; }
+  char* base(int r) const { return static_cast<char*>(bases_[static_cast<size_t>(r)]); }
+
+ private:
+  uint64_t domain_, id_;
+  size_t bytes_, map_bytes_;
+  std::vector<void*> bases_;
+};
+
 // Optional capability of transports whose ranks share memory (shm): every
 // rank owns num_buffers() (>= 2) buffers of capacity() bytes that every rank
 // can read, plus a monotonically increasing "epoch" flag. The direct algorithms
@@ -72,8 +100,13 @@ class SharedBuffers {
   // rank has (acquire). Honours the timeout, abort and dead peers like wait().
   // `which` is the buffer this rank just filled for the piece: the transport
   // publishes the current op header (Transport::begin_op) next to it and
-  // throws CommError, naming what differs, if a peer's op differs.
-  virtual void arrive_and_wait(uint64_t epoch, int which) = 0;
+  // throws CommError, naming what differs, if a peer's op differs. `tag` is
+  // published with it, for the peers to read with tag(r, which) once they
+  // have arrived too (direct_all_reduce: the symmetric region, or 0). A rank
+  // may arrive again at `which` before a slow peer read the tag, so every
+  // arrival of one piece at one buffer publishes the same tag.
+  virtual void arrive_and_wait(uint64_t epoch, int which, uint64_t tag = 0) = 0;
+  virtual uint64_t tag(int r, int which) const = 0;
   // Epochs are counted per communicator; all ranks call next_epoch() the same
   // number of times because they run the same collectives in the same order.
   uint64_t next_epoch() { return ++epoch_; }
@@ -82,6 +115,16 @@ class SharedBuffers {
   // which starts after the first arrive_and_wait of piece k+1, i.e. when
   // every rank has finished piece k.
   int next_buffer() { return static_cast<int>(pieces_++ % static_cast<uint64_t>(num_buffers())); }
+
+  // A collective step (inside a collective's body: every rank calls it at the
+  // same point of its op sequence): each rank creates `bytes` of shared
+  // memory and maps every other rank's. Returns nullptr on every rank when
+  // any rank could not create its part (/dev/shm full, or disabled with
+  // PYCOMM_SHM_SYMMETRIC=0); `why` then says which rank and why. Throws
+  // CommError like arrive_and_wait (a dead peer, the timeout).
+  virtual std::shared_ptr<SymmetricRegion> allocate_symmetric(size_t bytes, std::string* why) = 0;
+  // The domain() of the regions this transport allocates.
+  virtual uint64_t symmetric_domain() const = 0;
 
  private:
   uint64_t epoch_ = 0;

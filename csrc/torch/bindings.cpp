@@ -144,6 +144,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("all_reduce", &Comm::all_reduce, py::arg("tensor"), py::arg("op"), py::arg("algo"),
            py::arg("async_op"), py::arg("wire_dtype") = -1,
            py::call_guard<py::gil_scoped_release>())
+      .def("register_tensor", &Comm::register_tensor, py::arg("tensor"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("is_registered", &Comm::is_registered, py::arg("tensor"))
       .def("reduce_scatter", &Comm::reduce_scatter, py::arg("output"), py::arg("input"),
            py::arg("op"), py::arg("algo"), py::arg("async_op"),
            py::call_guard<py::gil_scoped_release>())

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <cstdlib>
 #include <limits>
@@ -270,6 +271,9 @@ class CpuExecutor final : public Executor {
   std::string transport_name() const override { return transport_->name(); }
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   bool shared_buffers() const override { return transport_->shared_buffers() != nullptr; }
+  uint64_t symmetric_domain() const override {
+    return transport_->shared_buffers() ? transport_->shared_buffers()->symmetric_domain() : 0;
+  }
   bool native_collectives() const override { return transport_->native() != nullptr; }
   bool on_own_thread() const override { return worker_ && worker_->is_current(); }
   at::Tensor empty_like(const at::Tensor& t) override { return at::empty_like(t); }
@@ -592,6 +596,23 @@ AlgoKind algo_kind(const std::string& algo) {
 
 Wait wait_of(bool async_op) { return async_op ? Wait::kAsync : Wait::kSync; }
 
+// A registered storage's DataPtr context (Comm::register_tensor): the
+// symmetric region it lives in, unmapped here when the storage is freed.
+struct SymmetricStorage {
+  std::shared_ptr<SymmetricRegion> region;
+};
+void delete_symmetric_storage(void* ctx) { delete static_cast<SymmetricStorage*>(ctx); }
+
+// The region the storage of `t` lives in, if the transport of `domain`
+// allocated it; else nullptr.
+std::shared_ptr<SymmetricRegion> symmetric_region_of(const at::Tensor& t, uint64_t domain) {
+  if (domain == 0 || !t.has_storage()) return nullptr;
+  const c10::DataPtr& dp = t.storage().data_ptr();
+  if (dp.get_deleter() != &delete_symmetric_storage) return nullptr;
+  const auto& region = static_cast<const SymmetricStorage*>(dp.get_context())->region;
+  return region->domain() == domain ? region : nullptr;
+}
+
 // The transport's own collectives (algo="nccl"); pick() only returns "nccl"
 // when the transport has them.
 NativeCollectives& native(const Context& ctx) { return *ctx.transport.native(); }
@@ -736,6 +757,9 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   if (wire) kind = *wire == DType::kFloat16 ? AlgoKind::kRingWireF16 : AlgoKind::kRingWireBF16;
   void* data = t.data_ptr();
   const size_t count = t.numel();
+  // All of a registered storage: direct_all_reduce may skip the staging.
+  std::shared_ptr<SymmetricRegion> sym = symmetric_region_of(t, exec_->symmetric_domain());
+  if (sym && (data != sym->base(rank_) || t.nbytes() != sym->bytes())) sym.reset();
   return launch(
       kOp, {t},
       collective(header(CollKind::kAllReduce, count, int32_t(dt), int32_t(rop), -1, kind),
@@ -743,7 +767,7 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
                    if (wire) {
                      ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire, rop);
                    } else if (a == "direct") {
-                     direct_all_reduce(ctx, data, count, dt, rop);
+                     direct_all_reduce(ctx, data, count, dt, rop, sym.get());
                    } else if (a == "nccl") {
                      ctx.transport.wait(native(ctx).all_reduce(data, data, count, dt, rop));
                    } else {
@@ -872,6 +896,44 @@ std::unique_ptr<Comm> Comm::split(int color, int key, int64_t timeout_ms) {
   auto exec = exec_->split(color, key, options);
   if (!exec) return nullptr;
   return std::make_unique<Comm>(std::move(exec), options);
+}
+
+std::string Comm::register_tensor(const at::Tensor& t) {
+  constexpr const char* kOp = "register_tensor";
+  check_open(kOp);
+  check_tensor(t, "tensor", kOp);
+  if (exec_->symmetric_domain() == 0) {
+    throw UsageError(join_msg({kOp,
+                               ": symmetric memory needs transport='shm' (ranks of one host "
+                               "sharing memory); this communicator runs on ",
+                               transport_name_}));
+  }
+  c10::Storage storage = t.storage();
+  const size_t bytes = storage.nbytes();
+  const int me = rank_;
+  auto why = std::make_shared<std::string>();
+  launch(kOp, {},
+         collective(header(CollKind::kRegister, bytes, -1, -1, -1, AlgoKind::kNone),
+                    [=](const Context& ctx) {
+                      std::shared_ptr<SymmetricRegion> region =
+                          ctx.transport.shared_buffers()->allocate_symmetric(bytes, why.get());
+                      if (!region) return;
+                      // As Tensor.share_memory_() does: copy, then swap the
+                      // storage's memory, so every view follows. Ops queued
+                      // before this one have run (the worker runs in order);
+                      // later ones take the new address when issued.
+                      c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+                      if (bytes > 0) std::memcpy(region->base(me), impl->data(), bytes);
+                      impl->set_data_ptr_noswap(
+                          c10::DataPtr(region->base(me), new SymmetricStorage{region},
+                                       &delete_symmetric_storage, c10::Device(c10::kCPU)));
+                    }),
+         Wait::kSync, {t});
+  return *why;
+}
+
+bool Comm::is_registered(const at::Tensor& t) const {
+  return exec_ && symmetric_region_of(t, exec_->symmetric_domain()) != nullptr;
 }
 
 c10::intrusive_ptr<Work> Comm::barrier(bool async_op) {

@@ -166,6 +166,8 @@ class Executor {
   // Capabilities of the collectives' transport: shared memory (the direct
   // algorithms) and native collectives (algo="nccl").
   virtual bool shared_buffers() const = 0;
+  // SharedBuffers::symmetric_domain() of the transport, 0 when it has none.
+  virtual uint64_t symmetric_domain() const { return 0; }
   virtual bool native_collectives() const = 0;
 
   // A Work of this executor's kind for the op about to run.
@@ -244,6 +246,17 @@ class Comm {
   c10::intrusive_ptr<Work> send(const at::Tensor& t, int dst, bool async_op);
   c10::intrusive_ptr<Work> recv(const at::Tensor& t, int src, bool async_op);
   c10::intrusive_ptr<Work> batch_p2p(const std::vector<TensorP2P>& ops);
+  // A collective: moves the storage of `t` into symmetric memory (every
+  // rank maps every rank's copy; SharedBuffers::allocate_symmetric), in
+  // place: the bytes are copied over and the storage's data pointer swapped,
+  // so `t` and every view of its storage keep their identity. Every rank
+  // passes a tensor whose storage has the same number of bytes. Returns "" when
+  // registered, else why not (then on every rank, and nothing changed). A
+  // later all_reduce of the whole storage then runs without staging
+  // (direct_all_reduce). UsageError where the transport has no shared memory.
+  std::string register_tensor(const at::Tensor& t);
+  // True when the storage of `t` was registered by this communicator.
+  bool is_registered(const at::Tensor& t) const;
   // Blocks the host until every rank has entered, unless async_op.
   c10::intrusive_ptr<Work> barrier(bool async_op = false);
   // A communicator of the ranks that pass the same color >= 0 (ranked by

@@ -299,6 +299,10 @@ class DistributedDataParallel(nn.Module):
         """Allocates the buckets; with gradient_as_bucket_view, existing
         ``.grad``s move into them and become views."""
         self._buckets = [_Bucket(b, idx, self._params) for b, idx in enumerate(assignment)]
+        for bucket in self._buckets:
+            # On shm, a collective (every rank sets the same buckets): the
+            # all-reduce then reads and writes every rank's bucket in place.
+            self.comm._try_register(bucket.buffer)
         self._loc: list[tuple[int, int]] = [(0, 0)] * len(self._params)
         for bucket in self._buckets:
             for pos, i in enumerate(bucket.param_indices):
