@@ -573,8 +573,9 @@ def test_ddp_benchmark_harness_runs(tmp_path):
     assert [(r["phase"], r["variant"], r["bucket_mb"]) for r in rows] == (
         [("compare", v, 25.0) for v in variants]
         + [("sweep", v, cap) for cap in (0.001, 25.0) for v in ("torch-gloo", "pycomm-ddp")]
-        + [("contention", c, None) for c in ("pycomm idle", "pycomm busy", "torch idle",
-                                             "torch busy")])
+        + [("contention", c, None) for c in ("pycomm idle", "pycomm busy",
+                                             "pycomm-symmetric idle", "pycomm-symmetric busy",
+                                             "torch idle", "torch busy")])
     assert all(r["steps"] == 4 and len(r["times_ms"]) == 2 and r["median_ms"] > 0 for r in rows)
     assert all(r["speedup_vs_torch-gloo"] == 1.0 for r in rows if r["variant"] == "torch-gloo")
     for r in rows[:9]:  # exact variants match torch-gloo; fp16 on the wire differs, but little

@@ -22,7 +22,8 @@ git commit, the configuration and every step time) and one PNG.
 Modes (``--mode``, comma-separated): ``compare`` (default: ``--variants`` at
 ``--bucket-cap-mb``), ``sweep`` (``--sweep-variants`` at each of the
 ``--sweep`` bucket caps, one interleaved set per cap) and ``contention`` (one
-all-reduce of the model's gradient bytes, pycomm and torch gloo, with the
+all-reduce of the model's gradient bytes, pycomm (on shm also from symmetric
+memory, as allreduce_hook reduces DDP's buckets) and torch gloo, with the
 calling process idle and with its main thread computing small matmuls
 meanwhile, as during an overlapped backward).
 
@@ -271,11 +272,16 @@ def _run_phase(env: Env, names: list[str], args: argparse.Namespace, x: torch.Te
 def _contention(env: Env, args: argparse.Namespace, numel: int) -> dict:
     """Times of one all-reduce of ``numel`` floats, pycomm and torch gloo,
     idle and while this rank's main thread computes small matmuls (an
-    overlapped backward), by round."""
-    t = torch.ones(numel)
+    overlapped backward), by round. On shm also ``pycomm-symmetric``: the same
+    all-reduce of a tensor in symmetric memory (Communicator.register_tensor,
+    as allreduce_hook does with DDP's buckets)."""
     a = torch.randn(200, 200)  # < 1 ms a matmul: the loop notices completion quickly
+    tensors = {"pycomm": torch.ones(numel), "torch": torch.ones(numel)}
+    sym = torch.ones(numel)
+    if env.comm.transport == "shm" and env.comm.register_tensor(sym):
+        tensors["pycomm-symmetric"] = sym
     out: dict[str, list[list[float]]] = {}
-    for name in ("pycomm", "torch"):
+    for name, t in sorted(tensors.items(), key=lambda kv: kv[0] == "torch"):
         for busy in (False, True):
             rounds = []
             for _ in range(args.rounds):
