@@ -45,8 +45,9 @@ Options (:class:`Options`, passed as ``pg_options=``, or the environment):
 ``transport`` (``PYCOMM_BACKEND_TRANSPORT``, CPU), ``algo``
 (``PYCOMM_BACKEND_ALGO``, CPU), ``cuda_algo`` (``PYCOMM_BACKEND_CUDA_ALGO``),
 ``timeout`` (else ``init_process_group``'s), ``check`` (``PYCOMM_CHECK``),
-``slice_bytes`` (``PYCOMM_SLICE_BYTES``). A ``new_group`` without
-``pg_options`` takes the default group's options.
+``slice_bytes`` (``PYCOMM_SLICE_BYTES``), ``symmetric``
+(``PYCOMM_BACKEND_SYMMETRIC``: DDP's buckets move into symmetric memory). A
+``new_group`` without ``pg_options`` takes the default group's options.
 """
 
 from __future__ import annotations
@@ -98,6 +99,16 @@ class Options:
         check: checked mode (see :func:`pycomm.init`); env ``PYCOMM_CHECK``.
         slice_bytes: ring pipelining granularity (both devices); env
             ``PYCOMM_SLICE_BYTES``, else each transport's default.
+        symmetric: on the shm transport, move the CPU tensors that the group
+            all-reduces again and again (DDP's gradient buckets) into
+            symmetric memory, so their all-reduces run without staging
+            (:meth:`pycomm.Communicator.register_tensor`). A tensor moves at
+            its second all-reduce when, on every rank, it is all of a storage
+            of at least 256 KiB that torch's allocator made and that is still
+            alive since its first. Values, views and autograd are unaffected,
+            but its ``data_ptr()`` changes: anything holding the old address
+            (a ``numpy()`` view of it) would see freed memory, so it is off by
+            default. Env ``PYCOMM_BACKEND_SYMMETRIC=1``.
 
     Example::
 
@@ -110,6 +121,7 @@ class Options:
     timeout: timedelta | float | None = None
     check: bool | None = None
     slice_bytes: int | None = None
+    symmetric: bool | None = None
 
     def resolved(self) -> "Options":
         """These options with the environment's defaults filled in and checked.
@@ -129,7 +141,12 @@ class Options:
         if cuda_algo not in _CUDA_ALGOS:
             raise ValueError(
                 f"pycomm backend: cuda_algo={cuda_algo!r} is not one of {_CUDA_ALGOS}")
-        return replace(self, transport=transport, algo=algo, cuda_algo=cuda_algo)
+        symmetric = self.symmetric
+        if symmetric is None:
+            symmetric = os.environ.get("PYCOMM_BACKEND_SYMMETRIC", "0").strip().lower() not in (
+                "", "0", "false", "no")
+        return replace(self, transport=transport, algo=algo, cuda_algo=cuda_algo,
+                       symmetric=symmetric)
 
 
 # The default group's options: a new_group without pg_options inherits them.
@@ -175,6 +192,7 @@ def _create_backend(dist_opts: Any, pg_options: Any) -> Any:
         raise ValueError(
             f"pycomm backend: algo='direct' needs the shm transport, this group uses "
             f"{comm.transport!r}")
+    comm._impl.adopt_symmetric = bool(opts.symmetric) and comm.transport == "shm"
     if not dist.is_initialized():
         # Creating the default group: its options become new groups' default.
         _world_options = opts

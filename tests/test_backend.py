@@ -476,6 +476,94 @@ def test_torch_ddp_equals_one_process():
                                        msg=lambda m, r=r: f"rank {r}: {m}")
 
 
+def _symmetric_maps() -> int:
+    """Mappings of symmetric-memory parts in this process (their names are
+    unlinked once mapped: "/dev/shm/pycomm-...s<k>.<r> (deleted)")."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "/pycomm-" in line and ".s" in line.rsplit("/", 1)[-1])
+
+
+def _symmetric_option(rank: int, world_size: int, port: int) -> dict:
+    import numpy as np
+    import torch.distributed as dist
+
+    import pycomm
+
+    _init(rank, world_size, port, pg_options=pycomm.backend.Options(symmetric=True))
+    comm = pycomm.backend.get_communicator()
+    n = world_size
+    expect = float(sum(range(1, n + 1)))
+
+    def reduce_twice(make) -> list[bool]:
+        seen = []
+        for _ in range(3):
+            t = make()
+            dist.all_reduce(t)
+            assert torch.all(t == expect), t[:3]
+            seen.append(comm.is_registered(t))
+        return seen
+
+    out = {}
+    big = torch.empty(100_000)  # 400 KB: moves at its second all-reduce
+    out["repeated"] = reduce_twice(lambda: big.fill_(rank + 1))
+    small = torch.empty(1000)
+    out["small"] = reduce_twice(lambda: small.fill_(rank + 1))
+    whole = torch.empty(100_001)
+    out["view"] = reduce_twice(lambda: whole[1:].fill_(rank + 1))
+    arr = np.empty(100_000, dtype=np.float32)
+    out["numpy"] = reduce_twice(lambda: torch.from_numpy(arr).fill_(rank + 1))
+    mine = torch.empty(100_000)  # rank 0 offers, rank 1 reduces fresh tensors: nobody moves
+    out["mixed"] = reduce_twice(
+        lambda: mine.fill_(rank + 1) if rank == 0 else torch.full((100_000,), rank + 1.0))
+    off = dist.new_group(pg_options=pycomm.backend.Options(symmetric=False))
+    other = torch.empty(100_000)
+    seen = []
+    for _ in range(3):
+        dist.all_reduce(other.fill_(rank + 1), group=off)
+        seen.append(pycomm.backend.get_communicator(off).is_registered(other))
+    out["off"] = seen
+    dist.destroy_process_group()
+    return out
+
+
+def test_symmetric_option_moves_only_reused_whole_allocations():
+    for out in spawn_ranks(_symmetric_option, 2, timeout=120):
+        assert out["repeated"] == [False, True, True], out
+        for case in ("small", "view", "numpy", "mixed", "off"):
+            assert not any(out[case]), (case, out)
+
+
+def _ddp_symmetric_rank(rank: int, world_size: int, port: int, steps: int) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import pycomm
+
+    _init(rank, world_size, port, pg_options=pycomm.backend.Options(symmetric=True))
+    try:
+        model = _mlp(hidden=384, depth=3)  # 0.3 M parameters: buckets of 256 KiB or more
+        ddp = DDP(model, bucket_cap_mb=0.5)
+        x, y = _batch()
+        shard = slice(rank * len(x) // world_size, (rank + 1) * len(x) // world_size)
+        _train(ddp, x[shard], y[shard], steps)
+        return {"params": _to_parent(model.parameters()), "maps": _symmetric_maps()}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_ddp_with_symmetric_buckets_equals_one_process():
+    steps = 4
+    ranks = spawn_ranks(_ddp_symmetric_rank, 2, steps, timeout=240)
+    ref = _mlp(hidden=384, depth=3)
+    _train(ref, *_batch(), steps)
+    for r, out in enumerate(ranks):
+        # Every rank maps every rank's part of each moved bucket.
+        assert out["maps"] >= 2, f"rank {r}: DDP's buckets did not move ({out['maps']} maps)"
+        for p, q in zip(out["params"], ref.parameters()):
+            torch.testing.assert_close(torch.from_numpy(p), q.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, r=r: f"rank {r}: {m}")
+
+
 # ---------------------------------------------------------------- pipelining
 
 def _pipeline_rank(rank: int, world_size: int, port: int, schedule_name: str,

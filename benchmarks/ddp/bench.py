@@ -180,6 +180,8 @@ variant("hook-ring-fp16")(_torch_ddp_with(hooks.ring_fp16_hook))
 variant("pycomm-ddp", exact=True)(
     lambda model, env: PycommDDP(model, env.comm, bucket_cap_mb=env.bucket_cap_mb))
 variant("backend-pycomm", exact=True)(_torch_ddp_on_pycomm())  # transport, algo "auto"
+# The same with Options(symmetric=True): DDP's buckets move into symmetric memory.
+variant("backend-pycomm-symmetric", exact=True)(_torch_ddp_on_pycomm(symmetric=True))
 # Diagnostics (not data parallel, or not the defaults): run when named.
 variant("hook-fp16", default=False)(_torch_ddp_with(hooks.fp16_compress_hook))
 variant("backend-pycomm-ring", default=False, exact=True)(_torch_ddp_on_pycomm(algo="ring"))
@@ -438,14 +440,14 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'phase':<10} {'variant':<20} {'bucket MB':>9} {'step ms':>9} {'p25':>8} "
+    head = (f"{'phase':<10} {'variant':<24} {'bucket MB':>9} {'step ms':>9} {'p25':>8} "
             f"{'p75':>8} {'vs ' + BASELINE:>13} {'hidden':>7} {'comm ms':>8} {'max|dparam|':>12}")
     lines = [head]
     for r in rows:
         s = r["speedup_vs_" + BASELINE]
         flag = " !" if r in param_mismatches([r]) else ""
         lines.append(
-            f"{r['phase']:<10} {r['variant']:<20} {_fmt(r['bucket_mb'], 'g'):>9} "
+            f"{r['phase']:<10} {r['variant']:<24} {_fmt(r['bucket_mb'], 'g'):>9} "
             f"{r['median_ms']:9.2f} {r['p25_ms']:8.2f} {r['p75_ms']:8.2f} "
             f"{(f'{s:.2f}x' if s else '-'):>13} {_fmt(r.get('hidden_fraction'), '.0%'):>7} "
             f"{_fmt(r.get('comm_ms'), '.1f'):>8} {_fmt(r.get('max_param_diff'), '.2g'):>12}{flag}")

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <functional>
+#include <memory>
 
 #include "reduce.h"
 #include "transport.h"
@@ -159,7 +161,17 @@ void dissemination_barrier(const Context& ctx);
 // arrivals in all, half the memory traffic on 2 ranks); the same expression,
 // so the same bits. If any rank passes no region or another one, every rank
 // takes the staged path above.
+//
+// `adopt` (when `sym` is null): this rank offers to move `data`, all of an
+// allocation of its owner, into symmetric memory. If every rank offers,
+// every rank calls adopt(), a collective step that allocates a region
+// (SharedBuffers::allocate_symmetric), copies `data` into this rank's copy
+// and makes the owner use it from now on (the torch binding swaps the
+// storage's memory), then the all-reduce runs from the region as above.
+// adopt() returns nullptr on every rank when the region could not be had;
+// the all-reduce then stages. If not every rank offers, nothing moves.
+using AdoptFn = std::function<std::shared_ptr<SymmetricRegion>(SharedBuffers&)>;
 void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
-                       const SymmetricRegion* sym = nullptr);
+                       const SymmetricRegion* sym = nullptr, const AdoptFn& adopt = nullptr);
 
 }  // namespace pycomm

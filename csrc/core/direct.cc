@@ -9,6 +9,10 @@ namespace {
 // Pieces of at least this many bytes use the two-shot variant on 3+ ranks.
 constexpr size_t kTwoShotMinBytes = 64 * 1024;
 
+// First-arrival tag of a rank that offers to move its data into symmetric
+// memory (`adopt`); a region's tag is its id, which never gets this high.
+constexpr uint64_t kAdoptTag = ~uint64_t{0};
+
 // out = ((src(0) op src(1)) op src(2)) ... op src(n-1), scaled by 1/n for AVG
 // in the last step (reduce_scale: one pass over memory on the CPU too).
 template <class Src>
@@ -54,7 +58,7 @@ void symmetric_all_reduce(SharedBuffers& sb, Reducer& red, const SymmetricRegion
 }  // namespace
 
 void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
-                       const SymmetricRegion* sym) {
+                       const SymmetricRegion* sym, const AdoptFn& adopt) {
   Transport& tr = ctx.transport;
   const int n = tr.world_size();
   const int me = tr.rank();
@@ -75,17 +79,31 @@ void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
     red.copy(sb->local(which), dst, m * es);
     // The first arrival also says whether this rank's `data` is all of a
     // symmetric region (its tag: the region's number, equal on every rank
-    // that allocated it together). If every rank's is the same region, the
-    // ranks switch to symmetric_all_reduce; otherwise (say, one rank passed
+    // that allocated it together), or offers to move into one (kAdoptTag).
+    // If every rank's is the same region, the ranks switch to
+    // symmetric_all_reduce; if every rank offers, they move (a collective)
+    // and start over from symmetric memory; otherwise (say, one rank passed
     // another tensor) they all go on staging pieces. All ranks read the same
     // n tags, so they all decide alike.
-    const uint64_t tag = begin == 0 && sym != nullptr ? sym->id() : 0;
+    const uint64_t tag = begin != 0 ? 0 : sym != nullptr ? sym->id() : adopt ? kAdoptTag : 0;
     sb->arrive_and_wait(sb->next_epoch(), which, tag);
     if (tag != 0) {
       bool all = true;
       for (int r = 0; r < n && all; ++r) all = sb->tag(r, which) == tag;
-      if (all) {
+      if (all && sym != nullptr) {
         symmetric_all_reduce(*sb, red, *sym, which, n, me, count, dtype, op);
+        return;
+      }
+      if (all) {
+        // `data` still holds the input (only piece 0 was copied out), which
+        // adopt() moves. Its later arrivals use other buffers than `which`,
+        // whose tag a slow peer may still be reading.
+        const std::shared_ptr<SymmetricRegion> region = adopt(*sb);
+        if (region) {
+          direct_all_reduce(ctx, region->base(me), count, dtype, op, region.get());
+        } else {
+          direct_all_reduce(ctx, data, count, dtype, op);  // no room: staged, every rank
+        }
         return;
       }
     }

@@ -147,6 +147,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("register_tensor", &Comm::register_tensor, py::arg("tensor"),
            py::call_guard<py::gil_scoped_release>())
       .def("is_registered", &Comm::is_registered, py::arg("tensor"))
+      .def_property("adopt_symmetric", &Comm::adopt_symmetric, &Comm::set_adopt_symmetric)
       .def("reduce_scatter", &Comm::reduce_scatter, py::arg("output"), py::arg("input"),
            py::arg("op"), py::arg("algo"), py::arg("async_op"),
            py::call_guard<py::gil_scoped_release>())

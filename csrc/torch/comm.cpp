@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
+#include <c10/core/CPUAllocator.h>
 #include <deque>
 #include <cstdlib>
 #include <limits>
@@ -603,6 +604,24 @@ struct SymmetricStorage {
 };
 void delete_symmetric_storage(void* ctx) { delete static_cast<SymmetricStorage*>(ctx); }
 
+// A collective step (inside an op's body, on every rank): allocates a
+// symmetric region of the storage's size and, if every rank got its part,
+// moves the storage into it as Tensor.share_memory_() does: copy, then swap
+// the storage's memory, so every view follows. Ops queued before this one
+// have run (the worker runs in order); later ones take the new address when
+// issued. nullptr, with `why`, when some rank got no memory.
+std::shared_ptr<SymmetricRegion> move_into_symmetric(SharedBuffers& sb, const c10::Storage& storage,
+                                                     int me, std::string* why) {
+  const size_t bytes = storage.nbytes();
+  std::shared_ptr<SymmetricRegion> region = sb.allocate_symmetric(bytes, why);
+  if (!region) return nullptr;
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  if (bytes > 0) std::memcpy(region->base(me), impl->data(), bytes);
+  impl->set_data_ptr_noswap(c10::DataPtr(region->base(me), new SymmetricStorage{region},
+                                         &delete_symmetric_storage, c10::Device(c10::kCPU)));
+  return region;
+}
+
 // The region the storage of `t` lives in, if the transport of `domain`
 // allocated it; else nullptr.
 std::shared_ptr<SymmetricRegion> symmetric_region_of(const at::Tensor& t, uint64_t domain) {
@@ -760,6 +779,19 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   // All of a registered storage: direct_all_reduce may skip the staging.
   std::shared_ptr<SymmetricRegion> sym = symmetric_region_of(t, exec_->symmetric_domain());
   if (sym && (data != sym->base(rank_) || t.nbytes() != sym->bytes())) sym.reset();
+  // Or, with adopt_symmetric, may move it there now (direct_all_reduce).
+  AdoptFn adopt;
+  if (!sym && a == "direct" && !wire && exec_->symmetric_domain() != 0 && offers_to_adopt(t)) {
+    const c10::Storage storage = t.storage();
+    const int me = rank_;
+    auto failed = adopt_failed_;
+    adopt = [storage, me, failed](SharedBuffers& sb) {
+      std::string why;  // every rank alike: nothing to report, the op stages
+      auto region = move_into_symmetric(sb, storage, me, &why);
+      if (!region) failed->store(true);  // stop offering (each op still agrees)
+      return region;
+    };
+  }
   return launch(
       kOp, {t},
       collective(header(CollKind::kAllReduce, count, int32_t(dt), int32_t(rop), -1, kind),
@@ -767,7 +799,7 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
                    if (wire) {
                      ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire, rop);
                    } else if (a == "direct") {
-                     direct_all_reduce(ctx, data, count, dt, rop, sym.get());
+                     direct_all_reduce(ctx, data, count, dt, rop, sym.get(), adopt);
                    } else if (a == "nccl") {
                      ctx.transport.wait(native(ctx).all_reduce(data, data, count, dt, rop));
                    } else {
@@ -909,27 +941,47 @@ std::string Comm::register_tensor(const at::Tensor& t) {
                                transport_name_}));
   }
   c10::Storage storage = t.storage();
-  const size_t bytes = storage.nbytes();
   const int me = rank_;
   auto why = std::make_shared<std::string>();
   launch(kOp, {},
-         collective(header(CollKind::kRegister, bytes, -1, -1, -1, AlgoKind::kNone),
+         collective(header(CollKind::kRegister, storage.nbytes(), -1, -1, -1, AlgoKind::kNone),
                     [=](const Context& ctx) {
-                      std::shared_ptr<SymmetricRegion> region =
-                          ctx.transport.shared_buffers()->allocate_symmetric(bytes, why.get());
-                      if (!region) return;
-                      // As Tensor.share_memory_() does: copy, then swap the
-                      // storage's memory, so every view follows. Ops queued
-                      // before this one have run (the worker runs in order);
-                      // later ones take the new address when issued.
-                      c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
-                      if (bytes > 0) std::memcpy(region->base(me), impl->data(), bytes);
-                      impl->set_data_ptr_noswap(
-                          c10::DataPtr(region->base(me), new SymmetricStorage{region},
-                                       &delete_symmetric_storage, c10::Device(c10::kCPU)));
+                      move_into_symmetric(*ctx.transport.shared_buffers(), storage, me, why.get());
                     }),
          Wait::kSync, {t});
   return *why;
+}
+
+bool Comm::offers_to_adopt(const at::Tensor& t) {
+  if (!adopt_symmetric_ || adopt_failed_->load() || !t.has_storage()) return false;
+  const c10::Storage& storage = t.storage();
+  const size_t bytes = storage.nbytes();
+  if (bytes < kAdoptMinBytes || t.data_ptr() != storage.data() || t.nbytes() != bytes) {
+    return false;
+  }
+  // Only memory torch's CPU allocator made: a storage over memory someone
+  // else owns (torch.from_numpy, from_blob, a mapping) stays where it is.
+  const c10::DeleterFnPtr deleter = storage.data_ptr().get_deleter();
+  if (deleter == nullptr || (deleter != c10::GetCPUAllocator()->raw_deleter() &&
+                             deleter != c10::GetDefaultCPUAllocator()->raw_deleter())) {
+    return false;
+  }
+  // Reduced before, by this communicator, and still alive: a buffer the
+  // caller keeps and reduces again (DDP's buckets), not a temporary.
+  std::lock_guard<std::mutex> lk(seen_mu_);
+  const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  for (auto it = seen_.begin(); it != seen_.end();) {
+    if (it->expired()) {
+      it = seen_.erase(it);
+    } else if (it->_unsafe_get_target() == impl) {
+      return true;
+    } else {
+      ++it;
+    }
+  }
+  if (seen_.size() >= kAdoptSeenMax) seen_.pop_front();
+  seen_.push_back(storage.getWeakStorageImpl());
+  return false;
 }
 
 bool Comm::is_registered(const at::Tensor& t) const {

@@ -24,6 +24,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -257,6 +258,16 @@ class Comm {
   std::string register_tensor(const at::Tensor& t);
   // True when the storage of `t` was registered by this communicator.
   bool is_registered(const at::Tensor& t) const;
+  // With this on (the backend's Options(symmetric=True)), an all_reduce on
+  // shm of a tensor that is all of a storage of >= kAdoptMinBytes that torch's
+  // CPU allocator made, and that this communicator reduced before (and is
+  // still alive), offers to move it into symmetric memory; if every rank
+  // offers, the op moves it (register_tensor's move, inside the op), so a
+  // caller's long-lived buffers (DDP's buckets) go the symmetric path from
+  // their second all-reduce on. Set it alike on every rank, between ops.
+  bool adopt_symmetric() const { return adopt_symmetric_; }
+  void set_adopt_symmetric(bool on) { adopt_symmetric_ = on; }
+  static constexpr size_t kAdoptMinBytes = 256 * 1024;
   // Blocks the host until every rank has entered, unless async_op.
   c10::intrusive_ptr<Work> barrier(bool async_op = false);
   // A communicator of the ranks that pass the same color >= 0 (ranked by
@@ -317,6 +328,14 @@ class Comm {
   // algo="auto" runs direct_all_reduce up to this many bytes when the
   // transport shares memory: no limit unless PYCOMM_DIRECT_MAX_BYTES (ctor).
   size_t direct_max_bytes_ = 0;
+  // adopt_symmetric(): the storages all_reduce saw (weakly), to spot reuse.
+  bool offers_to_adopt(const at::Tensor& t);
+  static constexpr size_t kAdoptSeenMax = 64;
+  std::atomic<bool> adopt_symmetric_{false};
+  // Set when a move found no room (then on every rank): offers stop.
+  std::shared_ptr<std::atomic<bool>> adopt_failed_ = std::make_shared<std::atomic<bool>>(false);
+  std::mutex seen_mu_;
+  std::deque<c10::weak_intrusive_ptr<c10::StorageImpl>> seen_;
 };
 
 // The CPU executor: the transport's ops run on a worker thread in submission
