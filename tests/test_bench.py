@@ -322,6 +322,8 @@ def test_end_to_end_nproc2(tmp_path):
         assert r["busbw"] == pytest.approx(r["algbw"] * 1.0)
         assert math.isfinite(r["time_us"]) and r["time_us"] > 0
     assert data["meta"]["memcpy_GBps"] > 0
+    # the commit of the code measured (this checkout), "-dirty" if it has changes
+    assert len(data["meta"]["commit"].split("-")[0]) == 40, data["meta"]["commit"]
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the model reads the file back
     m = _bench(["model", "r.json", "--worlds", "8", "--sizes", "1M"], tmp_path)

@@ -50,7 +50,6 @@ import os
 import platform
 import queue
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -69,6 +68,7 @@ sys.path.insert(0, str(ROOT))
 
 import pycomm  # noqa: E402  (also registers backend="pycomm")
 from pycomm import hooks  # noqa: E402
+from pycomm.bench.report import git_commit  # noqa: E402
 from pycomm.parallel import DistributedDataParallel as PycommDDP  # noqa: E402
 
 BASELINE = "torch-gloo"
@@ -454,18 +454,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()
-        # "-dirty" if the code it measures changed (not the results it writes)
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "csrc",
-                                "pycomm", "benchmarks/ddp/*.py"], capture_output=True, text=True).stdout
-        return sha + ("-dirty" if dirty.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _bars(ax: Any, rows: list[dict], ylabel: str) -> None:
     """Median bars with p25-p75 whiskers and the speedup above each."""
     names = [r["variant"] for r in rows]
@@ -586,7 +574,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # inherited by the ranks
     params = sum(p.numel() for p in _model(args).parameters())
-    meta = {"commit": git_commit(), "torch": torch.__version__, "host": platform.node(),
+    meta = {"commit": git_commit(["benchmarks/ddp/*.py"]), "torch": torch.__version__, "host": platform.node(),
             "cpus": os.cpu_count(), "nproc": args.nproc, "params": params,
             "args": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
             "env": {k: v for k, v in os.environ.items() if k.startswith("PYCOMM_")},

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Iterable, Sequence, TextIO
 
 from .cli import format_size
@@ -115,6 +117,22 @@ def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str],
 
 
 # ------------------------------------------------------------------ JSON
+
+def git_commit(measured: Sequence[str] = ()) -> str:
+    """The commit of the checkout pycomm runs from, for a result file:
+    "<sha>-dirty" when the code it measures (``csrc``, ``pycomm`` and the
+    ``measured`` paths, relative to the checkout) has uncommitted changes (not
+    the result files a study rewrites); "unknown" outside a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "csrc",
+                                "pycomm", *measured], capture_output=True, text=True).stdout
+        return sha + ("-dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
 
 def write_json(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
     """Writes ``{"schema", "meta", "rows"}``; every row has :data:`ROW_KEYS`."""

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from .cli import format_size
-from .report import Progress, format_header, format_row, format_summary, plot_results, write_json
+from .report import Progress, format_header, format_row, format_summary, git_commit, plot_results, write_json
 
 __all__ = ["measure_memcpy", "run_benchmark"]
 
@@ -272,6 +272,7 @@ def run_benchmark(args: Any) -> int:
             "timing": ("back-to-back calls after a barrier and warmup; max over ranks of "
                        "per-rank median; CPU perf_counter, GPU CUDA events"),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(),
         }
         if args.json:
             write_json(args.json, meta, rows)
