@@ -49,6 +49,12 @@ def _bad_calls(comm):
             torch.empty(3), torch.empty(3 * n, dtype=torch.float64)), TypeError, "dtype"),
         ("all_gather size", lambda: comm.all_gather(torch.empty(2 * n + 1), torch.empty(2)),
          ValueError, "world_size"),
+        ("register_tensor of a list", lambda: comm.register_tensor([1.0]), TypeError,
+         "register_tensor: tensor must be a torch.Tensor"),
+        ("register_tensor wrong device", lambda: comm.register_tensor(
+            torch.ones(4, device="meta")), ValueError, "meta"),
+        ("register_tensor non-contiguous", lambda: comm.register_tensor(torch.ones(4, 4).t()),
+         ValueError, "contiguous"),
     ]
 
 

@@ -91,6 +91,17 @@ def test_register_keeps_values_and_views():
     assert all(run_ranks(_views_follow, 2, "shm"))
 
 
+def _one_rank(comm):
+    t = torch.arange(10.0)
+    ok = comm.register_tensor(t)
+    comm.all_reduce(t, op="avg")
+    return ok, comm.is_registered(t), t.tolist()
+
+
+def test_register_on_one_rank():
+    assert run_ranks(_one_rank, 1, "shm") == [(True, True, [float(i) for i in range(10)])]
+
+
 def _mixed(comm):
     """Rank 0 all-reduces its registered tensor, the others a plain one."""
     n, r = comm.world_size, comm.rank
