@@ -192,7 +192,6 @@ class Communicator:
         # group that other ranks never create cannot shift theirs.
         self._group_counts: dict[tuple[int, ...], int] = {}
         self._nccl_splits = 0  # split() calls over NCCL (all ranks make them)
-        self._symmetric_failed = False  # a register_tensor returned False (_try_register)
 
     # -- properties ------------------------------------------------------
     @property
@@ -232,17 +231,20 @@ class Communicator:
     def all_reduce(
         self, tensor: torch.Tensor, op: OpLike = ..., algo: str = ...,
         *, async_op: Literal[True], wire_dtype: torch.dtype | str | None = ...,
+        register: bool = ...,
     ) -> Work: ...
 
     @overload
     def all_reduce(
         self, tensor: torch.Tensor, op: OpLike = ..., algo: str = ...,
         async_op: bool = ..., wire_dtype: torch.dtype | str | None = ...,
+        register: bool = ...,
     ) -> Work | None: ...
 
     def all_reduce(
         self, tensor: torch.Tensor, op: OpLike = ReduceOp.SUM, algo: str = "auto",
         async_op: bool = False, wire_dtype: torch.dtype | str | None = None,
+        register: bool = False,
     ) -> Work | None:
         """Reduces ``tensor`` across all ranks in place; every rank gets the
         bitwise-identical result.
@@ -264,6 +266,16 @@ class Communicator:
                 ``wire(op over ranks)``. Ring only: ``algo="auto"`` takes the
                 ring, ``"direct"`` and ``"nccl"`` are refused. (The CUDA
                 kernels for it are compile-checked but have not run on a GPU.)
+            register: on ``shm``, offer to move ``tensor``'s storage into
+                symmetric memory during this op (as :meth:`register_tensor`
+                does), for a buffer that is reduced again and again (a
+                gradient bucket). It moves only if every rank offers, with
+                ``algo`` "auto" or "direct", and ``tensor`` is all of a
+                storage that torch's CPU allocator made; otherwise nothing
+                moves and the op stages as usual, so ranks cannot disagree.
+                With ``async_op=True`` the call returns once the op has
+                decided (ops issued later must see the new address). Ignored
+                elsewhere, and for a tensor already registered.
 
         Raises:
             TypeError: unsupported dtype. ValueError: wrong device,
@@ -273,9 +285,8 @@ class Communicator:
             CommError: the collective failed on this or a peer rank.
         """
         _need_tensors("all_reduce", tensor=tensor)
-        if wire_dtype is None:
-            return self._impl.all_reduce(tensor, _to_op(op), algo, async_op)
-        return self._impl.all_reduce(tensor, _to_op(op), algo, async_op, _to_wire(wire_dtype))
+        wire = -1 if wire_dtype is None else _to_wire(wire_dtype)
+        return self._impl.all_reduce(tensor, _to_op(op), algo, async_op, wire, bool(register))
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: OpLike = ReduceOp.SUM,
@@ -321,9 +332,15 @@ class Communicator:
         sequence, with a tensor whose storage has the same number of bytes.
         Like :meth:`torch.Tensor.share_memory_`, the data is copied and the
         storage's memory swapped, so ``tensor`` and every view of its storage
-        keep their identity and values (only ``data_ptr()`` changes). The
-        memory is released when the storage is freed; registering again moves
-        it to a fresh region.
+        keep their identity and values; ``data_ptr()`` changes, so anything
+        that holds the old address (a ``numpy()`` view taken before, an op in
+        flight on another communicator or thread) must not be in use. Only a
+        storage that torch's CPU allocator made moves (not ``from_numpy``,
+        ``from_blob`` or ``share_memory_()`` memory, whose sharing would
+        silently end): otherwise every rank returns False. The memory is
+        released when the storage is freed; registering again moves it to a
+        fresh region. :meth:`all_reduce` with ``register=True`` does the same
+        inside an all-reduce, without a collective of its own.
 
         The fast path applies to ``all_reduce`` (``algo`` "auto" or "direct")
         of a tensor that spans its whole registered storage, when every rank
@@ -337,8 +354,8 @@ class Communicator:
         Returns:
             True when registered. False on every rank, with a warning naming
             the rank and the reason, when some rank could not reserve the
-            memory (``/dev/shm`` too small) or has ``PYCOMM_SHM_SYMMETRIC=0``;
-            the tensor is then unchanged.
+            memory (``/dev/shm`` too small), has ``PYCOMM_SHM_SYMMETRIC=0``
+            or a storage that may not move; the tensor is then unchanged.
 
         Raises:
             ValueError: the communicator's transport is not ``shm``, or the
@@ -355,21 +372,14 @@ class Communicator:
 
     def is_registered(self, tensor: torch.Tensor) -> bool:
         """True when the storage of ``tensor`` was moved into symmetric memory
-        by :meth:`register_tensor` of this communicator."""
+        by this communicator (:meth:`register_tensor`, or an all-reduce with
+        ``register=True``)."""
         return self._impl.is_registered(tensor)
 
-    def _try_register(self, tensor: torch.Tensor) -> bool:
-        """:meth:`register_tensor` where it pays and is allowed: on ``shm``,
-        once per storage, and never again after one returned False (every
-        rank saw that False, so every rank stops asking at the same point).
-        For buffers that every rank allocates alike and reduces whole, every
-        step (gradient buckets); a collective whenever it registers."""
-        if self.transport != "shm" or self._symmetric_failed:
-            return False
-        if self.is_registered(tensor):
-            return True
-        self._symmetric_failed = not self.register_tensor(tensor)
-        return not self._symmetric_failed
+    @property
+    def symmetric_all_reduces(self) -> int:
+        """All-reduces so far that ran from symmetric memory (nothing staged)."""
+        return self._impl.symmetric_all_reduces
 
     # -- point to point --------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int) -> None:

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Communicator, ReduceOp
+from .parallel.grad_bucket import GradBucket as ParallelGradBucket
 
 __all__ = [
     "PowerSGDState",
@@ -93,12 +94,14 @@ def _check_bucket(comm: Communicator, bucket: dist.GradBucket, tensor: torch.Ten
 
 
 def _is_ddp_buffer(bucket: dist.GradBucket, buffer: torch.Tensor) -> bool:
-    """True when ``buffer`` is DDP's own bucket, which it keeps and refills
-    every step (worth moving into symmetric memory), not a copy that a
-    wrapper made for this call (fp16_compress_wrapper: another dtype). The
-    same answer on every rank, as registering is a collective."""
-    if not isinstance(bucket, dist.GradBucket):
-        return False  # pycomm.parallel's buckets: its DDP registers them itself
+    """True when ``buffer`` looks like DDP's own bucket, which it keeps and
+    refills every step (worth moving into symmetric memory), not a copy that
+    a wrapper made for this call (fp16_compress_wrapper: another dtype). Only
+    an offer: the bucket moves if every rank offers (all_reduce(register=)),
+    so a rank that answers otherwise (the zero buckets of a rank that joined,
+    under ``join()``) just makes that all-reduce stage."""
+    if not isinstance(bucket, (dist.GradBucket, ParallelGradBucket)):
+        return False  # a bucket some other code made up
     params = bucket.parameters()
     return bool(params) and params[0].dtype == buffer.dtype
 
@@ -109,9 +112,12 @@ def _first(fut: torch.futures.Future) -> torch.Tensor:
 
 
 def _allreduce_avg(comm: Communicator, tensor: torch.Tensor,
-                   wire_dtype: Optional[torch.dtype] = None) -> torch.futures.Future[torch.Tensor]:
-    """Averages ``tensor`` in place; the future completes with it."""
-    work = comm.all_reduce(tensor, op=ReduceOp.AVG, async_op=True, wire_dtype=wire_dtype)
+                   wire_dtype: Optional[torch.dtype] = None,
+                   register: bool = False) -> torch.futures.Future[torch.Tensor]:
+    """Averages ``tensor`` in place; the future completes with it.
+    ``register``: offer to move it into symmetric memory (all_reduce)."""
+    work = comm.all_reduce(tensor, op=ReduceOp.AVG, async_op=True, wire_dtype=wire_dtype,
+                           register=register)
     return work.get_future().then(_first)
 
 
@@ -151,12 +157,13 @@ def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
     between processes of one host, ``gloo``, or ``nccl``). Works whatever
     process group DDP itself was built on.
 
-    On the ``shm`` transport the first call for each of DDP's buckets moves
-    the bucket into symmetric memory (:meth:`pycomm.Communicator.register_tensor`,
-    a collective that every rank's DDP reaches at the same bucket). From then
-    on each rank reduces its share of the bucket straight from every rank's
-    copy and writes the result into every copy, with nothing staged: the same
-    bits, half the memory traffic on 2 ranks.
+    On the ``shm`` transport the first all-reduce of each of DDP's buckets
+    moves the bucket into symmetric memory
+    (``Communicator.all_reduce(register=True)``: when every rank offers, as
+    every rank's DDP does). From then on each rank reduces its share of the
+    bucket straight from every rank's copy and writes the result into every
+    copy, with nothing staged: the same bits, half the memory traffic on 2
+    ranks.
 
     Args:
         state: a :class:`pycomm.Communicator` (or an object with ``.comm``).
@@ -178,9 +185,7 @@ def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
     comm = _comm_of(state)
     buffer = bucket.buffer()
     _check_bucket(comm, bucket, buffer)
-    if _is_ddp_buffer(bucket, buffer):
-        comm._try_register(buffer)
-    return _allreduce_avg(comm, buffer)
+    return _allreduce_avg(comm, buffer, register=_is_ddp_buffer(bucket, buffer))
 
 
 # ---------------------------------------------------------------- cast compression

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import pycomm
 from pycomm import hooks
-from tests._dist import run_ranks
+from tests._dist import client_store, run_ranks, spawn_ranks
 from tests.reference import digest, ring_chunks
 
 WIRES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -349,6 +349,50 @@ def test_allreduce_hook_moves_ddp_buckets_into_symmetric_memory(view):
         assert seen["plain"] and all(seen["plain"]), seen
         assert seen["wrapped"] and not any(seen["wrapped"]), seen
         assert diff < 1e-5, diff
+
+
+def _join_rank(rank: int, world_size: int, port: int):
+    """Uneven inputs under torch DDP's join(): the rank that runs out first
+    shadows the others' all-reduces with zero buckets through the hook. Those
+    offer to move into symmetric memory while the active ranks' buckets are
+    there already, so those all-reduces must stage, not disagree. (join()
+    needs a default process group: fresh processes.)"""
+    import pycomm
+
+    dist.init_process_group("gloo", store=client_store(port, world_size), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=60))
+    comm = pycomm.init(group=dist.group.WORLD, transport="shm")
+    n, r = world_size, rank
+    shard = slice(r * BATCH // n, (r + 1) * BATCH // n)
+
+    def train(hook):
+        model = _fresh_model()
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
+        if hook is not None:
+            ddp.register_comm_hook(comm, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        with ddp.join():
+            for step in range(3 if r == 0 else 5):
+                x, y = _data(step)
+                opt.zero_grad()
+                nn.functional.mse_loss(ddp(x[shard]), y[shard]).backward()
+                opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    try:
+        plain = train(None)
+        hooked = train(hooks.allreduce_hook)
+        return _max_diff(hooked, plain), comm.symmetric_all_reduces
+    finally:
+        comm.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_allreduce_hook_under_join(world_size):
+    for diff, symmetric in spawn_ranks(_join_rank, world_size, timeout=300):
+        assert diff < 1e-5, diff
+        assert symmetric > 0  # the steps before the join ran from symmetric memory
 
 
 def test_ddp_allreduce_hook_over_gloo_transport():

@@ -28,9 +28,13 @@ def _ours(pid: int) -> list[str]:
     return [f for f in os.listdir("/dev/shm") if f.startswith(f"pycomm-{pid}-")]
 
 
-def _ours_any() -> list[str]:
-    """Symmetric parts of any pycomm segment."""
-    return [f for f in os.listdir("/dev/shm") if f.startswith("pycomm-") and ".s" in f]
+def _ours_any(comm) -> list[str]:
+    """Symmetric parts of this communicator's segment (named after rank 0's
+    pid, which rank 0 shares through the store)."""
+    if comm.rank == 0:
+        comm._store.set("sym-test-pid0", str(os.getpid()))
+    pid0 = int(comm._store.get("sym-test-pid0"))
+    return [f for f in _ours(pid0) if ".s" in f]
 
 
 def _registered_cases(comm, register: bool):
@@ -46,8 +50,12 @@ def _registered_cases(comm, register: bool):
         for _ in range(2):  # twice: the region is reused by the next op
             x = t if register else t.clone()
             x.copy_(inputs[comm.rank])
+            before = comm.symmetric_all_reduces
             comm.all_reduce(x, op=op)
             assert_matches(x, reference(inputs, op), f"all_reduce {op} {dtype} count={count}")
+            # the symmetric path ran exactly when registered (and not empty)
+            ran = comm.symmetric_all_reduces - before
+            assert ran == (1 if register and count > 0 else 0), (ran, count, dtype, op)
         out.append(digest(x))
     return out
 
@@ -80,10 +88,12 @@ def _views_follow(comm):
         assert torch.equal(t, base + n * step), (step, t[:3])
         t.copy_(torch.arange(1000, dtype=torch.float32) + r)
     assert torch.equal(view, t[10:20])
-    # A view of a registered tensor, and a clone, take the staged path.
+    # A view of a registered tensor takes the staged path.
     part = t[1:]
+    before = comm.symmetric_all_reduces
     comm.all_reduce(part)
     assert torch.equal(part, (torch.arange(1, 1000, dtype=torch.float32) * n + sum(range(n))))
+    assert comm.symmetric_all_reduces == before
     return moved
 
 
@@ -109,18 +119,24 @@ def _mixed(comm):
     b = torch.full((300_000,), float(r + 1))
     assert comm.register_tensor(a)
     t = a if r == 0 else b
+    before = comm.symmetric_all_reduces
     comm.all_reduce(t, op="avg")
     expect = sum(range(1, n + 1)) / n
     assert torch.all(t == expect), t[:3]
-    # Two communicators over the same ranks: a tensor registered by one is
-    # plain to the other (its region numbers mean nothing there).
+    assert comm.symmetric_all_reduces == before
+    # Two communicators over the same ranks, each with its region number 1 of
+    # the same size: rank 0 passes `comm`'s, the others `other`'s. Were the
+    # region not checked to be `comm`'s own, the tags would match and rank 0
+    # would read rank 1's `comm` region (which holds something else).
     other = comm.new_group(list(range(n)))
-    c = torch.full((5000,), float(r))
+    c = torch.full((300_000,), -100.0)
     assert other.register_tensor(c)
     a.fill_(float(r))
-    comm.all_reduce(c)    # registered with `other`, reduced by `comm`: staged
-    other.all_reduce(a)   # and the other way round
-    assert torch.all(c == sum(range(n))) and torch.all(a == sum(range(n)))
+    c.fill_(float(r))
+    comm.all_reduce(a if r == 0 else c)  # rank 0: comm's region 1; others: other's
+    mine = a if r == 0 else c
+    assert torch.all(mine == sum(range(n))), mine[:3]
+    assert comm.symmetric_all_reduces == before
     assert comm.is_registered(a) and not comm.is_registered(c) and other.is_registered(c)
     other.close()
     return True
@@ -146,7 +162,7 @@ def _one_rank_disabled(comm):
         os.environ.pop("PYCOMM_SHM_SYMMETRIC", None)
     comm.all_reduce(t)
     assert torch.all(t == comm.world_size)
-    return ok, t.data_ptr() == before, [str(w.message) for w in caught], _ours_any()
+    return ok, t.data_ptr() == before, [str(w.message) for w in caught], _ours_any(comm)
 
 
 def test_register_refused_by_one_rank_is_false_everywhere():
@@ -174,12 +190,60 @@ def _names_after_register(comm):
     for t in ts:
         assert comm.register_tensor(t)
     comm.barrier()
-    return _ours_any()
+    return _ours_any(comm)
 
 
 def test_symmetric_names_unlinked_once_mapped():
     for left in run_ranks(_names_after_register, 2, "shm"):
         assert left == [], f"left in /dev/shm: {left}"
+
+
+def _offers(comm):
+    """all_reduce(register=True): the tensor moves only when every rank
+    offers; an async op returns after the move, so ops issued next see it."""
+    n, r = comm.world_size, comm.rank
+    t = torch.full((50_000,), float(r + 1))
+    w = comm.all_reduce(t, async_op=True, register=True)
+    moved_async = comm.is_registered(t)  # decided before the call returned
+    b = comm.broadcast(t, src=0, async_op=True)  # issued on the new address
+    w.wait()
+    b.wait()
+    assert torch.all(t == sum(range(1, n + 1))), t[:3]
+    before = comm.symmetric_all_reduces
+    comm.all_reduce(t)
+    ran = comm.symmetric_all_reduces - before
+    # Only rank 0 offers: nothing moves, every rank stages.
+    u = torch.full((50_000,), float(r + 1))
+    comm.all_reduce(u, register=r == 0)
+    assert torch.all(u == sum(range(1, n + 1)))
+    return moved_async, ran, comm.is_registered(u)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_register_moves_when_every_rank_offers(world_size):
+    for moved, ran, one_offered in run_ranks(_offers, world_size, "shm"):
+        assert moved and ran == 1 and not one_offered
+
+
+def _foreign_memory(comm):
+    import warnings
+
+    import numpy as np
+
+    arr = np.ones(1000, dtype=np.float32)
+    t = torch.from_numpy(arr)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ok = comm.register_tensor(t)
+    comm.all_reduce(t, register=True)  # offered, but may not move either
+    arr[0] = 42.0  # still shared with numpy
+    return ok, comm.is_registered(t), float(t[0]), [str(w.message) for w in caught]
+
+
+def test_memory_torch_does_not_own_never_moves():
+    for ok, registered, first, warned in run_ranks(_foreign_memory, 2, "shm"):
+        assert not ok and not registered and first == 42.0
+        assert len(warned) == 1 and "allocated by torch" in warned[0], warned
 
 
 # ------------------------------------------------------------ faults
@@ -204,7 +268,7 @@ def test_register_storages_of_different_sizes_raise():
         assert "register_tensor" in msg and "count differs" in msg, msg
 
 
-def _kill_during_symmetric(rank, world_size, port, victim):
+def _kill_during_symmetric(rank, world_size, port, victim, during):
     import pycomm
 
     store = client_store(port, world_size)
@@ -218,15 +282,19 @@ def _kill_during_symmetric(rank, world_size, port, victim):
     start = time.monotonic()
     try:
         for _ in range(100000):
-            comm.all_reduce(t, op="avg")
+            if during == "register":  # segments made and named again and again
+                comm.register_tensor(torch.ones(1 << 16))
+            else:
+                comm.all_reduce(t, op="avg")
     except pycomm.CommError as e:
         return ("raised", str(e), time.monotonic() - start, int(store.get("pid/0")))
     return ("no error", "", time.monotonic() - start, 0)
 
 
+@pytest.mark.parametrize("during", ["all_reduce", "register"])
 @pytest.mark.parametrize("world_size,victim", [(2, 1), (3, 0)])
-def test_peer_killed_during_symmetric_all_reduce(world_size, victim):
-    res = spawn_ranks(_kill_during_symmetric, world_size, victim)
+def test_peer_killed_during_symmetric_all_reduce(world_size, victim, during):
+    res = spawn_ranks(_kill_during_symmetric, world_size, victim, during)
     for r, out in enumerate(res):
         if r == victim:
             continue

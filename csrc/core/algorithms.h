@@ -163,15 +163,19 @@ void dissemination_barrier(const Context& ctx);
 // takes the staged path above.
 //
 // `adopt` (when `sym` is null): this rank offers to move `data`, all of an
-// allocation of its owner, into symmetric memory. If every rank offers,
-// every rank calls adopt(), a collective step that allocates a region
-// (SharedBuffers::allocate_symmetric), copies `data` into this rank's copy
-// and makes the owner use it from now on (the torch binding swaps the
-// storage's memory), then the all-reduce runs from the region as above.
-// adopt() returns nullptr on every rank when the region could not be had;
-// the all-reduce then stages. If not every rank offers, nothing moves.
-using AdoptFn = std::function<std::shared_ptr<SymmetricRegion>(SharedBuffers&)>;
-void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
+// allocation of its owner, into symmetric memory. After the first arrival it
+// is called once: adopt(sb, true) when every rank offered, a collective step
+// that allocates a region (SharedBuffers::allocate_symmetric), copies `data`
+// into this rank's copy and makes the owner use it from now on (the torch
+// binding swaps the storage's memory), then the all-reduce runs from the
+// region as above; adopt(sb, false) when some rank did not offer (nothing
+// moves, the all-reduce stages; the caller learns the decision). adopt()
+// returns nullptr on every rank when the region could not be had; the
+// all-reduce then stages.
+//
+// Returns true when the all-reduce ran from symmetric memory.
+using AdoptFn = std::function<std::shared_ptr<SymmetricRegion>(SharedBuffers& sb, bool everyone)>;
+bool direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
                        const SymmetricRegion* sym = nullptr, const AdoptFn& adopt = nullptr);
 
 }  // namespace pycomm

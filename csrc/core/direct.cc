@@ -57,12 +57,12 @@ void symmetric_all_reduce(SharedBuffers& sb, Reducer& red, const SymmetricRegion
 
 }  // namespace
 
-void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
+bool direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
                        const SymmetricRegion* sym, const AdoptFn& adopt) {
   Transport& tr = ctx.transport;
   const int n = tr.world_size();
   const int me = tr.rank();
-  if (n == 1 || count == 0) return;
+  if (n == 1 || count == 0) return false;
   SharedBuffers* sb = tr.shared_buffers();
   if (sb == nullptr) {
     throw UsageError("algo 'direct' needs a shared-memory transport (transport='shm'), not " +
@@ -92,19 +92,20 @@ void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
       for (int r = 0; r < n && all; ++r) all = sb->tag(r, which) == tag;
       if (all && sym != nullptr) {
         symmetric_all_reduce(*sb, red, *sym, which, n, me, count, dtype, op);
-        return;
+        return true;
       }
-      if (all) {
+      if (sym == nullptr) {
         // `data` still holds the input (only piece 0 was copied out), which
-        // adopt() moves. Its later arrivals use other buffers than `which`,
-        // whose tag a slow peer may still be reading.
-        const std::shared_ptr<SymmetricRegion> region = adopt(*sb);
-        if (region) {
-          direct_all_reduce(ctx, region->base(me), count, dtype, op, region.get());
-        } else {
+        // adopt() moves if every rank offered. A slow peer may still be
+        // reading the tags at `which`: adopt()'s arrivals may come back to
+        // that buffer (with 2 of them), but not before every rank has arrived
+        // at the next epoch, i.e. has read them.
+        const std::shared_ptr<SymmetricRegion> region = adopt(*sb, all);
+        if (region) return direct_all_reduce(ctx, region->base(me), count, dtype, op, region.get());
+        if (all) {
           direct_all_reduce(ctx, data, count, dtype, op);  // no room: staged, every rank
+          return false;
         }
-        return;
       }
     }
     auto in = [&](int r) { return static_cast<const char*>(sb->remote(r, which)); };
@@ -140,6 +141,7 @@ void direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
       red.copy(dst + o, in(r) + o, ch.length(r) * es);
     }
   }
+  return false;
 }
 
 }  // namespace pycomm

@@ -17,6 +17,7 @@
 #include <limits>
 #include <cstdio>
 #include <cstdlib>
+#include <cstddef>
 #include <cstring>
 #include <new>
 #include <sstream>
@@ -916,7 +917,9 @@ std::string ShmTransport::symmetric_name(uint64_t id, int r) const {
   return name_ + ".s" + std::to_string(id) + "." + std::to_string(r);
 }
 
-std::shared_ptr<SymmetricRegion> ShmTransport::allocate_symmetric(size_t bytes, std::string* why) {
+std::shared_ptr<SymmetricRegion> ShmTransport::allocate_symmetric(size_t bytes,
+                                                                  const std::string& refuse,
+                                                                  std::string* why) {
   const uint64_t id = ++symmetric_count_;
   const size_t map_bytes = round_up(std::max<size_t>(bytes, 1), kPage);
   std::vector<void*> bases(static_cast<size_t>(size_), nullptr);
@@ -926,9 +929,11 @@ std::shared_ptr<SymmetricRegion> ShmTransport::allocate_symmetric(size_t bytes, 
       b = nullptr;
     }
   };
-  std::string mine_why;
+  std::string mine_why = refuse;
   const char* env = std::getenv("PYCOMM_SHM_SYMMETRIC");
-  if (env != nullptr && std::string(env) == "0") {
+  if (!refuse.empty()) {
+    // declined by the caller: create nothing
+  } else if (env != nullptr && std::string(env) == "0") {
     mine_why = "symmetric memory is disabled (PYCOMM_SHM_SYMMETRIC=0)";
   } else {
     bases[rank_] = create_mapping(symmetric_name(id, rank_), map_bytes, &mine_why);
@@ -938,14 +943,19 @@ std::shared_ptr<SymmetricRegion> ShmTransport::allocate_symmetric(size_t bytes, 
     const int which = next_buffer();
     auto* out = static_cast<SymOutcome*>(local(which));
     out->ok = bases[rank_] != nullptr;
-    std::snprintf(out->why, kSymReasonBytes, "%s", mine_why.c_str());
+    // The reason, cut to what the buffer holds (PYCOMM_SHM_DIRECT_BYTES may
+    // make it as small as a cache line).
+    const size_t room = std::min(kSymReasonBytes, capacity() - offsetof(SymOutcome, why));
+    std::snprintf(out->why, room, "%s", mine_why.c_str());
     arrive_and_wait(next_epoch(), which);
     for (int r = 0; r < size_; ++r) {
       const auto* theirs = static_cast<const SymOutcome*>(remote(r, which));
       if (theirs->ok == 1) continue;
       unmap_all();
       shm_unlink(symmetric_name(id, rank_).c_str());
-      *why = "rank " + std::to_string(r) + ": " + std::string(theirs->why);
+      const size_t room = std::min(kSymReasonBytes, capacity() - offsetof(SymOutcome, why));
+      *why =
+          "rank " + std::to_string(r) + ": " + std::string(theirs->why, strnlen(theirs->why, room));
       return nullptr;
     }
     for (int r = 0; r < size_; ++r) {
@@ -953,11 +963,16 @@ std::shared_ptr<SymmetricRegion> ShmTransport::allocate_symmetric(size_t bytes, 
       const std::string name = symmetric_name(id, r);
       const int fd = shm_open(name.c_str(), O_RDWR, 0);
       struct stat st;
-      if (fd < 0 || fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < map_bytes) {
-        const int e = errno;
+      std::string bad;
+      if (fd < 0 || fstat(fd, &st) != 0) {
+        bad = errno_str(errno);
+      } else if (static_cast<size_t>(st.st_size) < map_bytes) {
+        bad = std::to_string(st.st_size) + " bytes, not " + std::to_string(map_bytes);
+      }
+      if (!bad.empty()) {
         if (fd >= 0) close(fd);
         throw CommError("shm transport: cannot open rank " + std::to_string(r) +
-                        "'s symmetric memory " + name + ": " + errno_str(e));
+                        "'s symmetric memory " + name + ": " + bad);
       }
       void* p = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
       const int e = errno;
@@ -969,9 +984,10 @@ std::shared_ptr<SymmetricRegion> ShmTransport::allocate_symmetric(size_t bytes, 
       bases[r] = p;
     }
     // Every rank has mapped every part: the names can go (the memory stays
-    // until the last process unmaps it).
+    // until the last process unmaps it). Every rank removes every name, so a
+    // rank killed right here leaves nothing behind.
     arrive_and_wait(next_epoch(), next_buffer());
-    shm_unlink(symmetric_name(id, rank_).c_str());
+    for (int r = 0; r < size_; ++r) shm_unlink(symmetric_name(id, r).c_str());
   } catch (...) {
     // A peer failed or died half way: remove every rank's name (ENOENT is
     // fine), so that nothing is left in /dev/shm by a rank that died.

@@ -23,9 +23,10 @@
 // segment: rank r's part of allocation k is a segment of its own,
 // "<segment name>.s<k>.<r>", created and reserved by r (O_EXCL, 0600), mapped
 // by every rank (after the ranks agreed that every part was created: a flag
-// in a direct buffer), and unlinked by r once every rank has mapped it (a
-// second arrival). A rank that fails or sees a peer die half way unlinks
-// every rank's name, so a dead rank leaves nothing in /dev/shm.
+// in a direct buffer), and unlinked once every rank has mapped it (a second
+// arrival) by every rank, each name by all (ENOENT is fine), so that a rank
+// killed right after that arrival leaves nothing behind either. A rank that
+// fails or sees a peer die half way unlinks every rank's name too.
 //
 // Protocol of a channel (single producer, single consumer): head and tail are
 // 64-bit sequence numbers that never wrap; slot = seq % slots. The producer
@@ -139,7 +140,8 @@ class ShmTransport final : public Transport, public SharedBuffers {
   const void* remote(int r, int which) const override;
   void arrive_and_wait(uint64_t epoch, int which, uint64_t tag = 0) override;
   uint64_t tag(int r, int which) const override;
-  std::shared_ptr<SymmetricRegion> allocate_symmetric(size_t bytes, std::string* why) override;
+  std::shared_ptr<SymmetricRegion> allocate_symmetric(size_t bytes, const std::string& refuse,
+                                                      std::string* why) override;
   uint64_t symmetric_domain() const override { return symmetric_domain_; }
   void begin_op(const OpHeader& h) override;
 

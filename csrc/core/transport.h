@@ -119,10 +119,13 @@ class SharedBuffers {
   // A collective step (inside a collective's body: every rank calls it at the
   // same point of its op sequence): each rank creates `bytes` of shared
   // memory and maps every other rank's. Returns nullptr on every rank when
-  // any rank could not create its part (/dev/shm full, or disabled with
-  // PYCOMM_SHM_SYMMETRIC=0); `why` then says which rank and why. Throws
-  // CommError like arrive_and_wait (a dead peer, the timeout).
-  virtual std::shared_ptr<SymmetricRegion> allocate_symmetric(size_t bytes, std::string* why) = 0;
+  // any rank could not create its part (/dev/shm full, disabled with
+  // PYCOMM_SHM_SYMMETRIC=0) or declined (a non-empty `refuse`: its reason);
+  // `why` then says which rank and why. Throws CommError like
+  // arrive_and_wait (a dead peer, the timeout).
+  virtual std::shared_ptr<SymmetricRegion> allocate_symmetric(size_t bytes,
+                                                              const std::string& refuse,
+                                                              std::string* why) = 0;
   // The domain() of the regions this transport allocates.
   virtual uint64_t symmetric_domain() const = 0;
 

@@ -604,16 +604,33 @@ struct SymmetricStorage {
 };
 void delete_symmetric_storage(void* ctx) { delete static_cast<SymmetricStorage*>(ctx); }
 
+// Why `storage` must not move into symmetric memory, or "" when it may: its
+// memory was made by torch's CPU allocator (or is a region already). Memory
+// that something else owns (torch.from_numpy, from_blob, a file mapping,
+// share_memory_()) would silently stop being shared with its owner.
+std::string storage_refusal(const c10::Storage& storage) {
+  const c10::DeleterFnPtr deleter = storage.data_ptr().get_deleter();
+  if (deleter != nullptr && (deleter == c10::GetCPUAllocator()->raw_deleter() ||
+                             deleter == c10::GetDefaultCPUAllocator()->raw_deleter() ||
+                             deleter == &delete_symmetric_storage)) {
+    return "";
+  }
+  return "its storage was not allocated by torch's CPU allocator (torch.from_numpy, "
+         "from_blob, a mapping, share_memory_()), and moving it would end that sharing";
+}
+
 // A collective step (inside an op's body, on every rank): allocates a
 // symmetric region of the storage's size and, if every rank got its part,
 // moves the storage into it as Tensor.share_memory_() does: copy, then swap
-// the storage's memory, so every view follows. Ops queued before this one
-// have run (the worker runs in order); later ones take the new address when
-// issued. nullptr, with `why`, when some rank got no memory.
+// the storage's memory, so every view follows. The caller makes sure no op
+// holding the old address is queued (register_tensor is synchronous; an
+// adopting all_reduce holds its caller until the move). nullptr, with `why`,
+// when some rank got no memory or refused (storage_refusal).
 std::shared_ptr<SymmetricRegion> move_into_symmetric(SharedBuffers& sb, const c10::Storage& storage,
                                                      int me, std::string* why) {
   const size_t bytes = storage.nbytes();
-  std::shared_ptr<SymmetricRegion> region = sb.allocate_symmetric(bytes, why);
+  std::shared_ptr<SymmetricRegion> region =
+      sb.allocate_symmetric(bytes, storage_refusal(storage), why);
   if (!region) return nullptr;
   c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
   if (bytes > 0) std::memcpy(region->base(me), impl->data(), bytes);
@@ -621,6 +638,25 @@ std::shared_ptr<SymmetricRegion> move_into_symmetric(SharedBuffers& sb, const c1
                                          &delete_symmetric_storage, c10::Device(c10::kCPU)));
   return region;
 }
+
+// Opened once: an adopting all_reduce's caller waits on it until the op has
+// decided (and moved) or ended.
+struct Latch {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+  void release() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      open = true;
+    }
+    cv.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait(lk, [this] { return open; });
+  }
+};
 
 // The region the storage of `t` lives in, if the transport of `domain`
 // allocated it; else nullptr.
@@ -764,7 +800,7 @@ c10::intrusive_ptr<Work> Comm::launch_p2p(const char* op, std::vector<at::Tensor
 }
 
 c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std::string& algo,
-                                          bool async_op, int wire_dtype) {
+                                          bool async_op, int wire_dtype, bool offer) {
   constexpr const char* kOp = "all_reduce";
   check_open(kOp);
   check_tensor(t, "tensor", kOp);
@@ -779,34 +815,51 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   // All of a registered storage: direct_all_reduce may skip the staging.
   std::shared_ptr<SymmetricRegion> sym = symmetric_region_of(t, exec_->symmetric_domain());
   if (sym && (data != sym->base(rank_) || t.nbytes() != sym->bytes())) sym.reset();
-  // Or, with adopt_symmetric, may move it there now (direct_all_reduce).
+  // Or it may offer to move there in this op (direct_all_reduce's adopt).
+  // Ops issued later take the tensor's address when issued, so the caller
+  // waits until this one has decided, and moved, before issuing more.
   AdoptFn adopt;
-  if (!sym && a == "direct" && !wire && exec_->symmetric_domain() != 0 && offers_to_adopt(t)) {
+  std::shared_ptr<Latch> decided;
+  if (!sym && a == "direct" && !wire && offers_to_adopt(t, offer)) {
     const c10::Storage storage = t.storage();
     const int me = rank_;
     auto failed = adopt_failed_;
-    adopt = [storage, me, failed](SharedBuffers& sb) {
-      std::string why;  // every rank alike: nothing to report, the op stages
-      auto region = move_into_symmetric(sb, storage, me, &why);
-      if (!region) failed->store(true);  // stop offering (each op still agrees)
+    decided = std::make_shared<Latch>();
+    adopt = [storage, me, failed, decided](SharedBuffers& sb, bool everyone) {
+      std::shared_ptr<SymmetricRegion> region;
+      if (everyone) {
+        std::string why;  // every rank alike: nothing to report, the op stages
+        region = move_into_symmetric(sb, storage, me, &why);
+        if (!region) failed->store(true);  // stop offering (each op still agrees)
+      }
+      decided->release();
       return region;
     };
   }
-  return launch(
-      kOp, {t},
-      collective(header(CollKind::kAllReduce, count, int32_t(dt), int32_t(rop), -1, kind),
-                 [=](const Context& ctx) {
-                   if (wire) {
-                     ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire, rop);
-                   } else if (a == "direct") {
-                     direct_all_reduce(ctx, data, count, dt, rop, sym.get(), adopt);
-                   } else if (a == "nccl") {
-                     ctx.transport.wait(native(ctx).all_reduce(data, data, count, dt, rop));
-                   } else {
-                     ring_all_reduce(ctx, data, count, dt, rop);
-                   }
-                 }),
-      wait_of(async_op));
+  auto symmetric_ops = symmetric_ops_;
+  c10::intrusive_ptr<Work> work =
+      launch(kOp, {t},
+             collective(header(CollKind::kAllReduce, count, int32_t(dt), int32_t(rop), -1, kind),
+                        [=](const Context& ctx) {
+                          if (wire) {
+                            ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire, rop);
+                          } else if (a == "direct") {
+                            if (direct_all_reduce(ctx, data, count, dt, rop, sym.get(), adopt)) {
+                              symmetric_ops->fetch_add(1);
+                            }
+                          } else if (a == "nccl") {
+                            ctx.transport.wait(native(ctx).all_reduce(data, data, count, dt, rop));
+                          } else {
+                            ring_all_reduce(ctx, data, count, dt, rop);
+                          }
+                        }),
+             wait_of(async_op));
+  if (decided && work) {
+    // Also when the op fails or ends before deciding (a dead peer, abort).
+    work->future()->addCallback([decided](c10::ivalue::Future&) { decided->release(); });
+    decided->wait();
+  }
+  return work;
 }
 
 c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op,
@@ -952,22 +1005,23 @@ std::string Comm::register_tensor(const at::Tensor& t) {
   return *why;
 }
 
-bool Comm::offers_to_adopt(const at::Tensor& t) {
-  if (!adopt_symmetric_ || adopt_failed_->load() || !t.has_storage()) return false;
+bool Comm::offers_to_adopt(const at::Tensor& t, bool offer) {
+  if (exec_->symmetric_domain() == 0 || adopt_failed_->load() || !t.has_storage()) return false;
+  if (!offer && !adopt_symmetric_) return false;
+  // The caller waits for the op's decision: never on the worker itself (a
+  // Future callback), which would wait for its own queue.
+  if (exec_->on_own_thread()) return false;
   const c10::Storage& storage = t.storage();
   const size_t bytes = storage.nbytes();
-  if (bytes < kAdoptMinBytes || t.data_ptr() != storage.data() || t.nbytes() != bytes) {
+  if (bytes == 0 || t.data_ptr() != storage.data() || t.nbytes() != bytes ||
+      !storage_refusal(storage).empty()) {
     return false;
   }
-  // Only memory torch's CPU allocator made: a storage over memory someone
-  // else owns (torch.from_numpy, from_blob, a mapping) stays where it is.
-  const c10::DeleterFnPtr deleter = storage.data_ptr().get_deleter();
-  if (deleter == nullptr || (deleter != c10::GetCPUAllocator()->raw_deleter() &&
-                             deleter != c10::GetDefaultCPUAllocator()->raw_deleter())) {
-    return false;
-  }
-  // Reduced before, by this communicator, and still alive: a buffer the
-  // caller keeps and reduces again (DDP's buckets), not a temporary.
+  if (offer) return true;  // the caller knows the tensor lives on (all_reduce(register=True))
+  // adopt_symmetric: big enough, and reduced before by this communicator and
+  // still alive: a buffer the caller keeps and reduces again (DDP's
+  // buckets), not a temporary.
+  if (bytes < kAdoptMinBytes) return false;
   std::lock_guard<std::mutex> lk(seen_mu_);
   const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
   for (auto it = seen_.begin(); it != seen_.end();) {

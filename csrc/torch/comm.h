@@ -236,8 +236,9 @@ class Comm {
   // Each returns nullptr when async_op is false (done, see Wait), else a Work.
   // all_reduce: wire_dtype -1, or a DType (float16 / bfloat16) in which a
   // float32 tensor travels (ring_all_reduce_wire).
+  // offer: all_reduce(register=True), see offers_to_adopt.
   c10::intrusive_ptr<Work> all_reduce(const at::Tensor& t, int op, const std::string& algo,
-                                      bool async_op, int wire_dtype = -1);
+                                      bool async_op, int wire_dtype = -1, bool offer = false);
   c10::intrusive_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op,
                                           const std::string& algo, bool async_op);
   c10::intrusive_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in,
@@ -258,6 +259,8 @@ class Comm {
   std::string register_tensor(const at::Tensor& t);
   // True when the storage of `t` was registered by this communicator.
   bool is_registered(const at::Tensor& t) const;
+  // All-reduces so far that ran from symmetric memory (no staging).
+  uint64_t symmetric_all_reduces() const { return symmetric_ops_->load(); }
   // With this on (the backend's Options(symmetric=True)), an all_reduce on
   // shm of a tensor that is all of a storage of >= kAdoptMinBytes that torch's
   // CPU allocator made, and that this communicator reduced before (and is
@@ -329,9 +332,16 @@ class Comm {
   // transport shares memory: no limit unless PYCOMM_DIRECT_MAX_BYTES (ctor).
   size_t direct_max_bytes_ = 0;
   // adopt_symmetric(): the storages all_reduce saw (weakly), to spot reuse.
-  bool offers_to_adopt(const at::Tensor& t);
+  // Whether an all_reduce of `t` offers to move it into symmetric memory
+  // (direct_all_reduce's adopt): on shm, not after a move found no room, not
+  // on the worker thread, when `t` is all of a storage that torch's CPU
+  // allocator made, and either `offer` (the caller asks) or adopt_symmetric()
+  // with a storage of >= kAdoptMinBytes that this communicator reduced before.
+  bool offers_to_adopt(const at::Tensor& t, bool offer);
   static constexpr size_t kAdoptSeenMax = 64;
   std::atomic<bool> adopt_symmetric_{false};
+  std::shared_ptr<std::atomic<uint64_t>> symmetric_ops_ =
+      std::make_shared<std::atomic<uint64_t>>(0);
   // Set when a move found no room (then on every rank): offers stop.
   std::shared_ptr<std::atomic<bool>> adopt_failed_ = std::make_shared<std::atomic<bool>>(false);
   std::mutex seen_mu_;

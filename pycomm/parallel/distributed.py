@@ -299,10 +299,6 @@ class DistributedDataParallel(nn.Module):
         """Allocates the buckets; with gradient_as_bucket_view, existing
         ``.grad``s move into them and become views."""
         self._buckets = [_Bucket(b, idx, self._params) for b, idx in enumerate(assignment)]
-        for bucket in self._buckets:
-            # On shm, a collective (every rank sets the same buckets): the
-            # all-reduce then reads and writes every rank's bucket in place.
-            self.comm._try_register(bucket.buffer)
         self._loc: list[tuple[int, int]] = [(0, 0)] * len(self._params)
         for bucket in self._buckets:
             for pos, i in enumerate(bucket.param_indices):
@@ -448,7 +444,10 @@ class DistributedDataParallel(nn.Module):
             div = self._divisor()
             op = ReduceOp.AVG if div == self.comm.world_size else ReduceOp.SUM
             record.post_scale = 1.0 if op == ReduceOp.AVG else 1.0 / div
-            record.work = self.comm.all_reduce(buffer, op=op, async_op=True)
+            # register: on shm the bucket moves into symmetric memory at its
+            # first all-reduce (every rank offers), and later ones read and
+            # write every rank's bucket in place.
+            record.work = self.comm.all_reduce(buffer, op=op, async_op=True, register=True)
             fut = record.work.get_future()
         else:
             params = [self._params[i] for i in self._buckets[index].param_indices]
