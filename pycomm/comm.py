@@ -274,8 +274,11 @@ class Communicator:
                 storage that torch's CPU allocator made; otherwise nothing
                 moves and the op stages as usual, so ranks cannot disagree.
                 With ``async_op=True`` the call returns once the op has
-                decided (ops issued later must see the new address). Ignored
-                elsewhere, and for a tensor already registered.
+                decided (ops issued later must see the new address; with one
+                rank, once the op is done). A storage some rank declined
+                does not offer again. Ignored elsewhere, inside Future
+                callbacks (on the worker thread), and for a tensor already
+                registered.
 
         Raises:
             TypeError: unsupported dtype. ValueError: wrong device,
@@ -334,7 +337,9 @@ class Communicator:
         storage's memory swapped, so ``tensor`` and every view of its storage
         keep their identity and values; ``data_ptr()`` changes, so anything
         that holds the old address (a ``numpy()`` view taken before, an op in
-        flight on another communicator or thread) must not be in use. Only a
+        flight on another communicator or thread, a pending ``irecv`` into
+        it) must not be in use. Inside a Future callback every rank returns
+        False (ops queued earlier may hold the address). Only a
         storage that torch's CPU allocator made moves (not ``from_numpy``,
         ``from_blob`` or ``share_memory_()`` memory, whose sharing would
         silently end): otherwise every rank returns False. The memory is

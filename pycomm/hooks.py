@@ -97,9 +97,10 @@ def _is_ddp_buffer(bucket: dist.GradBucket, buffer: torch.Tensor) -> bool:
     """True when ``buffer`` looks like DDP's own bucket, which it keeps and
     refills every step (worth moving into symmetric memory), not a copy that
     a wrapper made for this call (fp16_compress_wrapper: another dtype). Only
-    an offer: the bucket moves if every rank offers (all_reduce(register=)),
-    so a rank that answers otherwise (the zero buckets of a rank that joined,
-    under ``join()``) just makes that all-reduce stage."""
+    an offer: the bucket moves if every rank offers (all_reduce(register=)).
+    Under ``join()`` a rank that ran out of data offers the zero buckets DDP
+    makes for it; while the others' buckets are in symmetric memory already
+    (they do not offer), those all-reduces just stage."""
     if not isinstance(bucket, (dist.GradBucket, ParallelGradBucket)):
         return False  # a bucket some other code made up
     params = bucket.parameters()

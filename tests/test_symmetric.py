@@ -212,9 +212,13 @@ def _offers(comm):
     before = comm.symmetric_all_reduces
     comm.all_reduce(t)
     ran = comm.symmetric_all_reduces - before
-    # Only rank 0 offers: nothing moves, every rank stages.
+    # Only rank 0 offers: nothing moves, every rank stages. Rank 0 then
+    # remembers the refusal: when every rank offers next, it does not.
     u = torch.full((50_000,), float(r + 1))
     comm.all_reduce(u, register=r == 0)
+    assert torch.all(u == sum(range(1, n + 1)))
+    u.fill_(r + 1)
+    comm.all_reduce(u, register=True)
     assert torch.all(u == sum(range(1, n + 1)))
     return moved_async, ran, comm.is_registered(u)
 

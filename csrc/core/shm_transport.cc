@@ -952,7 +952,7 @@ std::shared_ptr<SymmetricRegion> ShmTransport::allocate_symmetric(size_t bytes,
       const auto* theirs = static_cast<const SymOutcome*>(remote(r, which));
       if (theirs->ok == 1) continue;
       unmap_all();
-      shm_unlink(symmetric_name(id, rank_).c_str());
+      for (int q = 0; q < size_; ++q) shm_unlink(symmetric_name(id, q).c_str());
       const size_t room = std::min(kSymReasonBytes, capacity() - offsetof(SymOutcome, why));
       *why =
           "rank " + std::to_string(r) + ": " + std::string(theirs->why, strnlen(theirs->why, room));

@@ -627,10 +627,11 @@ std::string storage_refusal(const c10::Storage& storage) {
 // adopting all_reduce holds its caller until the move). nullptr, with `why`,
 // when some rank got no memory or refused (storage_refusal).
 std::shared_ptr<SymmetricRegion> move_into_symmetric(SharedBuffers& sb, const c10::Storage& storage,
-                                                     int me, std::string* why) {
+                                                     int me, std::string* why,
+                                                     std::string refuse = "") {
   const size_t bytes = storage.nbytes();
-  std::shared_ptr<SymmetricRegion> region =
-      sb.allocate_symmetric(bytes, storage_refusal(storage), why);
+  if (refuse.empty()) refuse = storage_refusal(storage);
+  std::shared_ptr<SymmetricRegion> region = sb.allocate_symmetric(bytes, refuse, why);
   if (!region) return nullptr;
   c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
   if (bytes > 0) std::memcpy(region->base(me), impl->data(), bytes);
@@ -652,9 +653,16 @@ struct Latch {
     }
     cv.notify_all();
   }
-  void wait() {
+  // Waits in slices, calling `poll` between them (check_interrupt: Ctrl-C
+  // on the main thread ends the wait by throwing Interrupted).
+  template <class Poll>
+  void wait(Poll&& poll) {
     std::unique_lock<std::mutex> lk(mu);
-    cv.wait(lk, [this] { return open; });
+    while (!cv.wait_for(lk, kInterruptPoll, [this] { return open; })) {
+      lk.unlock();
+      poll();
+      lk.lock();
+    }
   }
 };
 
@@ -824,18 +832,25 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
     const c10::Storage storage = t.storage();
     const int me = rank_;
     auto failed = adopt_failed_;
+    auto declined = declined_;
     decided = std::make_shared<Latch>();
-    adopt = [storage, me, failed, decided](SharedBuffers& sb, bool everyone) {
+    adopt = [storage, me, failed, declined, decided](SharedBuffers& sb, bool everyone) {
       std::shared_ptr<SymmetricRegion> region;
       if (everyone) {
         std::string why;  // every rank alike: nothing to report, the op stages
         region = move_into_symmetric(sb, storage, me, &why);
         if (!region) failed->store(true);  // stop offering (each op still agrees)
+      } else {
+        declined->add(storage);
       }
       decided->release();
       return region;
     };
   }
+  // One caller at a time until the move is done: another thread's op on the
+  // tensor issued meanwhile would take the old address.
+  std::optional<CallGuard> guard;
+  if (decided) guard.emplace(*this, kOp);
   auto symmetric_ops = symmetric_ops_;
   c10::intrusive_ptr<Work> work =
       launch(kOp, {t},
@@ -857,7 +872,16 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   if (decided && work) {
     // Also when the op fails or ends before deciding (a dead peer, abort).
     work->future()->addCallback([decided](c10::ivalue::Future&) { decided->release(); });
-    decided->wait();
+    decided->wait([&] {
+      try {
+        check_interrupt();
+      } catch (const Interrupted& e) {
+        const std::string why = std::string(kOp) + " #" + std::to_string(work->seq()) +
+                                ": interrupted while it offered its tensor (" + e.what() + ")";
+        exec_->abort(why);  // the op fails, peers are told
+        throw Interrupted(why);
+      }
+    });
   }
   return work;
 }
@@ -996,10 +1020,19 @@ std::string Comm::register_tensor(const at::Tensor& t) {
   c10::Storage storage = t.storage();
   const int me = rank_;
   auto why = std::make_shared<std::string>();
+  // Inside a Future callback this op runs at once, ahead of async ops the
+  // caller queued with the tensor's old address: decline (on every rank
+  // alike, through the outcome).
+  const std::string refuse =
+      exec_->on_own_thread()
+          ? "register_tensor was called inside a Future callback (on the worker thread), "
+            "where ops queued earlier may still hold the tensor's address"
+          : "";
   launch(kOp, {},
          collective(header(CollKind::kRegister, storage.nbytes(), -1, -1, -1, AlgoKind::kNone),
                     [=](const Context& ctx) {
-                      move_into_symmetric(*ctx.transport.shared_buffers(), storage, me, why.get());
+                      move_into_symmetric(*ctx.transport.shared_buffers(), storage, me, why.get(),
+                                          refuse);
                     }),
          Wait::kSync, {t});
   return *why;
@@ -1014,7 +1047,7 @@ bool Comm::offers_to_adopt(const at::Tensor& t, bool offer) {
   const c10::Storage& storage = t.storage();
   const size_t bytes = storage.nbytes();
   if (bytes == 0 || t.data_ptr() != storage.data() || t.nbytes() != bytes ||
-      !storage_refusal(storage).empty()) {
+      !storage_refusal(storage).empty() || declined_->contains(storage.unsafeGetStorageImpl())) {
     return false;
   }
   if (offer) return true;  // the caller knows the tensor lives on (all_reduce(register=True))
@@ -1022,19 +1055,8 @@ bool Comm::offers_to_adopt(const at::Tensor& t, bool offer) {
   // still alive: a buffer the caller keeps and reduces again (DDP's
   // buckets), not a temporary.
   if (bytes < kAdoptMinBytes) return false;
-  std::lock_guard<std::mutex> lk(seen_mu_);
-  const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
-  for (auto it = seen_.begin(); it != seen_.end();) {
-    if (it->expired()) {
-      it = seen_.erase(it);
-    } else if (it->_unsafe_get_target() == impl) {
-      return true;
-    } else {
-      ++it;
-    }
-  }
-  if (seen_.size() >= kAdoptSeenMax) seen_.pop_front();
-  seen_.push_back(storage.getWeakStorageImpl());
+  if (seen_.contains(storage.unsafeGetStorageImpl())) return true;
+  seen_.add(storage);
   return false;
 }
 

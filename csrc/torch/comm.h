@@ -212,6 +212,29 @@ class Executor {
   virtual std::string abort_reason() const = 0;
 };
 
+// A bounded set of storages held weakly (freed ones drop out, the oldest go
+// first when it is full): what Comm::offers_to_adopt remembers.
+struct WeakStorageSet {
+  std::mutex mu;
+  std::deque<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+  static constexpr size_t kMax = 64;
+  bool contains(const c10::StorageImpl* impl) {
+    std::lock_guard<std::mutex> lk(mu);
+    for (auto& w : storages) {
+      if (!w.expired() && w._unsafe_get_target() == impl) return true;
+    }
+    return false;
+  }
+  void add(const c10::Storage& storage) {
+    std::lock_guard<std::mutex> lk(mu);
+    storages.erase(
+        std::remove_if(storages.begin(), storages.end(), [](const auto& w) { return w.expired(); }),
+        storages.end());
+    if (storages.size() >= kMax) storages.pop_front();
+    storages.push_back(storage.getWeakStorageImpl());
+  }
+};
+
 class Comm {
  public:
   Comm(std::unique_ptr<Executor> executor, CommOptions options);
@@ -331,21 +354,23 @@ class Comm {
   // algo="auto" runs direct_all_reduce up to this many bytes when the
   // transport shares memory: no limit unless PYCOMM_DIRECT_MAX_BYTES (ctor).
   size_t direct_max_bytes_ = 0;
-  // adopt_symmetric(): the storages all_reduce saw (weakly), to spot reuse.
   // Whether an all_reduce of `t` offers to move it into symmetric memory
   // (direct_all_reduce's adopt): on shm, not after a move found no room, not
-  // on the worker thread, when `t` is all of a storage that torch's CPU
-  // allocator made, and either `offer` (the caller asks) or adopt_symmetric()
-  // with a storage of >= kAdoptMinBytes that this communicator reduced before.
+  // on the worker thread, not after a rank declined this storage, when `t` is
+  // all of a storage that torch's CPU allocator made, and either `offer` (the
+  // caller asks) or adopt_symmetric() with a storage of >= kAdoptMinBytes
+  // that this communicator reduced before (seen_).
   bool offers_to_adopt(const at::Tensor& t, bool offer);
-  static constexpr size_t kAdoptSeenMax = 64;
+  WeakStorageSet seen_;
   std::atomic<bool> adopt_symmetric_{false};
   std::shared_ptr<std::atomic<uint64_t>> symmetric_ops_ =
       std::make_shared<std::atomic<uint64_t>>(0);
+  // Storages some rank declined to move: they offer no more, so a rank whose
+  // peers never offer (their buckets moved already) does not hold its caller
+  // at every all-reduce.
+  std::shared_ptr<WeakStorageSet> declined_ = std::make_shared<WeakStorageSet>();
   // Set when a move found no room (then on every rank): offers stop.
   std::shared_ptr<std::atomic<bool>> adopt_failed_ = std::make_shared<std::atomic<bool>>(false);
-  std::mutex seen_mu_;
-  std::deque<c10::weak_intrusive_ptr<c10::StorageImpl>> seen_;
 };
 
 // The CPU executor: the transport's ops run on a worker thread in submission

@@ -124,6 +124,8 @@ def git_commit(measured: Sequence[str] = ()) -> str:
     ``measured`` paths, relative to the checkout) has uncommitted changes (not
     the result files a study rewrites); "unknown" outside a git checkout."""
     root = Path(__file__).resolve().parents[2]
+    if not ((root / "csrc").is_dir() and (root / "pycomm").is_dir()):
+        return "unknown"  # an installed copy, not a source checkout
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                              text=True, check=True).stdout.strip()

@@ -436,9 +436,11 @@ class DistributedDataParallel(nn.Module):
             return self._active
         return self.comm.world_size
 
-    def _launch(self, index: int, buffer: torch.Tensor, views: list[torch.Tensor]) -> _InFlight:
+    def _launch(self, index: int, buffer: torch.Tensor, views: list[torch.Tensor],
+                register: bool = True) -> _InFlight:
         """Starts bucket ``index``'s reduction: the comm hook, or an averaging
-        all-reduce."""
+        all-reduce (``register``: offering ``buffer``, a bucket kept from step
+        to step, for symmetric memory)."""
         record = _InFlight(buffer=buffer, launched=time.perf_counter())
         if self._comm_hook is None:
             div = self._divisor()
@@ -447,7 +449,7 @@ class DistributedDataParallel(nn.Module):
             # register: on shm the bucket moves into symmetric memory at its
             # first all-reduce (every rank offers), and later ones read and
             # write every rank's bucket in place.
-            record.work = self.comm.all_reduce(buffer, op=op, async_op=True, register=True)
+            record.work = self.comm.all_reduce(buffer, op=op, async_op=True, register=register)
             fut = record.work.get_future()
         else:
             params = [self._params[i] for i in self._buckets[index].param_indices]
@@ -774,7 +776,7 @@ class DistributedDataParallel(nn.Module):
             views = [zeros[o:o + v.numel()].view(v.shape) for o, v in
                      zip(itertools.accumulate([0] + [v.numel() for v in bucket.views]),
                          bucket.views)]
-            records.append(self._launch(bucket.index, zeros, views))
+            records.append(self._launch(bucket.index, zeros, views, register=False))
         n = len(self._params)
         status = self._launch_used_flags([0] * n, False)
         for k, record in enumerate(records):
