@@ -1,9 +1,13 @@
 """Plain torch.distributed code on pycomm: run with
     torchrun --nproc-per-node 2 examples/torch_backend.py          # CPU tensors
     torchrun --nproc-per-node 2 examples/torch_backend.py --cuda   # cuda:LOCAL_RANK
+    torchrun --nproc-per-node 2 examples/torch_backend.py --symmetric
 `import pycomm` registers backend="pycomm"; the rest is ordinary torch code
 (collectives and DistributedDataParallel), and every collective runs on pycomm
-(with --cuda: on the group's CUDA communicator, made at the first CUDA op)."""
+(with --cuda: on the group's CUDA communicator, made at the first CUDA op).
+--symmetric passes pycomm.backend.Options(symmetric=True): DDP's gradient
+bucket moves into shared memory at its second all-reduce, and the later ones
+run from there (counted in the last line)."""
 
 import os
 import sys
@@ -14,7 +18,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm  # noqa: F401  (registers the "pycomm" backend)
 
-dist.init_process_group(backend="pycomm")  # RANK, WORLD_SIZE, MASTER_ADDR/PORT from torchrun
+symmetric = "--symmetric" in sys.argv[1:]
+options = pycomm.backend.Options(symmetric=True) if symmetric else None
+dist.init_process_group(backend="pycomm", pg_options=options)  # RANK, WORLD_SIZE, ... from torchrun
 rank, world = dist.get_rank(), dist.get_world_size()
 if "--cuda" in sys.argv[1:]:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -32,8 +38,9 @@ ok &= all(torch.all(g == r) for r, g in enumerate(gathered))
 
 # DDP: each rank trains on its shard; gradients are averaged by pycomm.
 torch.manual_seed(0)
-model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 1)).to(device))
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 512), torch.nn.ReLU(),  # 70 K parameters:
+                                torch.nn.Linear(512, 128), torch.nn.ReLU(),  # a 281 KB bucket
+                                torch.nn.Linear(128, 1)).to(device))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 x, y = torch.randn(64, 8).to(device), torch.randn(64, 1).to(device)  # same seed: same full batch
 shard = slice(rank * 64 // world, (rank + 1) * 64 // world)
@@ -48,6 +55,7 @@ w = model.module[0].weight.detach().clone()
 w0 = w.clone()
 dist.broadcast(w0, src=0)
 ok &= torch.equal(w, w0)
+sym = pycomm.backend.get_communicator().symmetric_all_reduces  # 0 without --symmetric
 print(f"rank {rank}/{world} backend={dist.get_backend()} all_reduce={t.tolist()} "
-      f"loss={loss.item():.4f} {'OK' if ok else 'WRONG'}", flush=True)
+      f"loss={loss.item():.4f} symmetric={sym} {'OK' if ok else 'WRONG'}", flush=True)
 dist.destroy_process_group()

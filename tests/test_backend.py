@@ -607,11 +607,15 @@ def test_torch_pipelining_equals_one_process(schedule):
 
 # ---------------------------------------------------------------- example
 
-def test_example_under_torchrun():
-    proc = run_torchrun("examples/torch_backend.py", 2)
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_example_under_torchrun(symmetric):
+    proc = run_torchrun("examples/torch_backend.py", 2, *(["--symmetric"] if symmetric else []))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # ranks print concurrently: lines may interleave, so match records, not lines
-    records = re.findall(r"rank (\d)/2 backend=pycomm all_reduce=\[[^\]]*\] loss=[\d.]+ OK",
-                         proc.stdout)
-    assert sorted(records) == ["0", "1"], proc.stdout
+    records = re.findall(r"rank (\d)/2 backend=pycomm all_reduce=\[[^\]]*\] loss=[\d.]+ "
+                         r"symmetric=(\d+) OK", proc.stdout)
+    assert sorted(r for r, _ in records) == ["0", "1"], proc.stdout
+    # 5 steps; DDP rebuilds its bucket after step 1, and the new one moves at
+    # its second all-reduce (step 3), which runs from symmetric memory on
+    assert all(int(n) >= 3 if symmetric else int(n) == 0 for _, n in records), proc.stdout
     assert "WRONG" not in proc.stdout
