@@ -186,7 +186,9 @@ def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
     comm = _comm_of(state)
     buffer = bucket.buffer()
     _check_bucket(comm, bucket, buffer)
-    return _allreduce_avg(comm, buffer, register=_is_ddp_buffer(bucket, buffer))
+    # Offer the bucket until it has moved (bucket.parameters() builds a list).
+    offer = not comm.is_registered(buffer) and _is_ddp_buffer(bucket, buffer)
+    return _allreduce_avg(comm, buffer, register=offer)
 
 
 # ---------------------------------------------------------------- cast compression

@@ -278,12 +278,13 @@ def _contention(env: Env, args: argparse.Namespace, numel: int) -> dict:
     all-reduce of a tensor in symmetric memory (Communicator.register_tensor,
     as allreduce_hook does with DDP's buckets)."""
     a = torch.randn(200, 200)  # < 1 ms a matmul: the loop notices completion quickly
-    tensors = {"pycomm": torch.ones(numel), "torch": torch.ones(numel)}
+    tensors = {"pycomm": torch.ones(numel)}
     sym = torch.ones(numel)
     if env.comm.transport == "shm" and env.comm.register_tensor(sym):
         tensors["pycomm-symmetric"] = sym
+    tensors["torch"] = torch.ones(numel)
     out: dict[str, list[list[float]]] = {}
-    for name, t in sorted(tensors.items(), key=lambda kv: kv[0] == "torch"):
+    for name, t in tensors.items():
         for busy in (False, True):
             rounds = []
             for _ in range(args.rounds):

@@ -923,37 +923,37 @@ std::shared_ptr<SymmetricRegion> ShmTransport::allocate_symmetric(size_t bytes,
   const uint64_t id = ++symmetric_count_;
   const size_t map_bytes = round_up(std::max<size_t>(bytes, 1), kPage);
   std::vector<void*> bases(static_cast<size_t>(size_), nullptr);
-  auto unmap_all = [&] {
+  // Undoes what this rank holds: its mappings, and every rank's name
+  // (ENOENT is fine), so that a rank that died leaves nothing in /dev/shm.
+  auto release = [&] {
     for (void*& b : bases) {
       if (b) munmap(b, map_bytes);
       b = nullptr;
     }
+    for (int r = 0; r < size_; ++r) shm_unlink(symmetric_name(id, r).c_str());
   };
-  std::string mine_why = refuse;
+  std::string mine_why = refuse;  // non-empty: declined by the caller, create nothing
   const char* env = std::getenv("PYCOMM_SHM_SYMMETRIC");
-  if (!refuse.empty()) {
-    // declined by the caller: create nothing
-  } else if (env != nullptr && std::string(env) == "0") {
+  if (mine_why.empty() && env != nullptr && std::string(env) == "0") {
     mine_why = "symmetric memory is disabled (PYCOMM_SHM_SYMMETRIC=0)";
-  } else {
+  }
+  if (mine_why.empty()) {
     bases[rank_] = create_mapping(symmetric_name(id, rank_), map_bytes, &mine_why);
   }
+  // The reason travels in a direct buffer, cut to what it holds
+  // (PYCOMM_SHM_DIRECT_BYTES may make it as small as a cache line).
+  const size_t room = std::min(kSymReasonBytes, capacity() - offsetof(SymOutcome, why));
   try {
     // Agree on the outcome: every rank publishes its own in a direct buffer.
     const int which = next_buffer();
     auto* out = static_cast<SymOutcome*>(local(which));
     out->ok = bases[rank_] != nullptr;
-    // The reason, cut to what the buffer holds (PYCOMM_SHM_DIRECT_BYTES may
-    // make it as small as a cache line).
-    const size_t room = std::min(kSymReasonBytes, capacity() - offsetof(SymOutcome, why));
     std::snprintf(out->why, room, "%s", mine_why.c_str());
     arrive_and_wait(next_epoch(), which);
     for (int r = 0; r < size_; ++r) {
       const auto* theirs = static_cast<const SymOutcome*>(remote(r, which));
       if (theirs->ok == 1) continue;
-      unmap_all();
-      for (int q = 0; q < size_; ++q) shm_unlink(symmetric_name(id, q).c_str());
-      const size_t room = std::min(kSymReasonBytes, capacity() - offsetof(SymOutcome, why));
+      release();
       *why =
           "rank " + std::to_string(r) + ": " + std::string(theirs->why, strnlen(theirs->why, room));
       return nullptr;
@@ -989,10 +989,7 @@ std::shared_ptr<SymmetricRegion> ShmTransport::allocate_symmetric(size_t bytes,
     arrive_and_wait(next_epoch(), next_buffer());
     for (int r = 0; r < size_; ++r) shm_unlink(symmetric_name(id, r).c_str());
   } catch (...) {
-    // A peer failed or died half way: remove every rank's name (ENOENT is
-    // fine), so that nothing is left in /dev/shm by a rank that died.
-    unmap_all();
-    for (int r = 0; r < size_; ++r) shm_unlink(symmetric_name(id, r).c_str());
+    release();  // a peer failed or died half way
     throw;
   }
   return std::make_shared<SymmetricRegion>(symmetric_domain_, id, bytes, std::move(bases),

@@ -58,7 +58,7 @@ void Work::wait() {
         "before the op completed; it would deadlock. Return the op's future from the "
         "callback, or chain with then(), instead of waiting inside it");
   }
-  if (!future_->completed() && on_main_thread()) wait_interruptibly();
+  if (!future_->completed() && on_main_thread()) wait_interruptibly(completion_flag(future_));
   future_->wait();
   if (future_->hasError()) report(future_->exception_ptr());
 }
@@ -70,16 +70,11 @@ void Work::report(std::exception_ptr e) const {
 
 std::shared_ptr<CompletionFlag> completion_flag(const c10::intrusive_ptr<c10::ivalue::Future>& f) {
   auto flag = std::make_shared<CompletionFlag>();
-  f->addCallback([flag](c10::ivalue::Future&) {
-    std::lock_guard<std::mutex> lk(flag->mu);
-    flag->done = true;
-    flag->cv.notify_all();
-  });
+  f->addCallback([flag](c10::ivalue::Future&) { flag->set(); });
   return flag;
 }
 
-void Work::wait_interruptibly() {
-  auto flag = completion_flag(future_);
+void Work::wait_interruptibly(const std::shared_ptr<CompletionFlag>& flag) {
   std::unique_lock<std::mutex> lk(flag->mu);
   while (!flag->cv.wait_for(lk, kInterruptPoll, [&] { return flag->done; })) {
     lk.unlock();
@@ -640,32 +635,6 @@ std::shared_ptr<SymmetricRegion> move_into_symmetric(SharedBuffers& sb, const c1
   return region;
 }
 
-// Opened once: an adopting all_reduce's caller waits on it until the op has
-// decided (and moved) or ended.
-struct Latch {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool open = false;
-  void release() {
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      open = true;
-    }
-    cv.notify_all();
-  }
-  // Waits in slices, calling `poll` between them (check_interrupt: Ctrl-C
-  // on the main thread ends the wait by throwing Interrupted).
-  template <class Poll>
-  void wait(Poll&& poll) {
-    std::unique_lock<std::mutex> lk(mu);
-    while (!cv.wait_for(lk, kInterruptPoll, [this] { return open; })) {
-      lk.unlock();
-      poll();
-      lk.lock();
-    }
-  }
-};
-
 // The region the storage of `t` lives in, if the transport of `domain`
 // allocated it; else nullptr.
 std::shared_ptr<SymmetricRegion> symmetric_region_of(const at::Tensor& t, uint64_t domain) {
@@ -827,13 +796,13 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   // Ops issued later take the tensor's address when issued, so the caller
   // waits until this one has decided, and moved, before issuing more.
   AdoptFn adopt;
-  std::shared_ptr<Latch> decided;
+  std::shared_ptr<CompletionFlag> decided;  // set by adopt, or when the op ends
   if (!sym && a == "direct" && !wire && offers_to_adopt(t, offer)) {
     const c10::Storage storage = t.storage();
     const int me = rank_;
     auto failed = adopt_failed_;
     auto declined = declined_;
-    decided = std::make_shared<Latch>();
+    decided = std::make_shared<CompletionFlag>();
     adopt = [storage, me, failed, declined, decided](SharedBuffers& sb, bool everyone) {
       std::shared_ptr<SymmetricRegion> region;
       if (everyone) {
@@ -843,7 +812,7 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
       } else {
         declined->add(storage);
       }
-      decided->release();
+      decided->set();
       return region;
     };
   }
@@ -871,17 +840,8 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
              wait_of(async_op));
   if (decided && work) {
     // Also when the op fails or ends before deciding (a dead peer, abort).
-    work->future()->addCallback([decided](c10::ivalue::Future&) { decided->release(); });
-    decided->wait([&] {
-      try {
-        check_interrupt();
-      } catch (const Interrupted& e) {
-        const std::string why = std::string(kOp) + " #" + std::to_string(work->seq()) +
-                                ": interrupted while it offered its tensor (" + e.what() + ")";
-        exec_->abort(why);  // the op fails, peers are told
-        throw Interrupted(why);
-      }
-    });
+    work->future()->addCallback([decided](c10::ivalue::Future&) { decided->set(); });
+    work->wait_interruptibly(decided);
   }
   return work;
 }

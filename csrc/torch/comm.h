@@ -42,6 +42,8 @@
 
 namespace pycomm {
 
+struct CompletionFlag;  // below
+
 class Worker;
 
 // Handle of one operation: completion, error and a torch Future of its output
@@ -82,6 +84,10 @@ class Work : public c10::intrusive_ptr_target {
   // Set when wait() raises the op's error: the caller has seen a failure
   // (Comm::close reports one nobody saw).
   void set_reported_flag(std::shared_ptr<std::atomic<bool>> flag) { reported_ = std::move(flag); }
+  // Blocks until `flag` is set, in short slices; on the main thread SIGINT
+  // ends the wait with Interrupted after aborting the op (on_interrupt).
+  // wait() uses it with the flag of the op's completion.
+  void wait_interruptibly(const std::shared_ptr<CompletionFlag>& flag);
 
  protected:
   const std::vector<at::Tensor>& outputs() const { return outputs_; }
@@ -100,8 +106,6 @@ class Work : public c10::intrusive_ptr_target {
   const Worker* worker_ = nullptr;
   std::function<void(const std::string&)> on_interrupt_;
   std::shared_ptr<std::atomic<bool>> reported_;
-  // wait() on the main thread: sleeps in short slices, checking for signals.
-  void wait_interruptibly();
 };
 
 // A flag that a callback on `future` sets when it completes, for waits with a
@@ -110,6 +114,11 @@ struct CompletionFlag {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
+  void set() {
+    std::lock_guard<std::mutex> lk(mu);
+    done = true;
+    cv.notify_all();
+  }
 };
 std::shared_ptr<CompletionFlag> completion_flag(const c10::intrusive_ptr<c10::ivalue::Future>& f);
 
