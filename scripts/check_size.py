@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Size limits that keep the code readable (run by scripts/lint.sh).
+
+- no source file in csrc/ or pycomm/ over MAX_FILE_LINES lines;
+- no function over MAX_FUNCTION_LINES lines of logic: blank lines, comments
+  and (Python) docstrings do not count; nested functions and lambdas count
+  towards the function that holds them.
+
+Python functions are found with `ast`; C++/CUDA function bodies with a brace
+scanner over the text with comments and literals removed (a `{` that follows
+a parameter list, outside any other function body). Prints each violation
+and exits 1 if there is any.
+
+    python scripts/check_size.py [--max-file N] [--max-function N] [ROOT ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import sys
+from pathlib import Path
+
+MAX_FILE_LINES = 800
+MAX_FUNCTION_LINES = 80
+ROOTS = ("csrc", "pycomm")
+CPP_SUFFIXES = {".cc", ".cpp", ".h", ".cu", ".cuh"}
+# Keywords whose `(...) {` opens a block inside a function, not a function.
+NOT_FUNCTIONS = re.compile(r"^\s*(if|for|while|switch|catch|else|do|return|namespace|class|struct|"
+                           r"enum|union|extern)\b")
+
+
+def python_violations(path: Path, text: str, max_fn: int) -> list[str]:
+    lines = text.splitlines()
+    tree = ast.parse(text, filename=str(path))
+    docstring_lines: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            docstring_lines.update(range(body[0].lineno, (body[0].end_lineno or body[0].lineno) + 1))
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+        logic = sum(1 for n in range(start, (node.end_lineno or node.lineno) + 1)
+                    if n not in docstring_lines and lines[n - 1].strip()
+                    and not lines[n - 1].strip().startswith("#"))
+        if logic > max_fn:
+            out.append(f"{path}:{node.lineno}: function {node.name} has {logic} lines of logic "
+                       f"(limit {max_fn})")
+    return out
+
+
+def strip_cpp(text: str) -> str:
+    """`text` with comments, string and character literals blanked (newlines kept)."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("\n" * text.count("\n", i, j))
+            i = j
+        elif text.startswith('R"', i):
+            m = re.match(r'R"([^(]*)\(', text[i:])
+            end = text.find(")" + (m.group(1) if m else "") + '"', i)
+            j = n if end < 0 else end + len(m.group(1) if m else "") + 2
+            out.append('""' + "\n" * text.count("\n", i, j))
+            i = j
+        elif c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            out.append(c + c)
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def cpp_violations(path: Path, text: str, max_fn: int) -> list[str]:
+    code = strip_cpp(text)
+    lines = code.splitlines()
+    out = []
+    # Each open brace: (is_function, line index, header text)
+    stack: list[tuple[bool, int, str]] = []
+    header_start = 0
+    line = 0
+    for i, c in enumerate(code):
+        if c == "\n":
+            line += 1
+        elif c in ";":
+            header_start = i + 1
+        elif c == "{":
+            header = code[header_start:i].strip()
+            inside_fn = any(f for f, _, _ in stack)
+            is_fn = (not inside_fn and header.rstrip().endswith((")", "const", "override", "noexcept",
+                                                                 "final"))
+                     and "(" in header and not NOT_FUNCTIONS.match(header.splitlines()[-1]
+                                                                    if header else "")
+                     and not header.lstrip().startswith(("if", "for", "while", "switch")))
+            if not inside_fn and not is_fn and "(" in header and re.search(r"\)\s*(->\s*[\w:<>,\s*&]+)?$",
+                                                                          header) \
+                    and not NOT_FUNCTIONS.match(header):
+                is_fn = True
+            # Constructors with member initialiser lists: `X::X(...) : a_(b), c_(d) {`.
+            if not inside_fn and not is_fn and re.search(r"\)\s*:\s*\w", header) \
+                    and not NOT_FUNCTIONS.match(header):
+                is_fn = True
+            stack.append((is_fn, line, header))
+            header_start = i + 1
+        elif c == "}":
+            if stack:
+                is_fn, start, header = stack.pop()
+                if is_fn:
+                    body = lines[start:line + 1]
+                    logic = sum(1 for s in body if s.strip() not in ("", "{", "}", "};"))
+                    if logic > max_fn:
+                        name = re.findall(r"([~\w:]+)\s*\(", header)
+                        out.append(f"{path}:{start + 1}: function {name[0] if name else '?'} has "
+                                   f"{logic} lines of logic (limit {max_fn})")
+            header_start = i + 1
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-file", type=int, default=MAX_FILE_LINES)
+    ap.add_argument("--max-function", type=int, default=MAX_FUNCTION_LINES)
+    ap.add_argument("roots", nargs="*", default=list(ROOTS))
+    args = ap.parse_args()
+    problems: list[str] = []
+    for root in args.roots:
+        for path in sorted(Path(root).rglob("*")):
+            if path.suffix not in CPP_SUFFIXES | {".py"} or not path.is_file():
+                continue
+            text = path.read_text()
+            n = text.count("\n")
+            if n > args.max_file:
+                problems.append(f"{path}: {n} lines (limit {args.max_file})")
+            if path.suffix == ".py":
+                problems += python_violations(path, text, args.max_function)
+            else:
+                problems += cpp_violations(path, text, args.max_function)
+    for p in problems:
+        print(p)
+    print(f"check_size: {len(problems)} problem(s)", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
