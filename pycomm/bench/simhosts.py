@@ -1,0 +1,224 @@
+"""Several hosts simulated on one machine, for tests and the study.
+
+Each host is a network namespace with an address of its own on a private
+bridge, its own hostname (``unshare -u``) and an ``/etc/hosts`` that resolves
+every host (``ip netns exec`` bind-mounts ``/etc/netns/<ns>/hosts`` over
+``/etc/hosts`` in the processes it starts)::
+
+      host 0 (ns ...h0)          host 1 (ns ...h1)         switch (ns ...sw)
+    +------------------+      +------------------+      +-----------------+
+    | eth0 10.77.0.1   |------| eth0 10.77.0.2   |------| br0 (bridge)    |
+    | hostname h0      |      | hostname h1      |      | one veth a host |
+    +------------------+      +------------------+      +-----------------+
+
+The addresses exist only inside the namespaces created here, so they touch no
+real network; ``destroy()`` (also on ``with`` exit) deletes the namespaces
+and their files, and ``create()`` first removes any left behind by a process
+that died. Ranks are started as torchrun would start them (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR = host 0's address,
+MASTER_PORT), so ``pycomm.init()`` and ``init_process_group`` work unchanged.
+
+Needs root and iproute2 (``ip netns``) and util-linux (``unshare``);
+``unavailable_reason()`` says why not where they are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["RankResult", "SimulatedHosts", "unavailable_reason"]
+
+_PREFIX = "pycomm"
+_SUBNET = "10.77.0"
+_PORT = 29500  # free: host 0's namespace is new
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def unavailable_reason() -> str | None:
+    """None when simulated hosts can be made here, else why not."""
+    if sys.platform != "linux":
+        return "simulated hosts need Linux network namespaces"
+    if os.geteuid() != 0:
+        return "simulated hosts need root (ip netns, unshare)"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"simulated hosts need the `{tool}` command"
+    probe = f"{_PREFIX}{os.getpid()}probe"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+@dataclass
+class RankResult:
+    """What one rank's process left: its exit code (negative: the signal that
+    ended it; None: killed at the timeout) and its output."""
+
+    rank: int
+    host: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+
+class SimulatedHosts:
+    """``n_hosts`` simulated hosts, created on ``with`` entry and torn down
+    on exit (or by ``create()`` / ``destroy()``).
+
+    Args:
+        n_hosts: how many hosts (1 to 250).
+
+    Example:
+        >>> with SimulatedHosts(2) as hosts:
+        ...     results = hosts.launch([2, 2], [sys.executable, "train.py"])
+    """
+
+    def __init__(self, n_hosts: int) -> None:
+        if not 1 <= n_hosts <= 250:
+            raise ValueError(f"n_hosts must be in 1..250, got {n_hosts}")
+        self.n_hosts = n_hosts
+        tag = f"{_PREFIX}{os.getpid()}"
+        self.namespaces = [f"{tag}h{i}" for i in range(n_hosts)]
+        self.switch = f"{tag}sw"
+        self.hostnames = [f"{_PREFIX}-host{i}" for i in range(n_hosts)]
+        self.addresses = [f"{_SUBNET}.{i + 1}" for i in range(n_hosts)]
+        self._created = False
+
+    def __enter__(self) -> SimulatedHosts:
+        self.create()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    def create(self) -> None:
+        """Makes the namespaces, the bridge, the links and each host's
+        /etc/hosts. Raises RuntimeError naming the command that failed."""
+        reason = unavailable_reason()
+        if reason:
+            raise RuntimeError(reason)
+        _remove_stale()
+        self._created = True
+        try:
+            self._build()
+        except subprocess.CalledProcessError as e:
+            self.destroy()
+            raise RuntimeError(f"simulated hosts: `{' '.join(e.cmd)}` failed: {e.stderr.strip()}") from e
+
+    def _build(self) -> None:
+        _ip("netns", "add", self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        hosts = "127.0.0.1 localhost\n" + "".join(
+            f"{a} {h}\n" for a, h in zip(self.addresses, self.hostnames))
+        for i, ns in enumerate(self.namespaces):
+            _ip("netns", "add", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"port{i}",
+                "netns", self.switch)
+            _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0")
+            _ip("-n", self.switch, "link", "set", f"port{i}", "up")
+            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+            with open(f"/etc/netns/{ns}/hosts", "w") as f:
+                f.write(hosts)
+
+    def destroy(self) -> None:
+        """Deletes the namespaces (their links go with them) and files."""
+        if not self._created:
+            return
+        for ns in [*self.namespaces, self.switch]:
+            _delete_namespace(ns)
+        self._created = False
+
+    def command(self, host: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` run on ``host``: inside its namespace, with its hostname."""
+        return ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "--", "sh", "-c",
+                'hostname "$0" && exec "$@"', self.hostnames[host], *argv]
+
+    def launch(self, layout: Sequence[int], argv: Sequence[str], *,
+               env: Mapping[str, str] | None = None, timeout: float = 300.0) -> list[RankResult]:
+        """Runs ``argv`` as ``sum(layout)`` ranks, ``layout[h]`` of them on
+        host ``h`` (ranks numbered host by host), with torchrun's variables.
+        Waits for every rank; past ``timeout`` seconds kills them all (their
+        returncode is then None). Returns one RankResult a rank."""
+        if len(layout) > self.n_hosts or any(k < 1 for k in layout):
+            raise ValueError(f"layout {list(layout)} needs 1+ ranks on each of at most "
+                             f"{self.n_hosts} hosts")
+        world = sum(layout)
+        procs: list[tuple[int, int, subprocess.Popen, object, object]] = []
+        base = {**os.environ, **(env or {}), "WORLD_SIZE": str(world),
+                "MASTER_ADDR": self.addresses[0], "MASTER_PORT": str(_PORT),
+                "GLOO_SOCKET_IFNAME": (env or {}).get("GLOO_SOCKET_IFNAME", "eth0")}
+        rank = 0
+        for host, local_world in enumerate(layout):
+            for local in range(local_world):
+                out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+                rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local),
+                            "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(host)}
+                p = subprocess.Popen(self.command(host, argv), env=rank_env, stdout=out,
+                                     stderr=err, start_new_session=True)
+                procs.append((rank, host, p, out, err))
+                rank += 1
+        deadline = time.monotonic() + timeout
+        codes: list[int | None] = []
+        for _, _, p, _, _ in procs:
+            try:
+                codes.append(p.wait(max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        results = []
+        for (r, host, p, out, err), code in zip(procs, codes):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            results.append(RankResult(r, host, code, _read(out), _read(err)))
+        return results
+
+
+def _read(f: object) -> str:
+    f.seek(0)  # type: ignore[attr-defined]
+    text = f.read()  # type: ignore[attr-defined]
+    f.close()  # type: ignore[attr-defined]
+    return str(text)
+
+
+def _delete_namespace(ns: str) -> None:
+    # Processes still inside keep a namespace alive; kill them first.
+    pids = _ip("netns", "pids", ns, check=False).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    _ip("netns", "del", ns, check=False)
+    shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+
+
+def _remove_stale() -> None:
+    """Deletes namespaces that a dead process of ours left behind."""
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        m = re.match(rf"{_PREFIX}(\d+)(h\d+|sw|probe)\b", line)
+        if not m:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            _delete_namespace(m.group(0))
+        except PermissionError:
+            pass

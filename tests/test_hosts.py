@@ -1,0 +1,58 @@
+"""Collectives across simulated hosts (network namespaces with their own
+addresses and hostnames: pycomm/bench/simhosts.py), as a cluster user runs
+them: torchrun's variables, MASTER_ADDR on the first host.
+
+Skips, with the reason, where network namespaces are unavailable (not root,
+no iproute2).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pycomm.bench import simhosts
+
+_REASON = simhosts.unavailable_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(layout: list[int], transport: str) -> list[simhosts.RankResult]:
+    env = {"PYTHONPATH": _ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    with simhosts.SimulatedHosts(len(layout)) as hosts:
+        results = hosts.launch(layout, [sys.executable, "-m", "tests._hosts_rank", transport],
+                               env=env, timeout=240)
+    for res in results:
+        assert res.returncode == 0, (f"rank {res.rank} on host {res.host} exited "
+                                     f"{res.returncode}:\n{res.stdout}\n{res.stderr[-4000:]}")
+    return results
+
+
+def _reported(results: list[simhosts.RankResult]) -> list[tuple[str, str]]:
+    """(hostname, transport) each rank printed in its OK line."""
+    lines = [next(ln for ln in r.stdout.splitlines() if ln.startswith("OK ")) for r in results]
+    return [(ln.split()[2], ln.split()[3]) for ln in lines]
+
+
+def test_hosts_are_separate_and_torn_down():
+    with simhosts.SimulatedHosts(2) as hosts:
+        names = hosts.namespaces + [hosts.switch]
+        out = subprocess.run(hosts.command(1, ["sh", "-c", "hostname; getent hosts pycomm-host0"]),
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert out[0] == "pycomm-host1" and out[1] == hosts.addresses[0]
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in listed for n in names)
+    assert not any(os.path.exists(f"/etc/netns/{n}") for n in names)
+
+
+@pytest.mark.parametrize("layout", [[2, 2], [3, 1], [1, 1]], ids=["2x2", "3+1", "2x1"])
+def test_flat_gloo_across_hosts(layout):
+    results = _run(layout, "gloo")
+    assert [h for h, _ in _reported(results)] == [f"pycomm-host{h}" for h, k in enumerate(layout)
+                                                  for _ in range(k)]
+    assert {t for _, t in _reported(results)} == {"gloo"}
