@@ -38,14 +38,16 @@ def check_collectives(comm: pycomm.Communicator) -> None:
         expect = torch.cat([rank_input(q, count, torch.float32, "sum") for q in range(n)])
         assert torch.equal(gathered, expect), f"all_gather {count}"
         for src in range(n):
-            t = rank_input(src, count, torch.float64, "sum") if r == src else torch.zeros(count, dtype=torch.float64)
+            want = rank_input(src, count, torch.float64, "sum")
+            t = want.clone() if r == src else torch.zeros(count, dtype=torch.float64)
             comm.broadcast(t, src=src)
-            assert torch.equal(t, rank_input(src, count, torch.float64, "sum")), f"broadcast {count} from {src}"
+            assert torch.equal(t, want), f"broadcast {count} from {src}"
     # p2p both ways around the ring (crosses hosts at every host boundary)
     right, left = (r + 1) % n, (r - 1) % n
     for count in (1, 1021, 300_007):
         got = torch.empty(count)
-        works = comm.batch_isend_irecv([pycomm.P2POp("isend", rank_input(r, count, torch.float32, "sum"), right),
+        mine = rank_input(r, count, torch.float32, "sum")
+        works = comm.batch_isend_irecv([pycomm.P2POp("isend", mine, right),
                                         pycomm.P2POp("irecv", got, left)])
         for w in works:
             w.wait()
