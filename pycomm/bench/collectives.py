@@ -110,6 +110,12 @@ def _sentinel(t: torch.Tensor) -> None:
 
 # --------------------------------------------------------------- buffers
 
+#: A call's tensors by argument name ("tensor", "input", "output", "send", ...).
+Tensors = dict[str, torch.Tensor]
+#: One synchronous call of a collective.
+Run = Callable[[], None]
+
+
 @dataclass
 class Buffers:
     """The tensors of one (size, placement), shared by every algo.
@@ -119,12 +125,12 @@ class Buffers:
     and the last one's result can be checked. ``tensors`` are the arguments
     of the collective; ``result`` is what gets checked."""
 
-    tensors: dict[str, torch.Tensor]
+    tensors: Tensors
     result: torch.Tensor
     reset: Callable[[], object]  # return value ignored (e.g. Tensor.copy_)
 
 
-def _poisoned(tensors: dict[str, torch.Tensor], result: str) -> Buffers:
+def _poisoned(tensors: Tensors, result: str) -> Buffers:
     """Out-of-place buffers: reset() only poisons ``tensors[result]`` (the
     input is never written)."""
     out = tensors[result]
@@ -226,12 +232,11 @@ class Collective:
         """Allocates and fills this rank's buffers of one call."""
         raise NotImplementedError
 
-    def pycomm_runner(self, comm: Any, t: dict[str, torch.Tensor], c: Call,
-                      algo: str) -> Callable[[], None]:
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
         """One synchronous call through the pycomm communicator."""
         raise NotImplementedError
 
-    def torch_runner(self, t: dict[str, torch.Tensor], c: Call) -> Callable[[], None]:
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
         """One synchronous call through torch.distributed's default group."""
         raise NotImplementedError
 
@@ -253,7 +258,15 @@ class _Chunked(Collective):
         return per_rank, per_rank * world_size * elem_size
 
 
-class AllReduce(Collective):
+class _InPlace(Collective):
+    """All-reduce and broadcast: one tensor, input and result (pycomm's op
+    exists in place only)."""
+
+    def buffers(self, c: Call, count: int, in_place: bool) -> Buffers:
+        return _in_place(self._values(c, count))
+
+
+class AllReduce(_InPlace):
     name = "allreduce"
     title = "AllReduce"
     reduces = True
@@ -264,14 +277,11 @@ class AllReduce(Collective):
     def expected(self, c: Call, count: int) -> torch.Tensor:
         return c.exact(c.op, [self.inputs(c, count, r) for r in range(c.world_size)])
 
-    def buffers(self, c: Call, count: int, in_place: bool) -> Buffers:
-        return _in_place(self._values(c, count))
 
-    def pycomm_runner(self, comm: Any, t: dict[str, torch.Tensor], c: Call,
-                      algo: str) -> Callable[[], None]:
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
         return lambda: comm.all_reduce(t["tensor"], op=c.op, algo=algo)
 
-    def torch_runner(self, t: dict[str, torch.Tensor], c: Call) -> Callable[[], None]:
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
         op = c.torch_op()
         return lambda: dist.all_reduce(t["tensor"], op=op)
 
@@ -296,11 +306,10 @@ class ReduceScatter(_Chunked):
         out = torch.empty(count, dtype=c.dtype, device=c.device)
         return _poisoned({"output": out, "input": pristine}, "output")
 
-    def pycomm_runner(self, comm: Any, t: dict[str, torch.Tensor], c: Call,
-                      algo: str) -> Callable[[], None]:
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
         return lambda: comm.reduce_scatter(t["output"], t["input"], op=c.op, algo=algo)
 
-    def torch_runner(self, t: dict[str, torch.Tensor], c: Call) -> Callable[[], None]:
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
         rs = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
         op = c.torch_op()
         return lambda: rs(t["output"], t["input"], op=op)
@@ -328,16 +337,15 @@ class AllGather(_Chunked):
 
         return Buffers({"output": out, "input": inp}, out, reset)
 
-    def pycomm_runner(self, comm: Any, t: dict[str, torch.Tensor], c: Call,
-                      algo: str) -> Callable[[], None]:
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
         return lambda: comm.all_gather(t["output"], t["input"], algo=algo)
 
-    def torch_runner(self, t: dict[str, torch.Tensor], c: Call) -> Callable[[], None]:
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
         ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
         return lambda: ag(t["output"], t["input"])
 
 
-class Broadcast(Collective):
+class Broadcast(_InPlace):
     name = "broadcast"
     title = "Broadcast"
     rooted = True
@@ -348,14 +356,11 @@ class Broadcast(Collective):
     def expected(self, c: Call, count: int) -> torch.Tensor:
         return self.inputs(c, count, c.root)
 
-    def buffers(self, c: Call, count: int, in_place: bool) -> Buffers:
-        return _in_place(self._values(c, count))
 
-    def pycomm_runner(self, comm: Any, t: dict[str, torch.Tensor], c: Call,
-                      algo: str) -> Callable[[], None]:
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
         return lambda: comm.broadcast(t["tensor"], src=c.root, algo=algo)
 
-    def torch_runner(self, t: dict[str, torch.Tensor], c: Call) -> Callable[[], None]:
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
         return lambda: dist.broadcast(t["tensor"], src=c.root)
 
 
@@ -379,14 +384,13 @@ class SendRecv(Collective):
         send = self._values(c, count)
         return _poisoned({"send": send, "recv": torch.empty_like(send)}, "recv")
 
-    def pycomm_runner(self, comm: Any, t: dict[str, torch.Tensor], c: Call,
-                      algo: str) -> Callable[[], None]:
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
         if algo not in ("ring", "auto"):
             raise ValueError(f"sendrecv has no algo {algo!r} in pycomm (point to point)")
         ops = [P2POp("isend", t["send"], c.next_rank), P2POp("irecv", t["recv"], c.prev_rank)]
         return lambda: comm.batch_isend_irecv(ops)[0].wait()
 
-    def torch_runner(self, t: dict[str, torch.Tensor], c: Call) -> Callable[[], None]:
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
         def torch_sendrecv() -> None:
             reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t["send"], c.next_rank),
                                            dist.P2POp(dist.irecv, t["recv"], c.prev_rank)])

@@ -142,18 +142,6 @@ class _Session:
     out: TextIO
 
     @property
-    def rank(self) -> int:
-        return self.call.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.call.world_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.call.device
-
-    @property
     def root(self) -> int:
         """The root as printed: -1 for a collective without one."""
         return self.call.root if self.coll.rooted else -1
@@ -217,7 +205,7 @@ def _probe_algos(s: _Session) -> tuple[list[str], dict[str, str]]:
             probe = s.coll.buffers(s.call, 1, s.coll.placements[0])
             probe.reset()
             s.runner(algo, probe)()
-            _sync(s.device)
+            _sync(s.call.device)
         except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
             err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         failed = s.agree([1.0 if err else 0.0], "MAX")[0]
@@ -233,7 +221,7 @@ def _probe_algos(s: _Session) -> tuple[list[str], dict[str, str]]:
 def _memcpy_reference(s: _Session) -> tuple[float, int]:
     """(memcpy bandwidth of rank 0 in GB/s, bytes copied); the others wait."""
     memcpy_bytes = min(max(max(s.args.sizes), 16 << 20), 256 << 20)
-    memcpy = measure_memcpy(s.device, memcpy_bytes) if s.rank == 0 else 0.0
+    memcpy = measure_memcpy(s.call.device, memcpy_bytes) if s.call.rank == 0 else 0.0
     memcpy = s.agree([memcpy], "MAX")[0]
     s.barrier()
     return memcpy, memcpy_bytes
@@ -243,8 +231,8 @@ def _print_header(s: _Session, groups: list[tuple[str, bool]], skipped: dict[str
                   memcpy: float, memcpy_bytes: int) -> None:
     """Rank 0: the ``#`` lines that say what was run, then the table header."""
     a, out, coll = s.args, s.out, s.coll
-    print(f"# pycomm.bench {coll.name} ({coll.title}): world_size {s.world_size}, device "
-          f"{s.device}, dtype {a.dtype}, op {s.op}, iters {a.iters}, warmup {a.warmup_iters}, "
+    print(f"# pycomm.bench {coll.name} ({coll.title}): world_size {s.call.world_size}, device "
+          f"{s.call.device}, dtype {a.dtype}, op {s.op}, iters {a.iters}, warmup {a.warmup_iters}, "
           f"rounds {a.rounds}, check {a.check}", file=out)
     print(f"# transports: pycomm {s.pycomm_transport}, torch {s.torch_backend}; host "
           f"{socket.gethostname()}, torch {torch.__version__}", file=out)
@@ -270,7 +258,7 @@ def _timed_rounds(s: _Session, runs: dict[str, Callable[[], None]],
         per = a.iters // rounds + (1 if k < a.iters % rounds else 0)
         warmup = a.warmup_iters if k == 0 else min(1, a.warmup_iters)
         for algo, run in runs.items():
-            times[algo] += _time_loop(run, bufs, per, warmup, s.device, s.barrier)
+            times[algo] += _time_loop(run, bufs, per, warmup, s.call.device, s.barrier)
     return times
 
 
@@ -284,23 +272,23 @@ def _row(s: _Session, algo: str, in_place: bool, count: int, size: int, times: l
         "collective": s.coll.name, "size": size, "count": count, "dtype": s.args.dtype,
         "op": s.op, "root": s.root, "algo": algo, "in_place": in_place,
         "time_us": t_med * 1e6, "algbw": algbw,
-        "busbw": algbw * C.busbw_factor(s.coll.name, s.world_size),
+        "busbw": algbw * s.coll.bus_factor(s.call.world_size),
         "wrong": int(total_wrong) if s.args.check else None,
-        "world_size": s.world_size, "transport": s.transport_of(algo), "device": s.device.type,
+        "world_size": s.call.world_size, "transport": s.transport_of(algo), "device": s.call.device.type,
     }
 
 
 def _measure_size(s: _Session, nbytes: int, active: list[str], bar: Progress) -> list[dict[str, Any]]:
     """The rows of one size: every placement, every algo (check, then time)."""
     es = torch.empty((), dtype=s.call.dtype).element_size()
-    count, size = s.coll.counts(nbytes, es, s.world_size)
+    count, size = s.coll.counts(nbytes, es, s.call.world_size)
     expected = s.coll.expected(s.call, count) if s.args.check else None
     line: list[dict[str, Any]] = []
     for in_place in s.coll.placements:
         bar.draw(f"{format_size(size)} {'in-place' if in_place else 'out-of-place'}")
         bufs = s.coll.buffers(s.call, count, in_place)
         runs = {algo: s.runner(algo, bufs) for algo in active}
-        wrongs = {algo: (_check_once(runs[algo], bufs, expected, s.device, s.barrier)
+        wrongs = {algo: (_check_once(runs[algo], bufs, expected, s.call.device, s.barrier)
                          if expected is not None else 0) for algo in active}
         times = _timed_rounds(s, runs, bufs)
         for algo in active:
@@ -315,12 +303,12 @@ def _sweep(s: _Session, active: list[str], groups: list[tuple[str, bool]]) -> li
     a = s.args
     want_bar = a.progress == "on" or (a.progress == "auto" and sys.stderr.isatty())
     bar = Progress(total=sum(max(b, 1) for b in a.sizes) * len(groups),
-                   enabled=s.rank == 0 and want_bar)
+                   enabled=s.call.rank == 0 and want_bar)
     rows: list[dict[str, Any]] = []
     for nbytes in a.sizes:
         line = _measure_size(s, nbytes, active, bar)
         rows += line
-        if s.rank == 0:
+        if s.call.rank == 0:
             bar.clear()
             print(format_row(line), file=s.out, flush=True)
     bar.clear()
@@ -332,7 +320,7 @@ def _meta(s: _Session, active: list[str], skipped: dict[str, str], memcpy: float
     """The JSON file's description of the run."""
     a = s.args
     return {
-        "collective": s.coll.name, "world_size": s.world_size, "device": s.device.type,
+        "collective": s.coll.name, "world_size": s.call.world_size, "device": s.call.device.type,
         "dtype": a.dtype, "op": s.op, "root": s.root, "iters": a.iters, "warmup": a.warmup_iters,
         "rounds": a.rounds,
         "check": a.check, "algos": active, "skipped": skipped,
@@ -373,10 +361,10 @@ def run_benchmark(args: Any) -> int:
     active, skipped = _probe_algos(s)
     memcpy, memcpy_bytes = _memcpy_reference(s)
     groups = [(algo, ip) for ip in s.coll.placements for algo in active]
-    if s.rank == 0:
+    if s.call.rank == 0:
         _print_header(s, groups, skipped, memcpy, memcpy_bytes)
     rows = _sweep(s, active, groups)
-    if s.rank == 0:
+    if s.call.rank == 0:
         _report(s, rows, _meta(s, active, skipped, memcpy, memcpy_bytes))
     s.barrier()
     if s.comm is not None:
