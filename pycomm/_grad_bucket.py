@@ -1,4 +1,8 @@
-"""What a communication hook receives: torch's ``GradBucket`` interface."""
+"""What a communication hook receives: torch's ``GradBucket`` interface.
+
+pycomm's DDP (:mod:`pycomm.parallel`) hands these to hooks, and
+:mod:`pycomm.hooks` recognises them beside torch's; both import it from here
+(public as ``pycomm.parallel.GradBucket``)."""
 
 from __future__ import annotations
 

@@ -43,10 +43,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from .._grad_bucket import GradBucket
 from ..comm import Communicator, ReduceOp, Work, get_default
 from ._sync import broadcast_coalesced, check_same_parameters
 from .buckets import bucket_size_limits, compute_bucket_assignment_by_size
-from .grad_bucket import GradBucket
 from .stats import BucketStats, DDPStats, IterationStats, comm_overlap
 
 __all__ = ["DistributedDataParallel"]
