@@ -167,22 +167,27 @@ class Communicator:
     # -- properties ------------------------------------------------------
     @property
     def rank(self) -> int:
+        """This process's rank in the communicator (0 .. world_size - 1)."""
         return self._impl.rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks."""
         return self._impl.world_size
 
     @property
     def device(self) -> torch.device:
+        """Where its tensors live: ``cpu``, or the CUDA device of an nccl communicator."""
         return torch.device(self._impl.device)
 
     @property
     def transport(self) -> str:
+        """``"shm"``, ``"gloo"`` or ``"nccl"`` (what ``"auto"`` resolved to)."""
         return self._impl.transport
 
     @property
     def closed(self) -> bool:
+        """True after :meth:`close`."""
         return self._impl.closed
 
     @property
@@ -235,8 +240,7 @@ class Communicator:
                 step). The owner of each chunk rounds its final value to the
                 wire dtype too, so every rank ends with the same bits:
                 ``wire(op over ranks)``. Ring only: ``algo="auto"`` takes the
-                ring, ``"direct"`` and ``"nccl"`` are refused. (The CUDA
-                kernels for it are compile-checked but have not run on a GPU.)
+                ring, ``"direct"`` and ``"nccl"`` are refused.
             register: on ``shm``, offer to move ``tensor``'s storage into
                 symmetric memory during this op (as :meth:`register_tensor`
                 does), for a buffer that is reduced again and again (a

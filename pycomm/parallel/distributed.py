@@ -173,9 +173,9 @@ class DistributedDataParallel(nn.Module):
     after the first). Not supported: ``device_ids``/``output_device``,
     sparse gradients, mixed precision, ``bucket_cap_mb`` lists.
 
-    On GPU (transport ``nccl``; written for it, never run on a GPU yet): the
-    copies into buckets, the all-reduces (ordered after the current stream)
-    and the write-back are enqueued on streams with no host wait per bucket;
+    On GPU (transport ``nccl``): the copies into buckets, the all-reduces
+    (ordered after the current stream) and the write-back are enqueued on
+    streams with no host wait per bucket;
     the end of backward reads the used flags on the host once per iteration
     (not with ``static_graph=True`` after the first), and comm hooks'
     futures are CUDA-aware (completed at the enqueue, read on the stream),
