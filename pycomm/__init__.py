@@ -23,39 +23,32 @@ import torch
 
 from . import (
     backend,
+    comm,
     hooks,  # DDP communication hooks (pycomm.hooks.allreduce_hook, ...)
 )
-from .comm import (
-    CommError,
-    Communicator,
-    P2POp,
-    ReduceOp,
-    Work,
-    get_default,
-    init,
-    is_initialized,
-)
+
+# Re-exported (``X as X``): pycomm.comm.__all__ lists them in __all__ below.
+from .comm import CommError as CommError
+from .comm import Communicator as Communicator
+from .comm import P2POp as P2POp
+from .comm import ReduceOp as ReduceOp
+from .comm import Work as Work
+from .comm import get_default as get_default
+from .comm import init as init
+from .comm import is_initialized as is_initialized
 
 # torch.distributed.init_process_group(backend="pycomm") works after `import pycomm`.
 backend.register()
 
-__all__ = [
-    "CommError",
-    "Communicator",
-    "P2POp",
-    "ReduceOp",
-    "Work",
+__all__ = comm.__all__ + [
     "all_gather",
     "all_reduce",
     "barrier",
     "batch_isend_irecv",
     "broadcast",
     "close",
-    "get_default",
     "hooks",
-    "init",
     "irecv",
-    "is_initialized",
     "isend",
     "new_group",
     "recv",

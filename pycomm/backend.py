@@ -53,7 +53,6 @@ Options (:class:`Options`, passed as ``pg_options=``, or the environment):
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -62,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from ._ext import _C
+from ._setup import ENV
 from .comm import Communicator, init
 
 __all__ = ["BACKEND_NAME", "Options", "get_communicator", "register"]
@@ -129,9 +129,9 @@ class Options:
         Raises:
             ValueError: an unknown transport, algo or cuda_algo.
         """
-        transport = self.transport or os.environ.get("PYCOMM_BACKEND_TRANSPORT", "auto")
-        algo = self.algo or os.environ.get("PYCOMM_BACKEND_ALGO", "auto")
-        cuda_algo = self.cuda_algo or os.environ.get("PYCOMM_BACKEND_CUDA_ALGO", "auto")
+        transport = self.transport or ENV.text("PYCOMM_BACKEND_TRANSPORT", "auto")
+        algo = self.algo or ENV.text("PYCOMM_BACKEND_ALGO", "auto")
+        cuda_algo = self.cuda_algo or ENV.text("PYCOMM_BACKEND_CUDA_ALGO", "auto")
         if transport not in _TRANSPORTS:
             raise ValueError(
                 f"pycomm backend: transport={transport!r} is not one of {_TRANSPORTS} (the "
@@ -143,8 +143,7 @@ class Options:
                 f"pycomm backend: cuda_algo={cuda_algo!r} is not one of {_CUDA_ALGOS}")
         symmetric = self.symmetric
         if symmetric is None:
-            symmetric = os.environ.get("PYCOMM_BACKEND_SYMMETRIC", "0").strip().lower() not in (
-                "", "0", "false", "no")
+            symmetric = ENV.flag("PYCOMM_BACKEND_SYMMETRIC")
         return replace(self, transport=transport, algo=algo, cuda_algo=cuda_algo,
                        symmetric=symmetric)
 

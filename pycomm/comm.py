@@ -1,19 +1,16 @@
 """The communicator: pycomm's torch.distributed-style API over the C++ core.
 
-Python here only orchestrates: it rendezvouses through a c10d Store, picks a
-transport, and forwards each call to pycomm._C.Comm, which validates tensors
-and runs the C++ algorithms (csrc/core).
+Python here only orchestrates: :func:`init` rendezvouses through a c10d
+Store and picks a transport (the steps live in pycomm._setup), and each call
+is forwarded to pycomm._C.Comm, which validates tensors and runs the C++
+algorithms (csrc/core).
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-import numbers
 import os
-import socket
-import threading
-import uuid
 import warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -22,7 +19,16 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, Union, overl
 import torch
 import torch.distributed as dist
 
+from . import _setup
 from ._ext import _C
+from ._setup import (  # noqa: F401 - the defaults stay importable from pycomm.comm
+    DEFAULT_AUTO_TABLE,
+    DEFAULT_CUDA_SLICE_BYTES,
+    DEFAULT_GLOO_SLICE_BYTES,
+    DEFAULT_SLICE_BYTES,
+    DEFAULT_TIMEOUT,
+    Settings,
+)
 
 __all__ = [
     "CommError",
@@ -48,30 +54,6 @@ if TYPE_CHECKING:  # the compiled class, opaque to type checkers
     Work = Any
 else:
     Work = _C.Work
-
-DEFAULT_TIMEOUT = timedelta(minutes=5)
-DEFAULT_SLICE_BYTES = 512 * 1024
-# gloo pays ~1 ms of latency per message on loopback, so its ring slices must
-# be large (64 MiB all-reduce, 2 ranks: 128 KiB slices 811 ms, 512 KiB 191 ms,
-# 4 MiB 65 ms, torch's own gloo all-reduce 68 ms).
-DEFAULT_GLOO_SLICE_BYTES = 4 * 1024 * 1024
-#: GPU default: each slice costs one ncclGroupStart/End (a kernel launch and a
-#: few microseconds of host time), so slices are larger than on CPU.
-DEFAULT_CUDA_SLICE_BYTES = 4 * 1024 * 1024
-
-#: algo="auto" on GPU: per op, the first rule whose max_bytes (None = no limit)
-#: is >= the message size picks the algorithm. The default crossover, 1 MiB, is
-#: an estimate until measured on the H100 (scripts/gpu_check.sh writes a
-#: measured table to OUTDIR/auto_table.json): below it a collective is
-#: latency-bound and NCCL's single fused kernel wins over our 2(n-1) grouped
-#: launches; above it the ring is bandwidth-bound and is meant to match NCCL.
-#: Override with PYCOMM_AUTO_TABLE=path.json ({"all_reduce": [[bytes|null, algo], ...]}).
-DEFAULT_AUTO_TABLE: dict[str, list[tuple[int | None, str]]] = {
-    "all_reduce": [(1 << 20, "nccl"), (None, "ring")],
-    "reduce_scatter": [(1 << 20, "nccl"), (None, "ring")],
-    "all_gather": [(1 << 20, "nccl"), (None, "ring")],
-    "broadcast": [(1 << 20, "nccl"), (None, "ring")],
-}
 
 
 class ReduceOp(enum.IntEnum):
@@ -157,17 +139,6 @@ class P2POp:
         raise ValueError(f"P2POp.op must be 'isend' or 'irecv', got {self.op!r}")
 
 
-@dataclass(frozen=True)
-class _Settings:
-    """How a communicator was built; its groups are built the same way."""
-
-    transport: str  # resolved: "shm", "gloo" or "nccl"
-    device: torch.device
-    timeout: timedelta
-    slice_bytes: int
-    check: bool
-
-
 class Communicator:
     """A group of ranks and the transport between them.
 
@@ -179,7 +150,7 @@ class Communicator:
     context manager (closes).
     """
 
-    def __init__(self, impl: Any, *, store: Any, settings: _Settings,
+    def __init__(self, impl: Any, *, store: Any, settings: Settings,
                  keepalive: Sequence[Any] = ()) -> None:
         self._impl = impl
         # This communicator's own prefixed store: groups rendezvous under it.
@@ -196,22 +167,27 @@ class Communicator:
     # -- properties ------------------------------------------------------
     @property
     def rank(self) -> int:
+        """This process's rank in the communicator (0 .. world_size - 1)."""
         return self._impl.rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks."""
         return self._impl.world_size
 
     @property
     def device(self) -> torch.device:
+        """Where its tensors live: ``cpu``, or the CUDA device of an nccl communicator."""
         return torch.device(self._impl.device)
 
     @property
     def transport(self) -> str:
+        """``"shm"``, ``"gloo"`` or ``"nccl"`` (what ``"auto"`` resolved to)."""
         return self._impl.transport
 
     @property
     def closed(self) -> bool:
+        """True after :meth:`close`."""
         return self._impl.closed
 
     @property
@@ -264,8 +240,7 @@ class Communicator:
                 step). The owner of each chunk rounds its final value to the
                 wire dtype too, so every rank ends with the same bits:
                 ``wire(op over ranks)``. Ring only: ``algo="auto"`` takes the
-                ring, ``"direct"`` and ``"nccl"`` are refused. (The CUDA
-                kernels for it are compile-checked but have not run on a GPU.)
+                ring, ``"direct"`` and ``"nccl"`` are refused.
             register: on ``shm``, offer to move ``tensor``'s storage into
                 symmetric memory during this op (as :meth:`register_tensor`
                 does), for a buffer that is reduced again and again (a
@@ -459,7 +434,7 @@ class Communicator:
             >>> pair.all_reduce(t)                # sums over the pair only
         """
         self._check_usable("new_group")
-        return self._create_group(_group_members(ranks, self.world_size), timeout)
+        return self._create_group(_setup.group_members(ranks, self.world_size), timeout)
 
     def split(
         self, color: int | None, key: int | None = None, *,
@@ -495,8 +470,8 @@ class Communicator:
             >>> col = comm.split(comm.rank % 2, key=-comm.rank)  # {3,1}, {2,0}
         """
         self._check_usable("split")
-        color = -1 if color is None else _as_int64(color, "color")
-        key = self.rank if key is None else _as_int64(key, "key")
+        color = -1 if color is None else _setup.as_int64(color, "color")
+        key = self.rank if key is None else _setup.as_int64(key, "key")
         if self.transport == "nccl":
             return self._nccl_split(color, key, timeout)
         # Every rank learns every (color, key) through this communicator.
@@ -526,11 +501,11 @@ class Communicator:
         store = dist.PrefixStore(f"nccl-split/{self._nccl_splits}/{color}", self._store)
         return Communicator(impl, store=store, settings=settings)
 
-    def _group_settings(self, timeout: timedelta | float | None) -> "_Settings":
+    def _group_settings(self, timeout: timedelta | float | None) -> Settings:
         """A sub-communicator's settings: this one's, with ``timeout`` if given."""
         if timeout is None:
             return self._settings
-        return replace(self._settings, timeout=_timeout_from(timeout))
+        return replace(self._settings, timeout=_setup.timeout_from(timeout))
 
     def _check_usable(self, op: str) -> None:
         if self.closed:
@@ -550,11 +525,9 @@ class Communicator:
         self._group_counts[members] = count
         ident = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:16]
         store = dist.PrefixStore(f"group/{ident}/{count}", self._store)
-        settings = self._group_settings(timeout)
+        settings = replace(self._group_settings(timeout), require_check=self._settings.check)
         try:
-            return _build(store, members.index(self.rank), len(members), settings.transport,
-                          settings.device, settings.timeout, settings.slice_bytes, settings.check,
-                          explicit_check=settings.check)
+            return _build(store, members.index(self.rank), len(members), settings)
         except (CommError, dist.DistError) as e:  # setup failed, or a member never came
             raise CommError(f"creating the group of ranks {list(members)} (group rank i is "
                             f"ranks[i]) on rank {self.rank}: {e}") from e
@@ -570,7 +543,6 @@ class Communicator:
                 nobody waited for); everything is released all the same. Not
                 after :meth:`abort`, nor once a call raised the failure.
         """
-        global _default
         try:
             self._impl.close()
         finally:
@@ -579,11 +551,9 @@ class Communicator:
                 # process group) own the parent's threads and sockets;
                 # destroying them here could hang. Keep them alive until this
                 # process exits.
-                _forked_leaks.extend(self._keepalive)
+                _setup.forked_leaks.extend(self._keepalive)
             self._keepalive.clear()
-            with _lock:
-                if _default is self:
-                    _default = None
+            _setup.default.forget(self)
 
     def abort(self, reason: str = "aborted by the user") -> None:
         """Fails pending and future operations of this communicator at once."""
@@ -602,14 +572,6 @@ class Communicator:
             # close() reports is the same one, or a consequence of it.
 
 
-# ------------------------------------------------------------------ init
-
-_lock = threading.Lock()
-_default: Communicator | None = None
-_init_count = 0
-_forked_leaks: list[Any] = []
-
-
 def _need_tensors(op: str, **args: Any) -> None:
     """TypeError naming the argument when one is not a torch.Tensor (a list
     or a numpy array would otherwise get pybind's signature dump)."""
@@ -619,313 +581,7 @@ def _need_tensors(op: str, **args: Any) -> None:
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}{hint}")
 
 
-def _check_from(check: bool | None) -> bool:
-    if check is None:
-        return os.environ.get("PYCOMM_CHECK", "0").strip().lower() not in ("", "0", "false", "no")
-    return bool(check)
-
-
-def _env_number(name: str, kind: type, what: str, value: Any = None) -> Any:
-    """Environment variable ``name`` (or ``value`` when given) as an int or a
-    float; a ValueError that names the variable when it is not one."""
-    raw = os.environ.get(name) if value is None else value
-    try:
-        return kind(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"environment variable {name}={raw!r} is not {what}") from None
-
-
-def _check_cpu_simd() -> None:
-    """PYCOMM_CPU_SIMD selects the CPU reduction kernels (csrc/core/reduce.cc):
-    unset or "auto" (AVX2/F16C where the CPU has them) or "scalar" (the
-    portable loops; results are bitwise the same). The kernels read it at their
-    first use and raise on another value; init checks it first, so that a typo
-    fails here rather than inside a collective."""
-    value = os.environ.get("PYCOMM_CPU_SIMD", "")
-    if value not in ("", "auto", "scalar"):
-        raise ValueError(f"environment variable PYCOMM_CPU_SIMD={value!r} is not 'auto' or 'scalar'")
-
-
-def _timeout_from(timeout: timedelta | float | None) -> timedelta:
-    if timeout is None:
-        if not os.environ.get("PYCOMM_TIMEOUT"):
-            return DEFAULT_TIMEOUT
-        seconds = _env_number("PYCOMM_TIMEOUT", float, "a number of seconds")
-        if not seconds > 0:
-            raise ValueError(f"environment variable PYCOMM_TIMEOUT={seconds!r} must be positive")
-        return timedelta(seconds=seconds)
-    if isinstance(timeout, (int, float)):
-        timeout = timedelta(seconds=float(timeout))
-    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
-    return timeout
-
-
-def _rendezvous(
-    rank: int | None, world_size: int | None, store: Any, group: Any, timeout: timedelta
-) -> tuple[Any, int, int, str]:
-    """Returns (store, rank, world_size, key prefix)."""
-    global _init_count
-    _init_count += 1
-    if group is not None:
-        if not dist.is_initialized():
-            raise ValueError("init(group=...) needs torch.distributed.init_process_group first")
-        r, n = dist.get_rank(group), dist.get_world_size(group)
-        if rank is not None and rank != r:
-            raise ValueError(f"rank={rank} disagrees with the group's rank {r}")
-        base = dist.distributed_c10d._get_default_store()
-        name = dist.distributed_c10d._get_process_group_name(group) if group != dist.group.WORLD else "world"
-        return base, r, n, f"pycomm/{name}/{_init_count}"
-    if store is not None:
-        if rank is None or world_size is None:
-            raise ValueError("init(store=...) also needs rank= and world_size=")
-        return store, rank, world_size, f"pycomm/{_init_count}"
-    if rank is None and world_size is None and dist.is_initialized():
-        return _rendezvous(None, None, None, dist.group.WORLD, timeout)
-    env_rank = rank if rank is not None else os.environ.get("RANK")
-    env_world = world_size if world_size is not None else os.environ.get("WORLD_SIZE")
-    if env_rank is None or env_world is None or "MASTER_ADDR" not in os.environ:
-        raise ValueError(
-            "pycomm.init() needs a rendezvous: run under torchrun (RANK, WORLD_SIZE, "
-            "MASTER_ADDR, MASTER_PORT), or pass rank=, world_size= and store=, or group="
-        )
-    r = _env_number("RANK", int, "an integer rank", env_rank)
-    n = _env_number("WORLD_SIZE", int, "an integer world size", env_world)
-    _validate_world(r, n)  # before the rendezvous, which would wait for the missing rank
-    st, r, n = next(dist.rendezvous("env://", r, n, timeout=timeout))
-    return st, r, n, f"pycomm/{_init_count}"
-
-
-def _wait_for(store: Any, keys: dict[int, str], what: str) -> None:
-    """Waits for the store keys of the ranks in ``keys`` (rank -> key) under
-    the store's own timeout (ranks may reach a rendezvous far apart; the
-    communicator's timeout bounds its operations, not its creation). A
-    timeout is a CommError naming the ranks still missing."""
-    try:
-        store.wait(list(keys.values()))
-    except dist.DistStoreError as e:
-        missing = [q for q, k in keys.items() if not store.check([k])]
-        raise CommError(
-            f"{what}: ranks {missing} did not arrive within the store's timeout "
-            f"({store.timeout.total_seconds():g} s); every rank of a new communicator must "
-            "create it (init(), or new_group/split on every member)") from e
-
-
-def _same_host(store: Any, prefix: str, rank: int, world_size: int) -> bool:
-    """True when every rank runs on this host (hostname + boot id match)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    me = f"{socket.gethostname()}|{boot}"
-    store.set(f"{prefix}/host/{rank}", me)
-    keys = {r: f"{prefix}/host/{r}" for r in range(world_size)}
-    _wait_for(store, keys, "choosing the transport")
-    return all(store.get(k).decode() == me for k in keys.values())
-
-
-_shm_count = 0
-
-
-def _init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes: int,
-              fallback_ok: bool) -> Any:
-    """Creates the shm communicator: rank 0 creates the segment (O_EXCL, 0600)
-    and publishes its name; the others attach; once every rank has reported
-    (store barrier) the name is unlinked, so nothing outlives the processes.
-
-    Returns None (on every rank alike) when some rank could not set up shared
-    memory and ``fallback_ok``; raises CommError otherwise.
-    """
-    global _shm_count
-    _shm_count += 1
-    key = "shm"  # ``st`` is this communicator's own prefixed store
-    # Rank 0 publishes the name before it creates the segment, so that if it
-    # dies or is interrupted before every rank has mapped it (the last one to
-    # do so unlinks it, shm_transport.h), the survivors can remove it: every
-    # rank unlinks the name when init fails here, whatever the reason.
-    if rank == 0:
-        # Unique per job (rank 0's pid + random) and per communicator.
-        st.set(f"{key}/intent", f"/pycomm-{os.getpid()}-{_shm_count}-{uuid.uuid4().hex[:12]}")
-    _wait_for(st, {0: f"{key}/intent"}, "shm setup")
-    intent = st.get(f"{key}/intent").decode()
-    try:
-        impl, errors = _map_shm(st, key, intent, rank, world_size, timeout_ms, slice_bytes)
-    except BaseException:
-        _C.shm_unlink(intent)  # ENOENT is fine
-        raise
-    _C.shm_unlink(intent)
-    if errors:
-        if impl is not None:
-            impl.close()
-        reason = "could not set up the shm transport: " + "; ".join(e[1:] for e in errors)
-        if fallback_ok:
-            _warn_fallback_once(reason)
-            return None
-        raise CommError(reason)
-    return impl
-
-
-_fallback_warned = False
-
-
-def _warn_fallback_once(reason: str) -> None:
-    """transport="auto" falls back from shm to gloo (much slower): say why,
-    once per process."""
-    global _fallback_warned
-    if not _fallback_warned:
-        _fallback_warned = True
-        warnings.warn(f"pycomm: transport='auto' uses gloo instead of shm ({reason}); pass "
-                      "transport='shm' to make this an error", RuntimeWarning, stacklevel=4)
-
-
-def _map_shm(st: Any, key: str, name: str, rank: int, world_size: int, timeout_ms: int,
-             slice_bytes: int) -> tuple[Any, list[str]]:
-    """_init_shm's steps: rank 0 creates segment ``name``, the others map it,
-    then a store barrier. Returns (this rank's communicator or None, every
-    rank's error)."""
-    impl, err = None, ""
-    if rank == 0:
-        try:
-            impl = _C.make_shm_comm(name, rank, world_size, True, timeout_ms, slice_bytes)
-            st.set(f"{key}/name", name)
-        except Exception as e:  # noqa: BLE001 - reported to every rank below
-            err = f"rank 0: {e}"
-            st.set(f"{key}/name", "!" + err)
-    else:
-        _wait_for(st, {0: f"{key}/name"}, "shm setup")
-        published = st.get(f"{key}/name").decode()
-        if published.startswith("!"):
-            err = published[1:]
-        else:
-            try:
-                impl = _C.make_shm_comm(name, rank, world_size, False, timeout_ms, slice_bytes)
-            except Exception as e:  # noqa: BLE001
-                err = f"rank {rank}: {e}"
-    # Barrier: every rank has mapped the segment (or failed to).
-    st.set(f"{key}/mapped/{rank}", "!" + err if err else "ok")
-    keys = {r: f"{key}/mapped/{r}" for r in range(world_size)}
-    try:
-        _wait_for(st, keys, "shm setup")
-    except BaseException:
-        if impl is not None:
-            impl.close()
-        raise
-    return impl, [v for v in (st.get(k).decode() for k in keys.values()) if v != "ok"]
-
-
-def _auto_table() -> dict[str, list[tuple[int, str]]]:
-    """The algo="auto" table for the C++ side (max_bytes -1 = no limit)."""
-    table: dict[str, Any] = dict(DEFAULT_AUTO_TABLE)
-    path = os.environ.get("PYCOMM_AUTO_TABLE")
-    if path:
-        import json
-
-        with open(path) as f:
-            loaded = json.load(f)
-        for op, rules in loaded.items():
-            if op in table:
-                table[op] = [(b, str(a)) for b, a in rules]
-    out: dict[str, list[tuple[int, str]]] = {}
-    for op, rules in table.items():
-        for _, a in rules:
-            if a not in ("ring", "nccl"):
-                raise ValueError(f"auto table: algo for {op} must be 'ring' or 'nccl', got {a!r}")
-        out[op] = [(-1 if b is None else int(b), a) for b, a in rules]
-    return out
-
-
-def _choose_cuda_index(requested: int | None, local_rank: str | None, device_count: int,
-                       current_device: Callable[[], int]) -> int:
-    """The CUDA device index of an nccl communicator, without touching CUDA.
-
-    ``requested`` (the index of an explicit ``device=``) always wins; else
-    ``LOCAL_RANK`` (``local_rank``: its value, None or "" when unset), as
-    torchrun sets it; else ``current_device()`` (the caller's
-    ``torch.cuda.set_device`` choice, or 0). Raises ValueError for a
-    LOCAL_RANK that is not an integer and for an index outside
-    ``range(device_count)``.
-    """
-    if requested is not None:
-        index, what = requested, f"device=cuda:{requested}"
-    elif local_rank is not None and local_rank.strip():
-        try:
-            index = int(local_rank)
-        except ValueError:
-            raise ValueError(f"environment variable LOCAL_RANK={local_rank!r} is not an integer"
-                             ) from None
-        what = f"LOCAL_RANK={index} (default device cuda:LOCAL_RANK)"
-    else:
-        index = current_device()
-        what = f"torch.cuda.current_device()={index}"
-    if not 0 <= index < device_count:
-        raise ValueError(f"{what}: there is no cuda:{index} ({device_count} CUDA device(s) "
-                         "visible); pass device='cuda:N' to init, or check CUDA_VISIBLE_DEVICES")
-    return index
-
-
-def _cuda_device(device: torch.device | None) -> torch.device:
-    """init's CUDA device: see _choose_cuda_index. Never calls
-    torch.cuda.set_device: the caller's current device stays theirs (the
-    communicator's C++ side switches devices with scoped guards)."""
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {device or 'cuda'} requested but torch.cuda.is_available() "
-                         "is False")
-    requested = None if device is None else torch.device(device).index
-    index = _choose_cuda_index(requested, os.environ.get("LOCAL_RANK"),
-                               torch.cuda.device_count(), torch.cuda.current_device)
-    return torch.device("cuda", index)
-
-
-def _make_nccl(st: Any, r: int, n: int, dev: torch.device, timeout: timedelta,
-               slice_bytes: int) -> Any:
-    """NCCL bootstrap: rank 0 creates the unique id and publishes it through
-    the (prefixed, per-communicator) store; every rank initialises on ``dev``
-    (from _cuda_device: an existing device)."""
-    key = "nccl/unique_id"
-    if r == 0:
-        st.set(key, _C.nccl_unique_id().hex())
-    _wait_for(st, {0: key}, "NCCL setup")
-    uid = bytes.fromhex(st.get(key).decode())
-    timeout_ms = int(timeout.total_seconds() * 1000)
-    return _C.make_nccl_comm(uid, r, n, dev.index, timeout_ms, slice_bytes, _auto_table())
-
-
-def _group_members(ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
-    """``ranks`` of new_group as a tuple, validated against ``world_size``."""
-    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
-        raise TypeError(f"new_group: ranks must be a sequence of ints, got {ranks!r}")
-    members = tuple(ranks)
-    for r in members:
-        if isinstance(r, bool) or not isinstance(r, numbers.Integral):
-            raise TypeError(f"new_group: ranks must be ints, got {r!r} ({type(r).__name__})")
-    members = tuple(int(r) for r in members)
-    if not members:
-        raise ValueError("new_group: ranks is empty; a group needs at least one rank")
-    bad = [r for r in members if not 0 <= r < world_size]
-    if bad:
-        raise ValueError(f"new_group: ranks {bad} are out of range for world_size {world_size}")
-    if len(set(members)) != len(members):
-        dups = sorted({r for r in members if members.count(r) > 1})
-        raise ValueError(f"new_group: ranks {dups} appear more than once in {list(members)}")
-    return members
-
-
-def _as_int64(value: Any, name: str) -> int:
-    """split's color/key: an int that fits in int64 (they travel as int64)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"split: {name} must be an int or None, got {value!r}")
-    if not -(1 << 63) <= int(value) < (1 << 63):
-        raise ValueError(f"split: {name}={value} does not fit in 64 bits")
-    return int(value)
-
-
-def _validate_world(rank: int, world_size: int) -> None:
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank!r} is out of range for world_size {world_size}")
-
+# ------------------------------------------------------------------ init
 
 def init(
     rank: int | None = None,
@@ -984,116 +640,39 @@ def init(
         >>> t = torch.ones(4) * comm.rank
         >>> comm.all_reduce(t)                    # t == sum of ranks everywhere
     """
-    global _default
-    explicit_check = check is not None
-    check = _check_from(check)
-    _check_cpu_simd()
-    timeout = _timeout_from(timeout)
-    transport, req = _resolve_transport(transport, device)
-    st, r, n, prefix = _rendezvous(rank, world_size, store, group, timeout)
+    check_on = _setup.check_from(check)
+    _setup.ENV.check_cpu_simd()
+    timeout = _setup.timeout_from(timeout)
+    transport, req = _setup.resolve_transport(transport, device)
+    st, r, n, prefix = _setup.rendezvous(rank, world_size, store, group, timeout)
     if key_prefix is not None:
         prefix = key_prefix
-    _validate_world(r, n)
-    comm = _build(dist.PrefixStore(prefix, st), r, n, transport, req, timeout, slice_bytes, check,
-                  explicit_check)
+    _setup.validate_world(r, n)
+    asked = Settings(transport=transport, device=req, timeout=timeout, slice_bytes=slice_bytes,
+                     check=check_on, require_check=check is not None)
+    comm = _build(dist.PrefixStore(prefix, st), r, n, asked)
     if set_default:
-        with _lock:
-            _default = comm
+        _setup.default.set(comm)
     return comm
 
 
-def _resolve_transport(
-    transport: str, device: str | torch.device | None
-) -> tuple[str, torch.device | None]:
-    """Validates init's transport and device; returns ("nccl" | "shm" | "gloo"
-    | "auto" (a CPU transport picked at rendezvous), the requested device)."""
-    if transport not in ("auto", "gloo", "shm", "nccl"):
-        raise ValueError(f"unknown transport {transport!r}; expected 'auto', 'gloo', 'shm' or 'nccl'")
-    with_cuda = bool(getattr(_C, "WITH_CUDA", False))
-    req = torch.device(device) if device is not None else None
-    # nccl (GPU) when asked for, when the device is CUDA, or for transport="auto"
-    # with no device given on a CUDA build that sees a GPU.
-    use_nccl = (
-        transport == "nccl"
-        or (req is not None and req.type == "cuda")
-        or (transport == "auto" and req is None and with_cuda and torch.cuda.is_available())
-    )
-    if use_nccl:
-        if not with_cuda:
-            raise ValueError(
-                "this pycomm build has no CUDA/NCCL support (pycomm._C.WITH_CUDA is False); "
-                "use device='cpu' with transport 'gloo' or 'shm', or rebuild with a CUDA torch"
-            )
-        if transport not in ("auto", "nccl"):
-            raise ValueError(f"transport {transport!r} runs on CPU tensors; CUDA needs 'nccl'")
-        if req is not None and req.type != "cuda":
-            raise ValueError(f"transport 'nccl' needs a CUDA device, got device={req}")
-        return "nccl", req
-    if req is not None and req.type != "cpu":
-        raise ValueError(f"unsupported device {req}; pycomm runs on 'cpu' or CUDA devices")
-    return transport, req
-
-
-def _slice_bytes(slice_bytes: int | None, transport: str) -> int:
-    """The explicit slice size, else PYCOMM_SLICE_BYTES, else the transport's."""
-    if slice_bytes is not None:
-        return int(slice_bytes)
-    default = {"nccl": DEFAULT_CUDA_SLICE_BYTES, "gloo": DEFAULT_GLOO_SLICE_BYTES}.get(
-        transport, DEFAULT_SLICE_BYTES)
-    if not os.environ.get("PYCOMM_SLICE_BYTES"):
-        return default
-    return _env_number("PYCOMM_SLICE_BYTES", int, "a whole number of bytes (no K/M suffix)")
-
-
-def _build(st: Any, r: int, n: int, transport: str, device: torch.device | None,
-           timeout: timedelta, slice_bytes: int | None, check: bool,
-           explicit_check: bool) -> Communicator:
-    """Builds the transport and the communicator of rank ``r`` of ``n`` that
-    rendezvous through ``st`` (a store prefixed for this communicator alone).
-    init() and groups (Communicator._create_group) share it.
-
-    ``transport`` is "nccl", "shm", "gloo" or "auto" (CPU: shm when every rank
-    runs on this host and shared memory can be set up, else gloo).
-    """
-    timeout_ms = int(timeout.total_seconds() * 1000)
-    impl = None
-    keepalive: list[Any] = []
-    if transport == "auto":
-        transport = "shm" if _same_host(st, "auto", r, n) else "gloo"
-        if transport == "shm":
-            impl = _init_shm(st, r, n, timeout_ms, _slice_bytes(slice_bytes, "shm"),
-                             fallback_ok=True)
-            if impl is None:
-                transport = "gloo"
-    elif transport == "shm":
-        impl = _init_shm(st, r, n, timeout_ms, _slice_bytes(slice_bytes, "shm"), fallback_ok=False)
-    if transport == "nccl":
-        impl = _make_nccl(st, r, n, _cuda_device(device), timeout,
-                          _slice_bytes(slice_bytes, "nccl"))
-    elif transport == "gloo":
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, timeout)
-        impl = _C.make_gloo_comm(pg, timeout_ms, _slice_bytes(slice_bytes, "gloo"))
-        keepalive.append(pg)
-    if impl is None:
-        raise ValueError(f"transport {transport!r} is not available in this build")
-    if check:
-        if hasattr(impl, "check"):
-            impl.check = True
-        elif explicit_check:
-            impl.close()
-            raise ValueError(f"check=True is not supported by the {transport!r} transport")
-    settings = _Settings(transport=transport, device=torch.device(impl.device), timeout=timeout,
-                         slice_bytes=int(impl.slice_bytes),
-                         check=bool(getattr(impl, "check", False)))
+def _build(st: Any, r: int, n: int, asked: Settings) -> Communicator:
+    """The communicator of rank ``r`` of ``n`` that rendezvous through ``st``
+    (a store prefixed for this communicator alone), built as ``asked``; init()
+    and groups share it (the steps: pycomm._setup.build)."""
+    impl, settings, keepalive = _setup.build(st, r, n, asked)
     return Communicator(impl, store=st, settings=settings, keepalive=keepalive)
 
 
 def get_default() -> Communicator:
-    """The communicator the module-level functions use (the last ``init``)."""
-    if _default is None:
-        raise RuntimeError("pycomm.init() has not been called (or the communicator was closed)")
-    return _default
+    """The communicator the module-level functions use (the last ``init``).
+
+    Raises:
+        RuntimeError: no ``init`` yet, or that communicator was closed.
+    """
+    return _setup.default.get()
 
 
 def is_initialized() -> bool:
-    return _default is not None
+    """True when there is a default communicator (see :func:`get_default`)."""
+    return _setup.default.is_set()

@@ -43,14 +43,14 @@ Numerics:
 
 import logging
 from collections import defaultdict
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ._grad_bucket import GradBucket as PycommGradBucket
 from .comm import Communicator, ReduceOp
-from .parallel.grad_bucket import GradBucket as ParallelGradBucket
 
 __all__ = [
     "PowerSGDState",
@@ -67,6 +67,59 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# ---------------------------------------------------------------- shared docs
+
+# Every hook takes (state, bucket) and fails the same way: _hook_doc writes
+# that part of each hook's docstring from this one text.
+_HOOK_DOC = """
+    Args:
+        state: {state}
+        bucket: {bucket}
+
+    Returns:
+        {returns}
+
+    Raises:
+        TypeError: ``state`` holds no Communicator{not_float32}.
+        ValueError: the bucket is not on the communicator's device.
+"""
+_STATE = "a :class:`pycomm.Communicator` (or an object with ``.comm``)."
+_FLOAT32_BUCKET = "DDP's gradient bucket (float32); overwritten with the average."
+
+_WRAPPER_DOC = """
+    Args:
+        hook: a hook ``(state, bucket) -> Future[Tensor]``.
+
+    Returns:
+        The wrapped hook, registered with the same state as ``hook``.
+"""
+
+
+def _with_doc(shared: str) -> Callable[[F], F]:
+    """Puts ``shared`` (Args/Returns/Raises) into the decorated function's
+    docstring, before its ``Example::`` (else at its end)."""
+
+    def apply(fn: F) -> F:
+        doc = fn.__doc__ or ""
+        if "    Example::" in doc:
+            doc = doc.replace("    Example::", shared.lstrip("\n") + "\n    Example::", 1)
+        else:
+            doc = doc.rstrip() + "\n" + shared
+        fn.__doc__ = doc
+        return fn
+
+    return apply
+
+
+def _hook_doc(bucket: str, returns: str, *, state: str = _STATE,
+              needs_float32: bool = False) -> Callable[[F], F]:
+    """A hook's Args/Returns/Raises, from :data:`_HOOK_DOC`."""
+    return _with_doc(_HOOK_DOC.format(
+        state=state, bucket=bucket, returns=returns,
+        not_float32=", or the bucket is not float32" if needs_float32 else ""))
 
 
 # ---------------------------------------------------------------- helpers
@@ -101,7 +154,7 @@ def _is_ddp_buffer(bucket: dist.GradBucket, buffer: torch.Tensor) -> bool:
     Under ``join()`` a rank that ran out of data offers the zero buckets DDP
     makes for it; while the others' buckets are in symmetric memory already
     (they do not offer), those all-reduces just stage."""
-    if not isinstance(bucket, (dist.GradBucket, ParallelGradBucket)):
+    if not isinstance(bucket, (dist.GradBucket, PycommGradBucket)):
         return False  # a bucket some other code made up
     params = bucket.parameters()
     return bool(params) and params[0].dtype == buffer.dtype
@@ -149,6 +202,9 @@ def _then_async(fut: torch.futures.Future,
 
 # ---------------------------------------------------------------- allreduce
 
+@_hook_doc("DDP's gradient bucket; reduced in place.",
+           "A future that completes with the averaged bucket once the all-reduce\n"
+           "        is done (on CPU, on the communicator's worker thread).")
 def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket across ranks with a pycomm all-reduce.
 
@@ -165,18 +221,6 @@ def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
     bucket straight from every rank's copy and writes the result into every
     copy, with nothing staged: the same bits, half the memory traffic on 2
     ranks.
-
-    Args:
-        state: a :class:`pycomm.Communicator` (or an object with ``.comm``).
-        bucket: DDP's gradient bucket; reduced in place.
-
-    Returns:
-        A future that completes with the averaged bucket once the all-reduce
-        is done (on CPU, on the communicator's worker thread).
-
-    Raises:
-        TypeError: ``state`` holds no Communicator.
-        ValueError: the bucket is not on the communicator's device.
 
     Example::
         >>> # xdoctest: +SKIP
@@ -209,6 +253,7 @@ def _compress_hook(dtype: torch.dtype, state: Any,
         decompress)
 
 
+@_hook_doc(_FLOAT32_BUCKET, "A future completing with the bucket (its original dtype).")
 def fp16_compress_hook(state: Any,
                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Cast the bucket to ``torch.float16``, divide by world_size, all-reduce,
@@ -220,17 +265,6 @@ def fp16_compress_hook(state: Any,
     and values below fp16's range (|g| / world_size < 6e-8) flush to zero.
     :func:`ring_fp16_hook` sends the same bytes with a smaller error.
 
-    Args:
-        state: a :class:`pycomm.Communicator` (or an object with ``.comm``).
-        bucket: DDP's gradient bucket (float32); overwritten with the average.
-
-    Returns:
-        A future completing with the bucket (its original dtype).
-
-    Raises:
-        TypeError: ``state`` holds no Communicator.
-        ValueError: the bucket is not on the communicator's device.
-
     Example::
         >>> # xdoctest: +SKIP
         >>> ddp_model.register_comm_hook(comm, pycomm.hooks.fp16_compress_hook)
@@ -238,6 +272,7 @@ def fp16_compress_hook(state: Any,
     return _compress_hook(torch.float16, state, bucket)
 
 
+@_hook_doc(_FLOAT32_BUCKET, "A future completing with the bucket (its original dtype).")
 def bf16_compress_hook(state: Any,
                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Cast the bucket to ``torch.bfloat16``, divide by world_size, all-reduce,
@@ -247,17 +282,6 @@ def bf16_compress_hook(state: Any,
     underflow worth mentioning) and its 8-bit significand: relative error about
     ``world_size * 2**-8`` per element. Unlike torch's, it needs no NCCL: it
     runs on every pycomm transport.
-
-    Args:
-        state: a :class:`pycomm.Communicator` (or an object with ``.comm``).
-        bucket: DDP's gradient bucket (float32); overwritten with the average.
-
-    Returns:
-        A future completing with the bucket (its original dtype).
-
-    Raises:
-        TypeError: ``state`` holds no Communicator.
-        ValueError: the bucket is not on the communicator's device.
 
     Example::
         >>> # xdoctest: +SKIP
@@ -292,6 +316,7 @@ def _compress_wrapper(dtype: torch.dtype, hook: Hook) -> Hook:
     return compressed_hook
 
 
+@_with_doc(_WRAPPER_DOC)
 def fp16_compress_wrapper(hook: Hook) -> Hook:
     """Run ``hook`` on a ``torch.float16`` copy of the bucket and cast its
     result back into the bucket.
@@ -299,12 +324,6 @@ def fp16_compress_wrapper(hook: Hook) -> Hook:
     ``fp16_compress_wrapper(allreduce_hook)`` reduces like
     :func:`fp16_compress_hook` (it averages after the sum instead of dividing
     first). Useful around :func:`powerSGD_hook` to halve its traffic.
-
-    Args:
-        hook: a hook ``(state, bucket) -> Future[Tensor]``.
-
-    Returns:
-        The wrapped hook, registered with the same state as ``hook``.
 
     Example::
         >>> # xdoctest: +SKIP
@@ -314,15 +333,10 @@ def fp16_compress_wrapper(hook: Hook) -> Hook:
     return _compress_wrapper(torch.float16, hook)
 
 
+@_with_doc(_WRAPPER_DOC)
 def bf16_compress_wrapper(hook: Hook) -> Hook:
     """Run ``hook`` on a ``torch.bfloat16`` copy of the bucket and cast its
     result back into the bucket (see :func:`fp16_compress_wrapper`).
-
-    Args:
-        hook: a hook ``(state, bucket) -> Future[Tensor]``.
-
-    Returns:
-        The wrapped hook, registered with the same state as ``hook``.
 
     Example::
         >>> # xdoctest: +SKIP
@@ -345,6 +359,7 @@ def _ring_hook(wire: torch.dtype, state: Any,
     return _allreduce_avg(comm, buffer, wire_dtype=wire)
 
 
+@_hook_doc(_FLOAT32_BUCKET, "A future completing with the averaged bucket.", needs_float32=True)
 def ring_fp16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a float32 bucket with a ring all-reduce whose traffic is fp16.
 
@@ -357,19 +372,7 @@ def ring_fp16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
     no rounding of the inputs themselves, against a rounding of every input and
     partial sum in :func:`fp16_compress_hook`, for the same bytes. Partial
     sums beyond fp16's range (65504) become inf: scale the loss if gradients
-    can be that large. (On CUDA communicators the wire-dtype kernels are
-    compile-checked but have not run on a GPU yet.)
-
-    Args:
-        state: a :class:`pycomm.Communicator` (or an object with ``.comm``).
-        bucket: DDP's gradient bucket (float32); overwritten with the average.
-
-    Returns:
-        A future completing with the averaged bucket.
-
-    Raises:
-        TypeError: ``state`` holds no Communicator, or the bucket is not float32.
-        ValueError: the bucket is not on the communicator's device.
+    can be that large.
 
     Example::
         >>> # xdoctest: +SKIP
@@ -378,23 +381,13 @@ def ring_fp16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
     return _ring_hook(torch.float16, state, bucket)
 
 
+@_hook_doc(_FLOAT32_BUCKET, "A future completing with the averaged bucket.", needs_float32=True)
 def ring_bf16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a float32 bucket with a ring all-reduce whose traffic is bfloat16.
 
     :func:`ring_fp16_hook` with bfloat16 on the wire: float32's range, an
     8-bit significand (relative error about ``world_size * 2**-8`` of the
     sum's magnitude).
-
-    Args:
-        state: a :class:`pycomm.Communicator` (or an object with ``.comm``).
-        bucket: DDP's gradient bucket (float32); overwritten with the average.
-
-    Returns:
-        A future completing with the averaged bucket.
-
-    Raises:
-        TypeError: ``state`` holds no Communicator, or the bucket is not float32.
-        ValueError: the bucket is not on the communicator's device.
 
     Example::
         >>> # xdoctest: +SKIP
@@ -570,6 +563,9 @@ class _LowRank:
                     original.copy_(m[i])
 
 
+@_hook_doc("DDP's gradient bucket; overwritten with the approximation.",
+           "A future completing with the bucket once the last all-reduce is done.",
+           state="a :class:`PowerSGDState` (holds the communicator).")
 def powerSGD_hook(state: PowerSGDState,
                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """PowerSGD gradient compression (Vogels et al., 2019) over pycomm.
@@ -591,17 +587,6 @@ def powerSGD_hook(state: PowerSGDState,
     On the same seeds and data it produces the parameters of torch's
     ``powerSGD_hook`` on any process group, up to float32 rounding of the
     sums (tests: 1e-5).
-
-    Args:
-        state: a :class:`PowerSGDState` (holds the communicator).
-        bucket: DDP's gradient bucket; overwritten with the approximation.
-
-    Returns:
-        A future completing with the bucket once the last all-reduce is done.
-
-    Raises:
-        TypeError: ``state`` holds no Communicator.
-        ValueError: the bucket is not on the communicator's device.
 
     Example::
         >>> # xdoctest: +SKIP

@@ -1,5 +1,5 @@
-"""Which CUDA device an nccl communicator runs on (pycomm.comm._choose_cuda_index
-and _cuda_device): an explicit index, else cuda:LOCAL_RANK, else the caller's
+"""Which CUDA device an nccl communicator runs on (pycomm._setup.choose_cuda_index
+and cuda_device): an explicit index, else cuda:LOCAL_RANK, else the caller's
 current device; never torch.cuda.set_device. Pure logic: runs without a GPU
 (torch.cuda is replaced by a fake where the wrapper is tested)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pycomm.comm import _choose_cuda_index, _cuda_device
+from pycomm._setup import choose_cuda_index, cuda_device
 
 
 def _no_current() -> int:
@@ -27,12 +27,12 @@ def _no_current() -> int:
     ],
 )
 def test_choice_order(requested, local_rank, count, current, want):
-    assert _choose_cuda_index(requested, local_rank, count, lambda: current) == want
+    assert choose_cuda_index(requested, local_rank, count, lambda: current) == want
 
 
 def test_explicit_index_and_local_rank_do_not_ask_the_current_device():
-    assert _choose_cuda_index(1, None, 2, _no_current) == 1
-    assert _choose_cuda_index(None, "0", 2, _no_current) == 0
+    assert choose_cuda_index(1, None, 2, _no_current) == 1
+    assert choose_cuda_index(None, "0", 2, _no_current) == 0
 
 
 @pytest.mark.parametrize(
@@ -47,7 +47,7 @@ def test_explicit_index_and_local_rank_do_not_ask_the_current_device():
 )
 def test_bad_choices_raise_value_error(requested, local_rank, count, current, match):
     with pytest.raises(ValueError, match=match):
-        _choose_cuda_index(requested, local_rank, count, lambda: current)
+        choose_cuda_index(requested, local_rank, count, lambda: current)
 
 
 class _FakeCuda:
@@ -80,11 +80,11 @@ def test_cuda_device_wrapper(monkeypatch, device, local_rank, want):
         monkeypatch.delenv("LOCAL_RANK", raising=False)
     else:
         monkeypatch.setenv("LOCAL_RANK", local_rank)
-    assert _cuda_device(device) == torch.device("cuda", want)
+    assert cuda_device(device) == torch.device("cuda", want)
 
 
 def test_cuda_device_without_cuda_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="torch.cuda.is_available.. is False"):
-        _cuda_device(None)
+        cuda_device(None)
 

@@ -1,6 +1,6 @@
 """Command line of ``python -m pycomm.bench``: nccl-tests' flags and meanings.
 
-Pure parsing: nothing here touches torch.distributed, so the tests can check
+Pure parsing: nothing here starts torch.distributed, so the tests can check
 every flag without starting a rank.
 """
 
@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Sequence
+from typing import Callable, Sequence
+
+from .collectives import SPECS
 
 __all__ = [
     "ALGOS",
@@ -22,8 +24,9 @@ __all__ = [
     "size_sweep",
 ]
 
-#: Sub-commands that measure a collective (``model`` is handled by __main__).
-COLLECTIVES = ("allreduce", "reducescatter", "allgather", "broadcast", "sendrecv")
+#: Sub-commands that measure a collective (``model`` is handled by __main__):
+#: one per :class:`~pycomm.bench.collectives.Collective`.
+COLLECTIVES = tuple(SPECS)
 
 #: ``--algo`` values: pycomm's own algorithms plus ``torch``, the same
 #: collective through torch.distributed's backend (gloo on CPU, NCCL on GPU).
@@ -130,24 +133,23 @@ def _zero_one(text: str) -> int:
     return int(text)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {v}")
+        return v
+
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
+_positive_int = _int_at_least(1)
+_nonneg_int = _int_at_least(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,6 +222,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
     except ValueError as e:
         p.error(str(e))
-    if args.collective in ("allgather", "broadcast", "sendrecv"):
+    if not SPECS[args.collective].reduces:
         args.op = "none"  # no reduction; printed as nccl-tests does
     return args

@@ -1,7 +1,9 @@
-"""One small description per collective, like nccl-tests' ``src/<coll>.cu``:
-how many bytes a size means, the bus-bandwidth factor, each rank's input,
+"""One small object per collective, like nccl-tests' ``src/<coll>.cu``:
+how many bytes a size means, the bus-bandwidth factor, each rank's buffers,
 the independently computed expected result, and how to run it through pycomm
-or torch.distributed.
+or torch.distributed. Adding a collective is one :class:`Collective`
+subclass and one entry in :data:`SPECS` (and a ``cli.COLLECTIVES`` name
+follows from it).
 
 Input data: element ``i`` of rank ``r`` is a small integer (0..7; 1..2 for
 prod) hashed from (r, i), so every dtype holds it exactly, sums of a few
@@ -17,84 +19,25 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
+
+from ..comm import P2POp
 
 __all__ = [
     "Buffers",
+    "Call",
+    "Collective",
     "SPECS",
-    "CollSpec",
     "busbw_factor",
     "count_wrong",
+    "counts",
     "expected_result",
+    "get_collective",
     "make_buffers",
     "make_runner",
     "rank_values",
     "reduce_exact",
 ]
-
-
-@dataclass(frozen=True)
-class CollSpec:
-    """What the harness needs to know about one collective.
-
-    Attributes:
-        name: sub-command name ("allreduce").
-        title: nccl-tests' spelling ("AllReduce").
-        placements: the placements measured, as ``in_place`` flags
-            (False = out-of-place). pycomm's all_reduce and broadcast only
-            exist in place, so they are measured in place only (out-of-place
-            is printed "N/A" in the header note, not faked with a copy).
-        reduces: takes a reduction op.
-        rooted: has a root (broadcast); others print root -1.
-    """
-
-    name: str
-    title: str
-    placements: tuple[bool, ...]
-    reduces: bool
-    rooted: bool = False
-    min_world: int = 1
-
-
-SPECS: dict[str, CollSpec] = {
-    "allreduce": CollSpec("allreduce", "AllReduce", (True,), reduces=True),
-    "reducescatter": CollSpec("reducescatter", "ReduceScatter", (False, True), reduces=True),
-    "allgather": CollSpec("allgather", "AllGather", (False, True), reduces=False),
-    "broadcast": CollSpec("broadcast", "Broadcast", (True,), reduces=False, rooted=True),
-    "sendrecv": CollSpec("sendrecv", "SendRecv", (False,), reduces=False, min_world=2),
-}
-
-
-def busbw_factor(collective: str, world_size: int) -> float:
-    """busbw = algbw * factor (nccl-tests' doc/PERFORMANCE.md): the fraction
-    of the data each rank's link must carry, so that busbw is comparable to
-    the hardware's bandwidth whatever the world size.
-
-    all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n, broadcast and
-    send/recv 1.
-    """
-    n = world_size
-    if n < 1:
-        raise ValueError(f"world_size must be >= 1, got {n}")
-    if collective == "allreduce":
-        return 2.0 * (n - 1) / n
-    if collective in ("reducescatter", "allgather"):
-        return (n - 1) / n
-    if collective in ("broadcast", "sendrecv"):
-        return 1.0
-    raise ValueError(f"unknown collective {collective!r}")
-
-
-def counts(collective: str, nbytes: int, elem_size: int, world_size: int) -> tuple[int, int]:
-    """(count, size_bytes) of one step of the sweep, as nccl-tests prints
-    them: for reduce-scatter and all-gather ``count`` is per rank and
-    ``size`` is the whole (world_size * count) buffer; otherwise ``size`` is
-    ``count * elem_size``. ``nbytes`` is rounded down to whole elements (and
-    whole per-rank chunks)."""
-    elems = nbytes // elem_size
-    if collective in ("reducescatter", "allgather"):
-        per_rank = elems // world_size
-        return per_rank, per_rank * world_size * elem_size
-    return elems, elems * elem_size
 
 
 # --------------------------------------------------------------- data + check
@@ -137,25 +80,6 @@ def reduce_exact(op: str, parts: Sequence[torch.Tensor], floating: bool) -> torc
     return acc
 
 
-def expected_result(collective: str, rank: int, world_size: int, count: int, dtype: torch.dtype,
-                    op: str, root: int = 0) -> torch.Tensor:
-    """What rank ``rank`` must hold after the collective, computed from the
-    inputs alone (never from another rank's result), exact (float64/int64)."""
-    n, fl = world_size, dtype.is_floating_point
-    vals_op = op if collective in ("allreduce", "reducescatter") else "sum"
-    if collective == "allreduce":
-        return reduce_exact(op, [rank_values(r, count, vals_op) for r in range(n)], fl)
-    if collective == "reducescatter":
-        return reduce_exact(op, [rank_values(r, count, vals_op, offset=rank * count) for r in range(n)], fl)
-    if collective == "allgather":
-        return torch.cat([rank_values(r, count) for r in range(n)])
-    if collective == "broadcast":
-        return rank_values(root, count)
-    if collective == "sendrecv":
-        return rank_values((rank - 1) % n, count)
-    raise ValueError(f"unknown collective {collective!r}")
-
-
 def tolerance(dtype: torch.dtype) -> float:
     """Relative (and absolute) tolerance: 4 ulps of the dtype; 0 for integers."""
     return 4 * torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
@@ -186,6 +110,12 @@ def _sentinel(t: torch.Tensor) -> None:
 
 # --------------------------------------------------------------- buffers
 
+#: A call's tensors by argument name ("tensor", "input", "output", "send", ...).
+Tensors = dict[str, torch.Tensor]
+#: One synchronous call of a collective.
+Run = Callable[[], None]
+
+
 @dataclass
 class Buffers:
     """The tensors of one (size, placement), shared by every algo.
@@ -195,60 +125,325 @@ class Buffers:
     and the last one's result can be checked. ``tensors`` are the arguments
     of the collective; ``result`` is what gets checked."""
 
-    tensors: dict[str, torch.Tensor]
+    tensors: Tensors
     result: torch.Tensor
     reset: Callable[[], object]  # return value ignored (e.g. Tensor.copy_)
 
 
-def make_buffers(collective: str, in_place: bool, rank: int, world_size: int, count: int,
-                 dtype: torch.dtype, op: str, device: torch.device) -> Buffers:
-    """Allocates and fills the buffers of one collective call.
-
-    In-place follows nccl-tests: reduce-scatter's output is chunk ``rank`` of
-    its input, all-gather's input is chunk ``rank`` of its output.
-    """
-    n = world_size
-    vop = op if collective in ("allreduce", "reducescatter") else "sum"
-
-    def values(cnt: int) -> torch.Tensor:
-        return rank_values(rank, cnt, vop).to(dtype).to(device)
-
-    if collective in ("allreduce", "broadcast"):
-        pristine = values(count)
-        buf = torch.empty_like(pristine)
-        return Buffers({"tensor": buf}, buf, lambda: buf.copy_(pristine))
-    if collective == "reducescatter":
-        pristine = values(n * count)
-        if in_place:
-            big = torch.empty_like(pristine)
-            out = big[rank * count:(rank + 1) * count]
-            return Buffers({"output": out, "input": big}, out, lambda: big.copy_(pristine))
-        out = torch.empty(count, dtype=dtype, device=device)
-        return Buffers({"output": out, "input": pristine}, out, lambda: _sentinel(out))
-    if collective == "allgather":
-        pristine = values(count)
-        out = torch.empty(n * count, dtype=dtype, device=device)
-        if in_place:
-            inp = out[rank * count:(rank + 1) * count]
-
-            def reset() -> None:
-                _sentinel(out)
-                inp.copy_(pristine)
-
-            return Buffers({"output": out, "input": inp}, out, reset)
-        return Buffers({"output": out, "input": pristine}, out, lambda: _sentinel(out))
-    if collective == "sendrecv":
-        if in_place:
-            raise ValueError("sendrecv is measured out-of-place only")
-        send = values(count)
-        recv = torch.empty_like(send)
-        return Buffers({"send": send, "recv": recv}, recv, lambda: _sentinel(recv))
-    raise ValueError(f"unknown collective {collective!r}")
+def _poisoned(tensors: Tensors, result: str) -> Buffers:
+    """Out-of-place buffers: reset() only poisons ``tensors[result]`` (the
+    input is never written)."""
+    out = tensors[result]
+    return Buffers(tensors, out, lambda: _sentinel(out))
 
 
-# --------------------------------------------------------------- runners
+def _in_place(pristine: torch.Tensor) -> Buffers:
+    """One tensor that is both input and result; reset() restores the input."""
+    buf = torch.empty_like(pristine)
+    return Buffers({"tensor": buf}, buf, lambda: buf.copy_(pristine))
+
+
+# --------------------------------------------------------------- one rank's call
+
+@dataclass(frozen=True)
+class Call:
+    """What one rank measures, the same for every size of a sweep.
+
+    ``op`` is the canonical reduction ("sum", "prod", "max", "min", "avg"),
+    or "none" for a collective that does not reduce; ``root`` the root rank
+    of a rooted collective (0 otherwise)."""
+
+    rank: int
+    world_size: int
+    dtype: torch.dtype
+    op: str = "sum"
+    root: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def next_rank(self) -> int:
+        return (self.rank + 1) % self.world_size
+
+    @property
+    def prev_rank(self) -> int:
+        return (self.rank - 1) % self.world_size
+
+    def exact(self, op: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """:func:`reduce_exact` of ``parts`` for this call's dtype."""
+        return reduce_exact(op, parts, self.dtype.is_floating_point)
+
+    def torch_op(self) -> Any:
+        """This call's reduction as a ``torch.distributed.ReduceOp``."""
+        return getattr(dist.ReduceOp, _TORCH_OPS.get(self.op, "SUM"))
+
 
 _TORCH_OPS = {"sum": "SUM", "prod": "PRODUCT", "max": "MAX", "min": "MIN", "avg": "AVG"}
+
+
+# --------------------------------------------------------------- the collectives
+
+class Collective:
+    """One collective as the harness sees it (nccl-tests' ``testColl``: one
+    small object per collective fills these hooks; the harness, runner.py,
+    does the rest: sweep, timing, checking, table).
+
+    Attributes:
+        name: sub-command name ("allreduce").
+        title: nccl-tests' spelling ("AllReduce").
+        placements: the placements measured, as ``in_place`` flags
+            (False = out-of-place). pycomm's all_reduce and broadcast only
+            exist in place, so they are measured in place only (out-of-place
+            is printed "N/A" in the header note, not faked with a copy).
+        reduces: takes a reduction op (the others print op "none").
+        rooted: has a root (broadcast); others print root -1.
+        min_world: the fewest ranks it can run on.
+    """
+
+    name: str = ""
+    title: str = ""
+    placements: tuple[bool, ...] = (True,)
+    reduces: bool = False
+    rooted: bool = False
+    min_world: int = 1
+
+    def bus_factor(self, world_size: int) -> float:
+        """busbw = algbw * this (see :func:`busbw_factor`)."""
+        raise NotImplementedError
+
+    def counts(self, nbytes: int, elem_size: int, world_size: int) -> tuple[int, int]:
+        """(count, size in bytes) of ``nbytes`` (rounded down to whole
+        elements), as nccl-tests prints them."""
+        elems = nbytes // elem_size
+        return elems, elems * elem_size
+
+    def inputs(self, c: Call, count: int, rank: int | None = None,
+               offset: int = 0) -> torch.Tensor:
+        """Rank ``rank``'s (default: this rank's) input values as exact
+        int64 (:func:`rank_values`; the op's pattern if it reduces)."""
+        op = c.op if self.reduces else "sum"
+        return rank_values(c.rank if rank is None else rank, count, op, offset)
+
+    def expected(self, c: Call, count: int) -> torch.Tensor:
+        """What rank ``c.rank`` must hold afterwards, computed from the inputs
+        alone (never from another rank's result), exact (float64/int64)."""
+        raise NotImplementedError
+
+    def buffers(self, c: Call, count: int, in_place: bool) -> Buffers:
+        """Allocates and fills this rank's buffers of one call."""
+        raise NotImplementedError
+
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
+        """One synchronous call through the pycomm communicator."""
+        raise NotImplementedError
+
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
+        """One synchronous call through torch.distributed's default group."""
+        raise NotImplementedError
+
+    def _values(self, c: Call, count: int) -> torch.Tensor:
+        """This rank's input, in the call's dtype on its device."""
+        return self.inputs(c, count).to(c.dtype).to(c.device)
+
+
+class _Chunked(Collective):
+    """Reduce-scatter and all-gather: each rank owns one of world_size chunks.
+    ``count`` is per rank, ``size`` the whole (world_size * count) buffer, as
+    in nccl-tests; a rank's link carries the other ranks' chunks."""
+
+    def bus_factor(self, world_size: int) -> float:
+        return (world_size - 1) / world_size
+
+    def counts(self, nbytes: int, elem_size: int, world_size: int) -> tuple[int, int]:
+        per_rank = nbytes // elem_size // world_size
+        return per_rank, per_rank * world_size * elem_size
+
+
+class _InPlace(Collective):
+    """All-reduce and broadcast: one tensor, input and result (pycomm's op
+    exists in place only)."""
+
+    def buffers(self, c: Call, count: int, in_place: bool) -> Buffers:
+        return _in_place(self._values(c, count))
+
+
+class AllReduce(_InPlace):
+    name = "allreduce"
+    title = "AllReduce"
+    reduces = True
+
+    def bus_factor(self, world_size: int) -> float:
+        return 2.0 * (world_size - 1) / world_size
+
+    def expected(self, c: Call, count: int) -> torch.Tensor:
+        return c.exact(c.op, [self.inputs(c, count, r) for r in range(c.world_size)])
+
+
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
+        return lambda: comm.all_reduce(t["tensor"], op=c.op, algo=algo)
+
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
+        op = c.torch_op()
+        return lambda: dist.all_reduce(t["tensor"], op=op)
+
+
+class ReduceScatter(_Chunked):
+    name = "reducescatter"
+    title = "ReduceScatter"
+    placements = (False, True)
+    reduces = True
+
+    def expected(self, c: Call, count: int) -> torch.Tensor:
+        return c.exact(c.op, [self.inputs(c, count, r, offset=c.rank * count)
+                              for r in range(c.world_size)])
+
+    def buffers(self, c: Call, count: int, in_place: bool) -> Buffers:
+        """In place, as in nccl-tests: the output is chunk ``rank`` of the input."""
+        pristine = self._values(c, c.world_size * count)
+        if in_place:
+            big = torch.empty_like(pristine)
+            out = big[c.rank * count:(c.rank + 1) * count]
+            return Buffers({"output": out, "input": big}, out, lambda: big.copy_(pristine))
+        out = torch.empty(count, dtype=c.dtype, device=c.device)
+        return _poisoned({"output": out, "input": pristine}, "output")
+
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
+        return lambda: comm.reduce_scatter(t["output"], t["input"], op=c.op, algo=algo)
+
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
+        rs = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        op = c.torch_op()
+        return lambda: rs(t["output"], t["input"], op=op)
+
+
+class AllGather(_Chunked):
+    name = "allgather"
+    title = "AllGather"
+    placements = (False, True)
+
+    def expected(self, c: Call, count: int) -> torch.Tensor:
+        return torch.cat([self.inputs(c, count, r) for r in range(c.world_size)])
+
+    def buffers(self, c: Call, count: int, in_place: bool) -> Buffers:
+        """In place, as in nccl-tests: the input is chunk ``rank`` of the output."""
+        pristine = self._values(c, count)
+        out = torch.empty(c.world_size * count, dtype=c.dtype, device=c.device)
+        if not in_place:
+            return _poisoned({"output": out, "input": pristine}, "output")
+        inp = out[c.rank * count:(c.rank + 1) * count]
+
+        def reset() -> None:
+            _sentinel(out)
+            inp.copy_(pristine)
+
+        return Buffers({"output": out, "input": inp}, out, reset)
+
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
+        return lambda: comm.all_gather(t["output"], t["input"], algo=algo)
+
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
+        ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        return lambda: ag(t["output"], t["input"])
+
+
+class Broadcast(_InPlace):
+    name = "broadcast"
+    title = "Broadcast"
+    rooted = True
+
+    def bus_factor(self, world_size: int) -> float:
+        return 1.0
+
+    def expected(self, c: Call, count: int) -> torch.Tensor:
+        return self.inputs(c, count, c.root)
+
+
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
+        return lambda: comm.broadcast(t["tensor"], src=c.root, algo=algo)
+
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
+        return lambda: dist.broadcast(t["tensor"], src=c.root)
+
+
+class SendRecv(Collective):
+    """Each rank sends to the next and receives from the previous one."""
+
+    name = "sendrecv"
+    title = "SendRecv"
+    placements = (False,)
+    min_world = 2
+
+    def bus_factor(self, world_size: int) -> float:
+        return 1.0
+
+    def expected(self, c: Call, count: int) -> torch.Tensor:
+        return self.inputs(c, count, c.prev_rank)
+
+    def buffers(self, c: Call, count: int, in_place: bool) -> Buffers:
+        if in_place:
+            raise ValueError("sendrecv is measured out-of-place only")
+        send = self._values(c, count)
+        return _poisoned({"send": send, "recv": torch.empty_like(send)}, "recv")
+
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
+        if algo not in ("ring", "auto"):
+            raise ValueError(f"sendrecv has no algo {algo!r} in pycomm (point to point)")
+        ops = [P2POp("isend", t["send"], c.next_rank), P2POp("irecv", t["recv"], c.prev_rank)]
+        return lambda: comm.batch_isend_irecv(ops)[0].wait()
+
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
+        def torch_sendrecv() -> None:
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t["send"], c.next_rank),
+                                           dist.P2POp(dist.irecv, t["recv"], c.prev_rank)])
+            for r in reqs:
+                r.wait()
+        return torch_sendrecv
+
+
+#: Every measured collective by sub-command name, in the order of the help.
+SPECS: dict[str, Collective] = {
+    c.name: c for c in (AllReduce(), ReduceScatter(), AllGather(), Broadcast(), SendRecv())
+}
+
+
+# --------------------------------------------------------------- by name
+
+def get_collective(name: str) -> Collective:
+    """The :class:`Collective` called ``name``; ValueError for an unknown one."""
+    try:
+        return SPECS[name]
+    except KeyError:
+        raise ValueError(f"unknown collective {name!r}") from None
+
+
+def busbw_factor(collective: str, world_size: int) -> float:
+    """busbw = algbw * factor (nccl-tests' doc/PERFORMANCE.md): the fraction
+    of the data each rank's link must carry, so that busbw is comparable to
+    the hardware's bandwidth whatever the world size.
+
+    all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n, broadcast and
+    send/recv 1.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return get_collective(collective).bus_factor(world_size)
+
+
+def counts(collective: str, nbytes: int, elem_size: int, world_size: int) -> tuple[int, int]:
+    """(count, size_bytes) of one step of the sweep (:meth:`Collective.counts`)."""
+    return get_collective(collective).counts(nbytes, elem_size, world_size)
+
+
+def expected_result(collective: str, rank: int, world_size: int, count: int,
+                    dtype: torch.dtype, op: str, root: int = 0) -> torch.Tensor:
+    """:meth:`Collective.expected` of rank ``rank``."""
+    return get_collective(collective).expected(Call(rank, world_size, dtype, op, root), count)
+
+
+def make_buffers(collective: str, in_place: bool, rank: int, world_size: int, count: int,
+                 dtype: torch.dtype, op: str, device: torch.device) -> Buffers:
+    """:meth:`Collective.buffers` of rank ``rank``."""
+    c = Call(rank, world_size, dtype, op, 0, device)
+    return get_collective(collective).buffers(c, count, in_place)
 
 
 def make_runner(collective: str, algo: str, bufs: Buffers, *, comm: Any, rank: int,
@@ -256,47 +451,12 @@ def make_runner(collective: str, algo: str, bufs: Buffers, *, comm: Any, rank: i
     """A no-argument function that runs the collective once, synchronously
     (for ``algo`` "torch": through torch.distributed's default group; else
     through the pycomm communicator with ``algo=algo``)."""
-    t = bufs.tensors
-    nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
+    c = Call(rank, world_size, bufs.result.dtype, op, root, bufs.result.device)
+    return runner(get_collective(collective), algo, bufs, comm, c)
+
+
+def runner(coll: Collective, algo: str, bufs: Buffers, comm: Any, c: Call) -> Callable[[], None]:
+    """:func:`make_runner` for a :class:`Collective` and a :class:`Call`."""
     if algo == "torch":
-        import torch.distributed as dist
-
-        top = getattr(dist.ReduceOp, _TORCH_OPS.get(op, "SUM"))
-        if collective == "allreduce":
-            return lambda: dist.all_reduce(t["tensor"], op=top)
-        if collective == "reducescatter":
-            rs = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-            return lambda: rs(t["output"], t["input"], op=top)
-        if collective == "allgather":
-            ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-            return lambda: ag(t["output"], t["input"])
-        if collective == "broadcast":
-            return lambda: dist.broadcast(t["tensor"], src=root)
-        if collective == "sendrecv":
-            def torch_sendrecv() -> None:
-                reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t["send"], nxt),
-                                               dist.P2POp(dist.irecv, t["recv"], prv)])
-                for r in reqs:
-                    r.wait()
-            return torch_sendrecv
-    else:
-        import pycomm
-
-        if collective == "allreduce":
-            return lambda: comm.all_reduce(t["tensor"], op=op, algo=algo)
-        if collective == "reducescatter":
-            return lambda: comm.reduce_scatter(t["output"], t["input"], op=op, algo=algo)
-        if collective == "allgather":
-            return lambda: comm.all_gather(t["output"], t["input"], algo=algo)
-        if collective == "broadcast":
-            return lambda: comm.broadcast(t["tensor"], src=root, algo=algo)
-        if collective == "sendrecv":
-            if algo not in ("ring", "auto"):
-                raise ValueError(f"sendrecv has no algo {algo!r} in pycomm (point to point)")
-
-            def pycomm_sendrecv() -> None:
-                works = comm.batch_isend_irecv([pycomm.P2POp("isend", t["send"], nxt),
-                                                pycomm.P2POp("irecv", t["recv"], prv)])
-                works[0].wait()
-            return pycomm_sendrecv
-    raise ValueError(f"unknown collective {collective!r}")
+        return coll.torch_runner(bufs.tensors, c)
+    return coll.pycomm_runner(comm, bufs.tensors, c, algo)

@@ -33,8 +33,9 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable, TextIO
 
 import torch
 import torch.distributed as dist
@@ -126,162 +127,247 @@ def _pick_device(choice: str) -> torch.device:
     return dev
 
 
-def run_benchmark(args: Any) -> int:
-    """Runs the sweep on this rank (torch.distributed already initialised).
-    Returns the process exit code: 0, or 1 when a result was wrong."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    spec = C.SPECS[args.collective]
-    if n < spec.min_world:
-        raise ValueError(f"{spec.name} needs at least {spec.min_world} ranks, got {n}; use --nproc")
-    if spec.rooted and not 0 <= args.root < n:
-        raise ValueError(f"-r {args.root} is not a rank of a world of {n}")
-    device = _pick_device(args.device)
-    dtype = getattr(torch, args.dtype)
-    es = torch.empty((), dtype=dtype).element_size()
-    root = args.root if spec.rooted else -1
-    op = args.op if spec.reduces else "none"
-    # Control traffic (barriers, gathering numbers) goes over gloo on the CPU.
-    ctl = dist.group.WORLD if device.type == "cpu" else dist.new_group(backend="gloo")
+@dataclass
+class _Session:
+    """One rank's side of a run: what it measures (``coll``, ``call``), the
+    pycomm communicator (None when only torch is measured) and the control
+    group that barriers and agreements go through."""
 
-    def barrier() -> None:
-        dist.barrier(group=ctl)
+    args: Any
+    coll: C.Collective
+    call: C.Call
+    comm: Any
+    ctl: Any
+    torch_backend: str
+    out: TextIO
 
-    def agree(values: list[float], reduce: str) -> list[float]:
+    @property
+    def root(self) -> int:
+        """The root as printed: -1 for a collective without one."""
+        return self.call.root if self.coll.rooted else -1
+
+    @property
+    def op(self) -> str:
+        """The op as printed: "none" for a collective without one."""
+        return self.args.op if self.coll.reduces else "none"
+
+    @property
+    def pycomm_transport(self) -> str | None:
+        return self.comm.transport if self.comm is not None else None
+
+    def transport_of(self, algo: str) -> str:
+        return self.torch_backend if algo == "torch" else str(self.pycomm_transport)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.ctl)
+
+    def agree(self, values: list[float], reduce: str) -> list[float]:
+        """``values`` reduced over the ranks ("MAX", "SUM")."""
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=getattr(dist.ReduceOp, reduce), group=ctl)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, reduce), group=self.ctl)
         return t.tolist()
 
+    def runner(self, algo: str, bufs: C.Buffers) -> Callable[[], None]:
+        return C.runner(self.coll, algo, bufs, self.comm, self.call)
+
+
+def _open_session(args: Any) -> _Session:
+    """Checks the world against the collective, picks the device, and creates
+    the control group and (unless only torch is measured) the communicator."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    coll = C.SPECS[args.collective]
+    if n < coll.min_world:
+        raise ValueError(f"{coll.name} needs at least {coll.min_world} ranks, got {n}; use --nproc")
+    if coll.rooted and not 0 <= args.root < n:
+        raise ValueError(f"-r {args.root} is not a rank of a world of {n}")
+    device = _pick_device(args.device)
+    call = C.Call(rank, n, getattr(torch, args.dtype), args.op,
+                  args.root if coll.rooted else 0, device)
+    # Control traffic (barriers, gathering numbers) goes over gloo on the CPU.
+    ctl = dist.group.WORLD if device.type == "cpu" else dist.new_group(backend="gloo")
     comm = None
     if any(a != "torch" for a in args.algo):
         import pycomm
 
         comm = pycomm.init(group=dist.group.WORLD, transport=args.transport, device=device,
                            set_default=False)
-    pc_transport = comm.transport if comm is not None else None
-    torch_backend = str(dist.get_backend())
+    return _Session(args, coll, call, comm, ctl, str(dist.get_backend()), sys.stdout)
 
-    def transport_of(algo: str) -> str:
-        return torch_backend if algo == "torch" else str(pc_transport)
 
-    # -- which algos can run here: probe each once on a tiny message -----------
+def _probe_algos(s: _Session) -> tuple[list[str], dict[str, str]]:
+    """Runs each algo once on a one-element message: (the algos every rank
+    can run, {algo: why not} for the others)."""
     skipped: dict[str, str] = {}
     active: list[str] = []
-    for algo in args.algo:
+    for algo in s.args.algo:
         err = ""
         try:
-            probe = C.make_buffers(spec.name, spec.placements[0], rank, n, 1, dtype, args.op, device)
+            probe = s.coll.buffers(s.call, 1, s.coll.placements[0])
             probe.reset()
-            C.make_runner(spec.name, algo, probe, comm=comm, rank=rank, world_size=n,
-                          op=args.op, root=max(root, 0))()
-            _sync(device)
+            s.runner(algo, probe)()
+            _sync(s.call.device)
         except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
             err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        failed = agree([1.0 if err else 0.0], "MAX")[0]
+        failed = s.agree([1.0 if err else 0.0], "MAX")[0]
         if failed:
             skipped[algo] = err or "failed on another rank"
         else:
             active.append(algo)
     if not active:
         raise RuntimeError("no algo can run here: " + "; ".join(f"{a}: {r}" for a, r in skipped.items()))
+    return active, skipped
 
-    # -- reference: memcpy bandwidth of rank 0 (others wait) --------------------
-    memcpy_bytes = min(max(max(args.sizes), 16 << 20), 256 << 20)
-    memcpy = measure_memcpy(device, memcpy_bytes) if rank == 0 else 0.0
-    memcpy = agree([memcpy], "MAX")[0]
-    barrier()
 
-    out = sys.stdout
-    if rank == 0:
-        print(f"# pycomm.bench {spec.name} ({spec.title}): world_size {n}, device {device}, "
-              f"dtype {args.dtype}, op {op}, iters {args.iters}, warmup {args.warmup_iters}, "
-              f"rounds {args.rounds}, check {args.check}", file=out)
-        print(f"# transports: pycomm {pc_transport}, torch {torch_backend}; host {socket.gethostname()}, "
-              f"torch {torch.__version__}", file=out)
-        print(f"# memcpy bandwidth (rank 0, {format_size(memcpy_bytes)}): {memcpy:.2f} GB/s", file=out)
-        print("# time: calls back to back, max over ranks of each rank's median; out-of-place: "
-              + ("measured" if False in spec.placements else
-                 "N/A (pycomm's op is in place; not emulated with an extra copy)"), file=out)
-        for a, why in skipped.items():
-            print(f"# algo {a}: skipped ({why})", file=out)
-        print("#", file=out)
-    groups = [(a, ip) for ip in spec.placements for a in active]
-    if rank == 0:
-        print(format_header(groups), file=out, flush=True)
+def _memcpy_reference(s: _Session) -> tuple[float, int]:
+    """(memcpy bandwidth of rank 0 in GB/s, bytes copied); the others wait."""
+    memcpy_bytes = min(max(max(s.args.sizes), 16 << 20), 256 << 20)
+    memcpy = measure_memcpy(s.call.device, memcpy_bytes) if s.call.rank == 0 else 0.0
+    memcpy = s.agree([memcpy], "MAX")[0]
+    s.barrier()
+    return memcpy, memcpy_bytes
 
-    want_bar = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
-    bar = Progress(total=sum(max(s, 1) for s in args.sizes) * len(groups), enabled=rank == 0 and want_bar)
+
+def _print_header(s: _Session, groups: list[tuple[str, bool]], skipped: dict[str, str],
+                  memcpy: float, memcpy_bytes: int) -> None:
+    """Rank 0: the ``#`` lines that say what was run, then the table header."""
+    a, out, coll = s.args, s.out, s.coll
+    print(f"# pycomm.bench {coll.name} ({coll.title}): world_size {s.call.world_size}, device "
+          f"{s.call.device}, dtype {a.dtype}, op {s.op}, iters {a.iters}, warmup {a.warmup_iters}, "
+          f"rounds {a.rounds}, check {a.check}", file=out)
+    print(f"# transports: pycomm {s.pycomm_transport}, torch {s.torch_backend}; host "
+          f"{socket.gethostname()}, torch {torch.__version__}", file=out)
+    print(f"# memcpy bandwidth (rank 0, {format_size(memcpy_bytes)}): {memcpy:.2f} GB/s", file=out)
+    print("# time: calls back to back, max over ranks of each rank's median; out-of-place: "
+          + ("measured" if False in coll.placements else
+             "N/A (pycomm's op is in place; not emulated with an extra copy)"), file=out)
+    for algo, why in skipped.items():
+        print(f"# algo {algo}: skipped ({why})", file=out)
+    print("#", file=out)
+    print(format_header(groups), file=out, flush=True)
+
+
+def _timed_rounds(s: _Session, runs: dict[str, Callable[[], None]],
+                  bufs: C.Buffers) -> dict[str, list[float]]:
+    """Each algo's call times (seconds) on this rank: the rounds take turns
+    between the algos (see --rounds); warm-up calls precede each algo's first
+    round only."""
+    a = s.args
+    times: dict[str, list[float]] = {algo: [] for algo in runs}
+    rounds = min(a.rounds, a.iters)
+    for k in range(rounds):
+        per = a.iters // rounds + (1 if k < a.iters % rounds else 0)
+        warmup = a.warmup_iters if k == 0 else min(1, a.warmup_iters)
+        for algo, run in runs.items():
+            times[algo] += _time_loop(run, bufs, per, warmup, s.call.device, s.barrier)
+    return times
+
+
+def _row(s: _Session, algo: str, in_place: bool, count: int, size: int, times: list[float],
+         wrong: int) -> dict[str, Any]:
+    """One JSON row: the max over ranks of the median time, #wrong summed."""
+    t_med = s.agree([statistics.median(times), 0.0], "MAX")[0]
+    total_wrong = s.agree([float(wrong)], "SUM")[0]
+    algbw = size / t_med / 1e9 if t_med > 0 else 0.0
+    return {
+        "collective": s.coll.name, "size": size, "count": count, "dtype": s.args.dtype,
+        "op": s.op, "root": s.root, "algo": algo, "in_place": in_place,
+        "time_us": t_med * 1e6, "algbw": algbw,
+        "busbw": algbw * s.coll.bus_factor(s.call.world_size),
+        "wrong": int(total_wrong) if s.args.check else None,
+        "world_size": s.call.world_size, "transport": s.transport_of(algo), "device": s.call.device.type,
+    }
+
+
+def _measure_size(s: _Session, nbytes: int, active: list[str], bar: Progress) -> list[dict[str, Any]]:
+    """The rows of one size: every placement, every algo (check, then time)."""
+    es = torch.empty((), dtype=s.call.dtype).element_size()
+    count, size = s.coll.counts(nbytes, es, s.call.world_size)
+    expected = s.coll.expected(s.call, count) if s.args.check else None
+    line: list[dict[str, Any]] = []
+    for in_place in s.coll.placements:
+        bar.draw(f"{format_size(size)} {'in-place' if in_place else 'out-of-place'}")
+        bufs = s.coll.buffers(s.call, count, in_place)
+        runs = {algo: s.runner(algo, bufs) for algo in active}
+        wrongs = {algo: (_check_once(runs[algo], bufs, expected, s.call.device, s.barrier)
+                         if expected is not None else 0) for algo in active}
+        times = _timed_rounds(s, runs, bufs)
+        for algo in active:
+            line.append(_row(s, algo, in_place, count, size, times[algo], wrongs[algo]))
+            bar.advance(max(size, 1))
+        del bufs
+    return line
+
+
+def _sweep(s: _Session, active: list[str], groups: list[tuple[str, bool]]) -> list[dict[str, Any]]:
+    """Every size in turn; rank 0 prints one table line per size."""
+    a = s.args
+    want_bar = a.progress == "on" or (a.progress == "auto" and sys.stderr.isatty())
+    bar = Progress(total=sum(max(b, 1) for b in a.sizes) * len(groups),
+                   enabled=s.call.rank == 0 and want_bar)
     rows: list[dict[str, Any]] = []
-    for nbytes in args.sizes:
-        count, size = C.counts(spec.name, nbytes, es, n)
-        expected = (C.expected_result(spec.name, rank, n, count, dtype, args.op, max(root, 0))
-                    if args.check else None)
-        line: list[dict[str, Any] | None] = []
-        for in_place in spec.placements:
-            bar.draw(f"{format_size(size)} {'in-place' if in_place else 'out-of-place'}")
-            bufs = C.make_buffers(spec.name, in_place, rank, n, count, dtype, args.op, device)
-            runs = {algo: C.make_runner(spec.name, algo, bufs, comm=comm, rank=rank, world_size=n,
-                                        op=args.op, root=max(root, 0)) for algo in active}
-            wrongs = {algo: (_check_once(runs[algo], bufs, expected, device, barrier)
-                             if expected is not None else 0) for algo in active}
-            # Rounds take turns between the algos (see --rounds); warm-up
-            # calls precede each algo's first round only.
-            times: dict[str, list[float]] = {algo: [] for algo in active}
-            rounds = min(args.rounds, args.iters)
-            for k in range(rounds):
-                per = args.iters // rounds + (1 if k < args.iters % rounds else 0)
-                for algo in active:
-                    times[algo] += _time_loop(runs[algo], bufs, per,
-                                              args.warmup_iters if k == 0 else min(1, args.warmup_iters),
-                                              device, barrier)
-            for algo in active:
-                wrong = wrongs[algo]
-                t_med, total_wrong = agree([statistics.median(times[algo]), 0.0], "MAX")[0], \
-                    agree([float(wrong)], "SUM")[0]
-                t_us = t_med * 1e6
-                algbw = size / t_med / 1e9 if t_med > 0 else 0.0
-                row = {
-                    "collective": spec.name, "size": size, "count": count, "dtype": args.dtype,
-                    "op": op, "root": root, "algo": algo, "in_place": in_place,
-                    "time_us": t_us, "algbw": algbw,
-                    "busbw": algbw * C.busbw_factor(spec.name, n),
-                    "wrong": int(total_wrong) if args.check else None,
-                    "world_size": n, "transport": transport_of(algo), "device": device.type,
-                }
-                rows.append(row)
-                line.append(row)
-                bar.advance(max(size, 1))
-            del bufs
-        if rank == 0:
+    for nbytes in a.sizes:
+        line = _measure_size(s, nbytes, active, bar)
+        rows += line
+        if s.call.rank == 0:
             bar.clear()
-            print(format_row(line), file=out, flush=True)
+            print(format_row(line), file=s.out, flush=True)
     bar.clear()
+    return rows
 
+
+def _meta(s: _Session, active: list[str], skipped: dict[str, str], memcpy: float,
+          memcpy_bytes: int) -> dict[str, Any]:
+    """The JSON file's description of the run."""
+    a = s.args
+    return {
+        "collective": s.coll.name, "world_size": s.call.world_size, "device": s.call.device.type,
+        "dtype": a.dtype, "op": s.op, "root": s.root, "iters": a.iters, "warmup": a.warmup_iters,
+        "rounds": a.rounds,
+        "check": a.check, "algos": active, "skipped": skipped,
+        "transport": s.pycomm_transport, "torch_backend": s.torch_backend,
+        "memcpy_GBps": memcpy, "memcpy_bytes": memcpy_bytes,
+        "host": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(), "torch": torch.__version__,
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "timing": ("back-to-back calls after a barrier and warmup; max over ranks of "
+                   "per-rank median; CPU perf_counter, GPU CUDA events"),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+    }
+
+
+def _report(s: _Session, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Rank 0: the summary lines, then the JSON file and the plot if asked."""
+    out = s.out
+    print(format_summary(rows, meta["algos"], meta["memcpy_GBps"]), file=out, flush=True)
+    if s.args.json:
+        write_json(s.args.json, meta, rows)
+        print(f"# wrote {s.args.json}", file=out)
+    if s.args.plot:
+        plot_results({"meta": meta, "rows": rows}, s.args.plot)
+        print(f"# wrote {s.args.plot}", file=out)
+    out.flush()
+
+
+def run_benchmark(args: Any) -> int:
+    """Runs the sweep on this rank (torch.distributed already initialised).
+    Returns the process exit code: 0, or 1 when a result was wrong.
+
+    The steps: open the session (device, control group, communicator), probe
+    which algos run, measure rank 0's memcpy bandwidth as the reference,
+    print the header, sweep the sizes, report (rank 0), close.
+    """
+    s = _open_session(args)
+    active, skipped = _probe_algos(s)
+    memcpy, memcpy_bytes = _memcpy_reference(s)
+    groups = [(algo, ip) for ip in s.coll.placements for algo in active]
+    if s.call.rank == 0:
+        _print_header(s, groups, skipped, memcpy, memcpy_bytes)
+    rows = _sweep(s, active, groups)
+    if s.call.rank == 0:
+        _report(s, rows, _meta(s, active, skipped, memcpy, memcpy_bytes))
+    s.barrier()
+    if s.comm is not None:
+        s.comm.close()
     wrong_total = sum(r["wrong"] or 0 for r in rows)
-    if rank == 0:
-        print(format_summary(rows, active, memcpy), file=out, flush=True)
-        meta = {
-            "collective": spec.name, "world_size": n, "device": device.type, "dtype": args.dtype,
-            "op": op, "root": root, "iters": args.iters, "warmup": args.warmup_iters,
-            "rounds": args.rounds,
-            "check": args.check, "algos": active, "skipped": skipped,
-            "transport": pc_transport, "torch_backend": torch_backend,
-            "memcpy_GBps": memcpy, "memcpy_bytes": memcpy_bytes,
-            "host": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-            "timing": ("back-to-back calls after a barrier and warmup; max over ranks of "
-                       "per-rank median; CPU perf_counter, GPU CUDA events"),
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "commit": git_commit(),
-        }
-        if args.json:
-            write_json(args.json, meta, rows)
-            print(f"# wrote {args.json}", file=out)
-        if args.plot:
-            plot_results({"meta": meta, "rows": rows}, args.plot)
-            print(f"# wrote {args.plot}", file=out)
-        out.flush()
-    barrier()
-    if comm is not None:
-        comm.close()
     return 0 if wrong_total == 0 else 1

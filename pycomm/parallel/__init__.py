@@ -6,9 +6,9 @@
 bucketing rule as a pure function; ``GradBucket`` is what comm hooks get.
 """
 
+from .._grad_bucket import GradBucket
 from .buckets import bucket_size_limits, compute_bucket_assignment_by_size
 from .distributed import DistributedDataParallel
-from .grad_bucket import GradBucket
 from .stats import BucketStats, DDPStats, IterationStats, comm_overlap
 
 __all__ = [

@@ -43,10 +43,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from .._grad_bucket import GradBucket
 from ..comm import Communicator, ReduceOp, Work, get_default
 from ._sync import broadcast_coalesced, check_same_parameters
 from .buckets import bucket_size_limits, compute_bucket_assignment_by_size
-from .grad_bucket import GradBucket
 from .stats import BucketStats, DDPStats, IterationStats, comm_overlap
 
 __all__ = ["DistributedDataParallel"]
@@ -173,9 +173,9 @@ class DistributedDataParallel(nn.Module):
     after the first). Not supported: ``device_ids``/``output_device``,
     sparse gradients, mixed precision, ``bucket_cap_mb`` lists.
 
-    On GPU (transport ``nccl``; written for it, never run on a GPU yet): the
-    copies into buckets, the all-reduces (ordered after the current stream)
-    and the write-back are enqueued on streams with no host wait per bucket;
+    On GPU (transport ``nccl``): the copies into buckets, the all-reduces
+    (ordered after the current stream) and the write-back are enqueued on
+    streams with no host wait per bucket;
     the end of backward reads the used flags on the host once per iteration
     (not with ``static_graph=True`` after the first), and comm hooks'
     futures are CUDA-aware (completed at the enqueue, read on the stream),

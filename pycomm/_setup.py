@@ -1,0 +1,587 @@
+"""How a communicator comes to be (private; pycomm.comm is the API).
+
+``init()`` and ``Communicator.new_group`` / ``split`` call these steps:
+
+1. read the environment (:class:`Environment`, the one parser of every
+   ``PYCOMM_*`` and torchrun variable) and validate the arguments;
+2. rendezvous (:func:`rendezvous`): find the store, this rank and the world
+   size (``group=``, ``store=``, an initialised torch group, or torchrun);
+3. bootstrap the transport through the store (:func:`build`: shm, gloo or
+   nccl; ``"auto"`` picks shm when every rank is on this host), giving the
+   C++ communicator and its resolved :class:`Settings`.
+
+It also holds the process-wide state: the default communicator of the
+module-level functions (:data:`default`) and the counters that name store
+keys and shared-memory segments.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+import socket
+import threading
+import uuid
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._ext import _C
+
+if TYPE_CHECKING:
+    from .comm import Communicator
+
+CommError = _C.CommError
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+DEFAULT_SLICE_BYTES = 512 * 1024
+# gloo pays about a millisecond of latency per message on loopback, so its
+# ring slices must be large (measured: benchmarks/allreduce/README.md).
+DEFAULT_GLOO_SLICE_BYTES = 4 * 1024 * 1024
+#: GPU default: each slice costs one ncclGroupStart/End (a kernel launch and a
+#: few microseconds of host time), so slices are larger than on CPU.
+DEFAULT_CUDA_SLICE_BYTES = 4 * 1024 * 1024
+
+#: algo="auto" on GPU: per op, the first rule whose max_bytes (None = no limit)
+#: is >= the message size picks the algorithm. The default crossover, 1 MiB, is
+#: an estimate until measured (scripts/gpu_check.sh writes a measured table to
+#: OUTDIR/auto_table.json): below it a collective is latency-bound and NCCL's
+#: single fused kernel wins over our 2(n-1) grouped launches; above it the ring
+#: is bandwidth-bound and is meant to match NCCL.
+#: Override with PYCOMM_AUTO_TABLE=path.json ({"all_reduce": [[bytes|null, algo], ...]}).
+DEFAULT_AUTO_TABLE: dict[str, list[tuple[int | None, str]]] = {
+    "all_reduce": [(1 << 20, "nccl"), (None, "ring")],
+    "reduce_scatter": [(1 << 20, "nccl"), (None, "ring")],
+    "all_gather": [(1 << 20, "nccl"), (None, "ring")],
+    "broadcast": [(1 << 20, "nccl"), (None, "ring")],
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a communicator is to be built, or was built; its groups are built
+    the same way (with their own timeout if given).
+
+    Asked for (init): ``transport`` may be "auto", ``device`` and
+    ``slice_bytes`` None (the defaults). Built (:func:`build`): every field
+    resolved, ``check`` what the transport runs.
+    """
+
+    transport: str  # "auto", "shm", "gloo" or "nccl"
+    device: torch.device | None
+    timeout: timedelta
+    slice_bytes: int | None
+    check: bool
+    #: check was asked for explicitly: a transport without checked mode is an
+    #: error rather than silently unchecked.
+    require_check: bool = False
+
+
+# ------------------------------------------------------------------ environment
+
+class Environment:
+    """Every environment variable pycomm reads, parsed in one place.
+
+    ==========================  ===============================================
+    ``PYCOMM_CHECK``            checked mode (a flag: "", 0, false, no are off)
+    ``PYCOMM_TIMEOUT``          seconds, > 0 (default 5 minutes)
+    ``PYCOMM_SLICE_BYTES``      ring slice size in bytes
+    ``PYCOMM_CPU_SIMD``         "auto" or "scalar" (CPU reduction kernels)
+    ``PYCOMM_AUTO_TABLE``       JSON file of the GPU algo="auto" table
+    ``PYCOMM_BACKEND_*``        process group options (:mod:`pycomm.backend`)
+    ``RANK``, ``WORLD_SIZE``,   the torchrun rendezvous (``MASTER_PORT`` is
+    ``MASTER_ADDR``             read by torch's ``env://``)
+    ``LOCAL_RANK``              the default CUDA device index
+    ==========================  ===============================================
+
+    Each is read when the setup needs it, not at import, so a variable that a
+    path never uses cannot fail it; a bad value is a ValueError naming the
+    variable. (``PYCOMM_SHM_*`` tunables are read by the C++ transport.)
+    """
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self._environ = environ  # None: os.environ as it is at each read
+
+    def get(self, name: str) -> str | None:
+        """The raw value of ``name``, None when unset."""
+        environ = os.environ if self._environ is None else self._environ
+        return environ.get(name)
+
+    def text(self, name: str, default: str = "") -> str:
+        """The raw value of ``name``, ``default`` when unset."""
+        value = self.get(name)
+        return default if value is None else value
+
+    def flag(self, name: str) -> bool:
+        """An on/off variable: unset, "", "0", "false" and "no" are off."""
+        return self.text(name, "0").strip().lower() not in ("", "0", "false", "no")
+
+    def number(self, name: str, kind: type, what: str, value: Any = None) -> Any:
+        """``name`` (or ``value`` standing for it, when given) as an int or a
+        float; a ValueError that names the variable when it is not one."""
+        raw = self.text(name) if value is None else value
+        try:
+            return kind(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"environment variable {name}={raw!r} is not {what}") from None
+
+    def timeout(self) -> timedelta | None:
+        """PYCOMM_TIMEOUT, or None when unset."""
+        if not self.text("PYCOMM_TIMEOUT"):
+            return None
+        seconds = self.number("PYCOMM_TIMEOUT", float, "a number of seconds")
+        if not seconds > 0:
+            raise ValueError(f"environment variable PYCOMM_TIMEOUT={seconds!r} must be positive")
+        return timedelta(seconds=seconds)
+
+    def slice_bytes(self) -> int | None:
+        """PYCOMM_SLICE_BYTES, or None when unset."""
+        if not self.text("PYCOMM_SLICE_BYTES"):
+            return None
+        return self.number("PYCOMM_SLICE_BYTES", int, "a whole number of bytes (no K/M suffix)")
+
+    def check_cpu_simd(self) -> None:
+        """PYCOMM_CPU_SIMD selects the CPU reduction kernels (csrc/core/reduce.cc):
+        unset or "auto" (AVX2/F16C where the CPU has them) or "scalar" (the
+        portable loops; results are bitwise the same). The kernels read it at
+        their first use and raise on another value; init checks it first, so
+        that a typo fails here rather than inside a collective."""
+        value = self.text("PYCOMM_CPU_SIMD")
+        if value not in ("", "auto", "scalar"):
+            raise ValueError(
+                f"environment variable PYCOMM_CPU_SIMD={value!r} is not 'auto' or 'scalar'")
+
+    def torchrun_world(self, rank: int | None, world_size: int | None) -> tuple[int, int]:
+        """(rank, world size) from RANK and WORLD_SIZE (an explicit argument
+        wins over its variable); MASTER_ADDR must be set too."""
+        env_rank = rank if rank is not None else self.get("RANK")
+        env_world = world_size if world_size is not None else self.get("WORLD_SIZE")
+        if env_rank is None or env_world is None or self.get("MASTER_ADDR") is None:
+            raise ValueError(
+                "pycomm.init() needs a rendezvous: run under torchrun (RANK, WORLD_SIZE, "
+                "MASTER_ADDR, MASTER_PORT), or pass rank=, world_size= and store=, or group="
+            )
+        r = self.number("RANK", int, "an integer rank", env_rank)
+        n = self.number("WORLD_SIZE", int, "an integer world size", env_world)
+        return r, n
+
+
+#: The process's environment (read at each use).
+ENV = Environment()
+
+
+# ------------------------------------------------------------------ arguments
+
+def check_from(check: bool | None) -> bool:
+    """init's ``check``, else PYCOMM_CHECK."""
+    return ENV.flag("PYCOMM_CHECK") if check is None else bool(check)
+
+
+def timeout_from(timeout: timedelta | float | None) -> timedelta:
+    """init's ``timeout`` (seconds or a timedelta), else PYCOMM_TIMEOUT, else
+    DEFAULT_TIMEOUT."""
+    if timeout is None:
+        from_env = ENV.timeout()
+        return DEFAULT_TIMEOUT if from_env is None else from_env
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=float(timeout))
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    return timeout
+
+
+def slice_bytes_for(slice_bytes: int | None, transport: str) -> int:
+    """The explicit slice size, else PYCOMM_SLICE_BYTES, else the transport's."""
+    if slice_bytes is not None:
+        return int(slice_bytes)
+    from_env = ENV.slice_bytes()
+    if from_env is not None:
+        return from_env
+    return {"nccl": DEFAULT_CUDA_SLICE_BYTES, "gloo": DEFAULT_GLOO_SLICE_BYTES}.get(
+        transport, DEFAULT_SLICE_BYTES)
+
+
+def validate_world(rank: int, world_size: int) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} is out of range for world_size {world_size}")
+
+
+def resolve_transport(
+    transport: str, device: str | torch.device | None
+) -> tuple[str, torch.device | None]:
+    """Validates init's transport and device; returns ("nccl" | "shm" | "gloo"
+    | "auto" (a CPU transport picked at rendezvous), the requested device)."""
+    if transport not in ("auto", "gloo", "shm", "nccl"):
+        raise ValueError(f"unknown transport {transport!r}; expected 'auto', 'gloo', 'shm' or 'nccl'")
+    with_cuda = bool(getattr(_C, "WITH_CUDA", False))
+    req = torch.device(device) if device is not None else None
+    # nccl (GPU) when asked for, when the device is CUDA, or for transport="auto"
+    # with no device given on a CUDA build that sees a GPU.
+    use_nccl = (
+        transport == "nccl"
+        or (req is not None and req.type == "cuda")
+        or (transport == "auto" and req is None and with_cuda and torch.cuda.is_available())
+    )
+    if use_nccl:
+        if not with_cuda:
+            raise ValueError(
+                "this pycomm build has no CUDA/NCCL support (pycomm._C.WITH_CUDA is False); "
+                "use device='cpu' with transport 'gloo' or 'shm', or rebuild with a CUDA torch"
+            )
+        if transport not in ("auto", "nccl"):
+            raise ValueError(f"transport {transport!r} runs on CPU tensors; CUDA needs 'nccl'")
+        if req is not None and req.type != "cuda":
+            raise ValueError(f"transport 'nccl' needs a CUDA device, got device={req}")
+        return "nccl", req
+    if req is not None and req.type != "cpu":
+        raise ValueError(f"unsupported device {req}; pycomm runs on 'cpu' or CUDA devices")
+    return transport, req
+
+
+def group_members(ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
+    """``ranks`` of new_group as a tuple, validated against ``world_size``."""
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise TypeError(f"new_group: ranks must be a sequence of ints, got {ranks!r}")
+    members = tuple(ranks)
+    for r in members:
+        if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+            raise TypeError(f"new_group: ranks must be ints, got {r!r} ({type(r).__name__})")
+    members = tuple(int(r) for r in members)
+    if not members:
+        raise ValueError("new_group: ranks is empty; a group needs at least one rank")
+    bad = [r for r in members if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"new_group: ranks {bad} are out of range for world_size {world_size}")
+    if len(set(members)) != len(members):
+        dups = sorted({r for r in members if members.count(r) > 1})
+        raise ValueError(f"new_group: ranks {dups} appear more than once in {list(members)}")
+    return members
+
+
+def as_int64(value: Any, name: str) -> int:
+    """split's color/key: an int that fits in int64 (they travel as int64)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"split: {name} must be an int or None, got {value!r}")
+    if not -(1 << 63) <= int(value) < (1 << 63):
+        raise ValueError(f"split: {name}={value} does not fit in 64 bits")
+    return int(value)
+
+
+# ------------------------------------------------------------------ rendezvous
+
+_init_count = 0  # init() calls in this process: numbers the default key prefix
+
+
+def rendezvous(
+    rank: int | None, world_size: int | None, store: Any, group: Any, timeout: timedelta
+) -> tuple[Any, int, int, str]:
+    """Returns (store, rank, world_size, key prefix)."""
+    global _init_count
+    _init_count += 1
+    if group is not None:
+        if not dist.is_initialized():
+            raise ValueError("init(group=...) needs torch.distributed.init_process_group first")
+        r, n = dist.get_rank(group), dist.get_world_size(group)
+        if rank is not None and rank != r:
+            raise ValueError(f"rank={rank} disagrees with the group's rank {r}")
+        base = dist.distributed_c10d._get_default_store()
+        name = dist.distributed_c10d._get_process_group_name(group) if group != dist.group.WORLD else "world"
+        return base, r, n, f"pycomm/{name}/{_init_count}"
+    if store is not None:
+        if rank is None or world_size is None:
+            raise ValueError("init(store=...) also needs rank= and world_size=")
+        return store, rank, world_size, f"pycomm/{_init_count}"
+    if rank is None and world_size is None and dist.is_initialized():
+        return rendezvous(None, None, None, dist.group.WORLD, timeout)
+    r, n = ENV.torchrun_world(rank, world_size)
+    validate_world(r, n)  # before the rendezvous, which would wait for the missing rank
+    st, r, n = next(dist.rendezvous("env://", r, n, timeout=timeout))
+    return st, r, n, f"pycomm/{_init_count}"
+
+
+def wait_for(store: Any, keys: dict[int, str], what: str) -> None:
+    """Waits for the store keys of the ranks in ``keys`` (rank -> key) under
+    the store's own timeout (ranks may reach a rendezvous far apart; the
+    communicator's timeout bounds its operations, not its creation). A
+    timeout is a CommError naming the ranks still missing."""
+    try:
+        store.wait(list(keys.values()))
+    except dist.DistStoreError as e:
+        missing = [q for q, k in keys.items() if not store.check([k])]
+        raise CommError(
+            f"{what}: ranks {missing} did not arrive within the store's timeout "
+            f"({store.timeout.total_seconds():g} s); every rank of a new communicator must "
+            "create it (init(), or new_group/split on every member)") from e
+
+
+def same_host(store: Any, prefix: str, rank: int, world_size: int) -> bool:
+    """True when every rank runs on this host (hostname + boot id match)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    me = f"{socket.gethostname()}|{boot}"
+    store.set(f"{prefix}/host/{rank}", me)
+    keys = {r: f"{prefix}/host/{r}" for r in range(world_size)}
+    wait_for(store, keys, "choosing the transport")
+    return all(store.get(k).decode() == me for k in keys.values())
+
+
+# ------------------------------------------------------------------ shm bootstrap
+
+_shm_count = 0  # shm communicators created here: part of each segment's name
+
+
+def init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes: int,
+             fallback_ok: bool) -> Any:
+    """Creates the shm communicator: rank 0 creates the segment (O_EXCL, 0600)
+    and publishes its name; the others attach; once every rank has reported
+    (store barrier) the name is unlinked, so nothing outlives the processes.
+
+    Returns None (on every rank alike) when some rank could not set up shared
+    memory and ``fallback_ok``; raises CommError otherwise.
+    """
+    global _shm_count
+    _shm_count += 1
+    key = "shm"  # ``st`` is this communicator's own prefixed store
+    # Rank 0 publishes the name before it creates the segment, so that if it
+    # dies or is interrupted before every rank has mapped it (the last one to
+    # do so unlinks it, shm_transport.h), the survivors can remove it: every
+    # rank unlinks the name when init fails here, whatever the reason.
+    if rank == 0:
+        # Unique per job (rank 0's pid + random) and per communicator.
+        st.set(f"{key}/intent", f"/pycomm-{os.getpid()}-{_shm_count}-{uuid.uuid4().hex[:12]}")
+    wait_for(st, {0: f"{key}/intent"}, "shm setup")
+    intent = st.get(f"{key}/intent").decode()
+    try:
+        impl, errors = _map_shm(st, key, intent, rank, world_size, timeout_ms, slice_bytes)
+    except BaseException:
+        _C.shm_unlink(intent)  # ENOENT is fine
+        raise
+    _C.shm_unlink(intent)
+    if errors:
+        if impl is not None:
+            impl.close()
+        reason = "could not set up the shm transport: " + "; ".join(e[1:] for e in errors)
+        if fallback_ok:
+            _warn_fallback_once(reason)
+            return None
+        raise CommError(reason)
+    return impl
+
+
+_fallback_warned = False
+
+
+def _warn_fallback_once(reason: str) -> None:
+    """transport="auto" falls back from shm to gloo (much slower): say why,
+    once per process."""
+    global _fallback_warned
+    if not _fallback_warned:
+        _fallback_warned = True
+        warnings.warn(f"pycomm: transport='auto' uses gloo instead of shm ({reason}); pass "
+                      "transport='shm' to make this an error", RuntimeWarning, stacklevel=5)
+
+
+def _map_shm(st: Any, key: str, name: str, rank: int, world_size: int, timeout_ms: int,
+             slice_bytes: int) -> tuple[Any, list[str]]:
+    """init_shm's steps: rank 0 creates segment ``name``, the others map it,
+    then a store barrier. Returns (this rank's communicator or None, every
+    rank's error)."""
+    impl, err = None, ""
+    if rank == 0:
+        try:
+            impl = _C.make_shm_comm(name, rank, world_size, True, timeout_ms, slice_bytes)
+            st.set(f"{key}/name", name)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            err = f"rank 0: {e}"
+            st.set(f"{key}/name", "!" + err)
+    else:
+        wait_for(st, {0: f"{key}/name"}, "shm setup")
+        published = st.get(f"{key}/name").decode()
+        if published.startswith("!"):
+            err = published[1:]
+        else:
+            try:
+                impl = _C.make_shm_comm(name, rank, world_size, False, timeout_ms, slice_bytes)
+            except Exception as e:  # noqa: BLE001
+                err = f"rank {rank}: {e}"
+    # Barrier: every rank has mapped the segment (or failed to).
+    st.set(f"{key}/mapped/{rank}", "!" + err if err else "ok")
+    keys = {r: f"{key}/mapped/{r}" for r in range(world_size)}
+    try:
+        wait_for(st, keys, "shm setup")
+    except BaseException:
+        if impl is not None:
+            impl.close()
+        raise
+    return impl, [v for v in (st.get(k).decode() for k in keys.values()) if v != "ok"]
+
+
+# ------------------------------------------------------------------ nccl bootstrap
+
+def auto_table() -> dict[str, list[tuple[int, str]]]:
+    """The algo="auto" table for the C++ side (max_bytes -1 = no limit)."""
+    table: dict[str, Any] = dict(DEFAULT_AUTO_TABLE)
+    path = ENV.text("PYCOMM_AUTO_TABLE")
+    if path:
+        with open(path) as f:
+            loaded = json.load(f)
+        for op, rules in loaded.items():
+            if op in table:
+                table[op] = [(b, str(a)) for b, a in rules]
+    out: dict[str, list[tuple[int, str]]] = {}
+    for op, rules in table.items():
+        for _, a in rules:
+            if a not in ("ring", "nccl"):
+                raise ValueError(f"auto table: algo for {op} must be 'ring' or 'nccl', got {a!r}")
+        out[op] = [(-1 if b is None else int(b), a) for b, a in rules]
+    return out
+
+
+def choose_cuda_index(requested: int | None, local_rank: str | None, device_count: int,
+                      current_device: Callable[[], int]) -> int:
+    """The CUDA device index of an nccl communicator, without touching CUDA.
+
+    ``requested`` (the index of an explicit ``device=``) always wins; else
+    ``LOCAL_RANK`` (``local_rank``: its value, None or "" when unset), as
+    torchrun sets it; else ``current_device()`` (the caller's
+    ``torch.cuda.set_device`` choice, or 0). Raises ValueError for a
+    LOCAL_RANK that is not an integer and for an index outside
+    ``range(device_count)``.
+    """
+    if requested is not None:
+        index, what = requested, f"device=cuda:{requested}"
+    elif local_rank is not None and local_rank.strip():
+        try:
+            index = int(local_rank)
+        except ValueError:
+            raise ValueError(f"environment variable LOCAL_RANK={local_rank!r} is not an integer"
+                             ) from None
+        what = f"LOCAL_RANK={index} (default device cuda:LOCAL_RANK)"
+    else:
+        index = current_device()
+        what = f"torch.cuda.current_device()={index}"
+    if not 0 <= index < device_count:
+        raise ValueError(f"{what}: there is no cuda:{index} ({device_count} CUDA device(s) "
+                         "visible); pass device='cuda:N' to init, or check CUDA_VISIBLE_DEVICES")
+    return index
+
+
+def cuda_device(device: torch.device | None) -> torch.device:
+    """init's CUDA device: see choose_cuda_index. Never calls
+    torch.cuda.set_device: the caller's current device stays theirs (the
+    communicator's C++ side switches devices with scoped guards)."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device or 'cuda'} requested but torch.cuda.is_available() "
+                         "is False")
+    requested = None if device is None else torch.device(device).index
+    index = choose_cuda_index(requested, ENV.get("LOCAL_RANK"), torch.cuda.device_count(),
+                              torch.cuda.current_device)
+    return torch.device("cuda", index)
+
+
+def make_nccl(st: Any, r: int, n: int, dev: torch.device, timeout: timedelta,
+              slice_bytes: int) -> Any:
+    """NCCL bootstrap: rank 0 creates the unique id and publishes it through
+    the (prefixed, per-communicator) store; every rank initialises on ``dev``
+    (from cuda_device: an existing device)."""
+    key = "nccl/unique_id"
+    if r == 0:
+        st.set(key, _C.nccl_unique_id().hex())
+    wait_for(st, {0: key}, "NCCL setup")
+    uid = bytes.fromhex(st.get(key).decode())
+    timeout_ms = int(timeout.total_seconds() * 1000)
+    return _C.make_nccl_comm(uid, r, n, dev.index, timeout_ms, slice_bytes, auto_table())
+
+
+# ------------------------------------------------------------------ build
+
+def build(st: Any, r: int, n: int, asked: Settings) -> tuple[Any, Settings, list[Any]]:
+    """Builds the transport of rank ``r`` of ``n`` that rendezvous through
+    ``st`` (a store prefixed for this communicator alone), as ``asked``.
+    init() and groups (Communicator._create_group) share it.
+
+    ``asked.transport`` is "nccl", "shm", "gloo" or "auto" (CPU: shm when
+    every rank runs on this host and shared memory can be set up, else gloo).
+
+    Returns:
+        (the C++ communicator, the resolved settings, objects the
+        communicator must keep alive).
+    """
+    timeout_ms = int(asked.timeout.total_seconds() * 1000)
+    transport, impl = asked.transport, None
+    keepalive: list[Any] = []
+    if transport == "auto":
+        transport = "shm" if same_host(st, "auto", r, n) else "gloo"
+        if transport == "shm":
+            impl = init_shm(st, r, n, timeout_ms, slice_bytes_for(asked.slice_bytes, "shm"),
+                            fallback_ok=True)
+            if impl is None:
+                transport = "gloo"
+    elif transport == "shm":
+        impl = init_shm(st, r, n, timeout_ms, slice_bytes_for(asked.slice_bytes, "shm"),
+                        fallback_ok=False)
+    if transport == "nccl":
+        impl = make_nccl(st, r, n, cuda_device(asked.device), asked.timeout,
+                         slice_bytes_for(asked.slice_bytes, "nccl"))
+    elif transport == "gloo":
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, asked.timeout)
+        impl = _C.make_gloo_comm(pg, timeout_ms, slice_bytes_for(asked.slice_bytes, "gloo"))
+        keepalive.append(pg)
+    if impl is None:
+        raise ValueError(f"transport {transport!r} is not available in this build")
+    if asked.check:
+        if hasattr(impl, "check"):
+            impl.check = True
+        elif asked.require_check:
+            impl.close()
+            raise ValueError(f"check=True is not supported by the {transport!r} transport")
+    built = Settings(transport=transport, device=torch.device(impl.device), timeout=asked.timeout,
+                     slice_bytes=int(impl.slice_bytes), check=bool(getattr(impl, "check", False)))
+    return impl, built, keepalive
+
+
+# ------------------------------------------------------------------ process-wide state
+
+class DefaultCommunicator:
+    """The communicator of the module-level functions (``pycomm.all_reduce``,
+    ...): the last one ``init(set_default=True)`` created, until it closes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._comm: Communicator | None = None
+
+    def set(self, comm: Communicator) -> None:
+        with self._lock:
+            self._comm = comm
+
+    def forget(self, comm: Communicator) -> None:
+        """``comm`` closed: no default any more if it was the default."""
+        with self._lock:
+            if self._comm is comm:
+                self._comm = None
+
+    def get(self) -> Communicator:
+        comm = self._comm
+        if comm is None:
+            raise RuntimeError("pycomm.init() has not been called (or the communicator was closed)")
+        return comm
+
+    def is_set(self) -> bool:
+        return self._comm is not None
+
+
+default = DefaultCommunicator()
+
+#: Transport objects of communicators closed in a forked child (see
+#: Communicator.close): kept alive until the process exits.
+forked_leaks: list[Any] = []
