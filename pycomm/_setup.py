@@ -97,6 +97,8 @@ class Environment:
     ``RANK``, ``WORLD_SIZE``,   the torchrun rendezvous (``MASTER_PORT`` is
     ``MASTER_ADDR``             read by torch's ``env://``)
     ``LOCAL_RANK``              the default CUDA device index
+    ``TORCHELASTIC_RESTART_``   torchrun's attempt number: scopes every store
+    ``COUNT``                   key, so an attempt never reads an earlier one's
     ==========================  ===============================================
 
     Each is read when the setup needs it, not at import, so a variable that a
@@ -155,6 +157,12 @@ class Environment:
         if value not in ("", "auto", "scalar"):
             raise ValueError(
                 f"environment variable PYCOMM_CPU_SIMD={value!r} is not 'auto' or 'scalar'")
+
+    def attempt(self) -> int:
+        """TORCHELASTIC_RESTART_COUNT (torchrun's restart number), 0 when unset."""
+        if not self.text("TORCHELASTIC_RESTART_COUNT"):
+            return 0
+        return self.number("TORCHELASTIC_RESTART_COUNT", int, "an integer restart count")
 
     def torchrun_world(self, rank: int | None, world_size: int | None) -> tuple[int, int]:
         """(rank, world size) from RANK and WORLD_SIZE (an explicit argument

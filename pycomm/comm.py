@@ -634,6 +634,9 @@ def init(
             of the store (every rank passes the same; unique per store)
             instead of one numbered by a per-process count of ``init`` calls,
             which differs between ranks that created different groups.
+            Either way the keys sit under the launch attempt
+            (``TORCHELASTIC_RESTART_COUNT``), so a job that torchrun
+            restarts never reads the keys of an earlier attempt.
 
     Example:
         >>> comm = pycomm.init()                  # under torchrun
@@ -647,6 +650,9 @@ def init(
     st, r, n, prefix = _setup.rendezvous(rank, world_size, store, group, timeout)
     if key_prefix is not None:
         prefix = key_prefix
+    # A restarted job may find the last attempt's keys in the same store (the
+    # elastic agent's): scope this attempt's, so none of them is ever read.
+    prefix = f"{prefix}/attempt{_setup.ENV.attempt()}"
     _setup.validate_world(r, n)
     asked = Settings(transport=transport, device=req, timeout=timeout, slice_bytes=slice_bytes,
                      check=check_on, require_check=check is not None)

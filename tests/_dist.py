@@ -322,23 +322,30 @@ def run_fault_trials(trial_fn: Callable[..., Any], world_size: int, trials: int,
 
 # ------------------------------------------------------------ torchrun
 
-def run_torchrun(script: str, nproc: int, *args: str,
-                 timeout: float = 180) -> "subprocess.CompletedProcess[str]":
+def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 180,
+                 max_restarts: int | None = None) -> "subprocess.CompletedProcess[str]":
     """Runs ``script`` (a path relative to the checkout) with ``args`` under
     ``torchrun --nproc-per-node nproc`` on a free port, with this checkout on
     PYTHONPATH and one OpenMP thread per rank; returns the finished process
-    (the caller checks returncode and stdout)."""
+    (the caller checks returncode and stdout). ``max_restarts``: an elastic
+    job (``--max-restarts N --rdzv-backend c10d``) instead of the static
+    rendezvous."""
     import socket
     import subprocess
     import sys
     from pathlib import Path
 
-    with socket.socket() as sk:  # torchrun's static rendezvous needs a concrete port
+    with socket.socket() as sk:  # torchrun's rendezvous needs a concrete port
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    if max_restarts is None:
+        launch = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    else:
+        launch = ["--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--monitor-interval", "0.1"]
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-         "--master-addr", "127.0.0.1", "--master-port", str(port), str(root / script), *args],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *launch,
+         str(root / script), *args],
         env=env, capture_output=True, text=True, timeout=timeout)

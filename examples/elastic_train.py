@@ -1,0 +1,114 @@
+"""Elastic data-parallel training with pycomm: a job that loses a worker recovers.
+
+Two ways, both with pycomm's DistributedDataParallel:
+
+* **restart** (default), under torchrun's elastic agent:
+      torchrun --nproc-per-node 2 --max-restarts 1 --rdzv-backend c10d \\
+          --rdzv-endpoint 127.0.0.1:29400 examples/elastic_train.py --ckpt /tmp/elastic.pt
+  Rank 0 checkpoints after every step. When a worker dies, the survivors get
+  a CommError at once, torchrun restarts every worker, and the new attempt
+  (a fresh communicator: pycomm scopes its store keys by
+  TORCHELASTIC_RESTART_COUNT) resumes from the checkpoint.
+* **shrink** (``--shrink``): the survivors keep going without a restart:
+  ``comm.shrink()`` builds a communicator over them and ``ddp.rebind()``
+  moves the model onto it. It needs a launcher that leaves the survivors
+  running when a worker dies (torchrun's agent stops them all), e.g. one
+  of your own or the spawn harness of tests/test_elastic.py.
+
+``--kill-rank R --kill-step S`` makes rank R SIGKILL itself in the middle of
+step S's backward (first attempt only), to try it. Every rank's data at step
+s depends on (its rank at launch, s) only, so a resumed run sees what an
+uninterrupted one would. The final parameters go to ``--out`` (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import torch
+from torch import nn
+
+import pycomm
+from pycomm.parallel import DistributedDataParallel
+
+
+def batch(data_rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``data_rank``'s batch of step ``step`` (the same in every attempt)."""
+    g = torch.Generator().manual_seed(1000 * data_rank + step)
+    x = torch.randn(16, 32, generator=g)
+    return x, torch.tanh(x.sum(1, keepdim=True) / 4)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
+def save(path: str, step: int, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Atomically: a rank killed while writing leaves the previous checkpoint."""
+    torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict()}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def kill_in_backward(model: nn.Module) -> None:
+    """SIGKILLs this process when the first gradient of the next backward is ready."""
+    p = next(model.parameters())
+    p.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--ckpt", default="", help="checkpoint path (restart mode)")
+    ap.add_argument("--shrink", action="store_true", help="continue on the survivors")
+    ap.add_argument("--kill-rank", type=int, default=-1)
+    ap.add_argument("--kill-step", type=int, default=-1)
+    ap.add_argument("--transport", default="auto", help="pycomm.init's transport")
+    ap.add_argument("--out", default="", help="rank 0 saves the final parameters here")
+    args = ap.parse_args()
+
+    comm = pycomm.init(transport=args.transport)
+    launch_rank = comm.rank  # the data shard: a rank keeps its shard after a shrink
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = 0
+    if args.ckpt and os.path.exists(args.ckpt):
+        state = torch.load(args.ckpt)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"] + 1
+        print(f"rank {comm.rank}: attempt {attempt} resumes at step {start}", flush=True)
+    ddp = DistributedDataParallel(model, comm)
+
+    step = start
+    while step < args.steps:
+        if attempt == 0 and launch_rank == args.kill_rank and step == args.kill_step:
+            kill_in_backward(model)
+        x, y = batch(launch_rank, step)
+        opt.zero_grad()
+        try:
+            nn.functional.mse_loss(ddp(x), y).backward()
+        except pycomm.CommError as e:
+            if not args.shrink:
+                raise  # torchrun restarts the job; the checkpoint has the last step
+            comm = comm.shrink()
+            ddp.rebind(comm)
+            print(f"rank {launch_rank}: step {step} lost a peer ({e}); continuing as rank "
+                  f"{comm.rank} of {comm.world_size}", flush=True)
+            continue  # redo the step on the survivors
+        opt.step()
+        if args.ckpt and comm.rank == 0:
+            save(args.ckpt, step, model, opt)
+        step += 1
+    if comm.rank == 0:
+        print(f"trained {args.steps} steps on {comm.world_size} ranks", flush=True)
+        if args.out:
+            torch.save([p.detach() for p in model.parameters()], args.out)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Elastic training (examples/elastic_train.py) under a real torchrun: a
+worker SIGKILLed in the middle of a backward, then the job recovers.
+
+Restart: torchrun restarts every worker, the new attempt rendezvous under
+its own store keys (pycomm scopes them by TORCHELASTIC_RESTART_COUNT) and
+resumes from rank 0's checkpoint; the final parameters equal an
+uninterrupted run's. Before the attempt scoping, the second attempt read
+the first one's shm segment name and failed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from tests._dist import run_torchrun
+
+EXAMPLE = "examples/elastic_train.py"
+STEPS = "8"
+
+
+def _final(tmp_path, name: str) -> list[torch.Tensor]:
+    return torch.load(tmp_path / name)
+
+
+def _shm_names() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("pycomm")}
+
+
+def _reference(world: int, steps: int) -> list[torch.Tensor]:
+    """One process, float64: the example's model and data, the gradient
+    averaged over the ranks' batches (what DDP computes)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    try:
+        import elastic_train as ex
+    finally:
+        sys.path.pop(0)
+    model = ex.make_model().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        opt.zero_grad()
+        for r in range(world):
+            x, y = ex.batch(r, step)
+            (torch.nn.functional.mse_loss(model(x.double()), y.double()) / world).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world, transport", [
+    (2, "shm"), (2, "gloo"), (3, "shm"),
+    pytest.param(3, "gloo", marks=pytest.mark.slow),
+])
+def test_torchrun_restart_after_a_worker_is_killed_mid_backward(tmp_path, world, transport):
+    before = _shm_names()
+    common = ["--steps", STEPS, "--transport", transport]
+    plain = run_torchrun(EXAMPLE, world, *common, "--out", str(tmp_path / "plain.pt"),
+                         timeout=240)
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    killed = run_torchrun(EXAMPLE, world, *common, "--ckpt", str(tmp_path / "ckpt.pt"),
+                          "--kill-rank", str(world - 1), "--kill-step", "3",
+                          "--out", str(tmp_path / "killed.pt"), max_restarts=1, timeout=240)
+    assert killed.returncode == 0, killed.stdout[-2000:] + killed.stderr[-6000:]
+    # the survivors saw the death as a CommError, and the second attempt resumed
+    assert "has died" in killed.stderr or "peer" in killed.stderr, killed.stderr[-4000:]
+    for r in range(world):
+        assert f"rank {r}: attempt 1 resumes at step" in killed.stdout, killed.stdout
+    if transport == "shm":
+        assert "uses gloo instead of shm" not in killed.stderr, killed.stderr[-4000:]
+    for a, b, ref in zip(_final(tmp_path, "killed.pt"), _final(tmp_path, "plain.pt"),
+                         _reference(world, int(STEPS))):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        torch.testing.assert_close(a.double(), ref, rtol=1e-5, atol=1e-5)
+    assert _shm_names() <= before
