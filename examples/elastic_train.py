@@ -12,8 +12,11 @@ Two ways, both with pycomm's DistributedDataParallel:
 * **shrink** (``--shrink``): the survivors keep going without a restart:
   ``comm.shrink()`` builds a communicator over them and ``ddp.rebind()``
   moves the model onto it. It needs a launcher that leaves the survivors
-  running when a worker dies (torchrun's agent stops them all), e.g. one
-  of your own or the spawn harness of tests/test_elastic.py.
+  running when a worker dies (torchrun's agent stops them all) and serves
+  the store itself, so that the store outlives any rank (with plain env://
+  rank 0 serves it, and losing rank 0 loses it): e.g. one of your own that
+  sets TORCHELASTIC_USE_AGENT_STORE=True, as tests/_dist.run_script_ranks
+  does.
 
 ``--kill-rank R --kill-step S`` makes rank R SIGKILL itself in the middle of
 step S's backward (first attempt only), to try it. Every rank's data at step
@@ -90,7 +93,7 @@ def main() -> None:
         x, y = batch(launch_rank, step)
         opt.zero_grad()
         try:
-            nn.functional.mse_loss(ddp(x), y).backward()
+            nn.functional.mse_loss(ddp(x), y).backward()  # the all-reduces run here
         except pycomm.CommError as e:
             if not args.shrink:
                 raise  # torchrun restarts the job; the checkpoint has the last step

@@ -97,6 +97,7 @@ class Environment:
     ``RANK``, ``WORLD_SIZE``,   the torchrun rendezvous (``MASTER_PORT`` is
     ``MASTER_ADDR``             read by torch's ``env://``)
     ``LOCAL_RANK``              the default CUDA device index
+    ``PYCOMM_SHRINK_GRACE``     seconds a shrink waits for remote ranks (2)
     ``TORCHELASTIC_RESTART_``   torchrun's attempt number: scopes every store
     ``COUNT``                   key, so an attempt never reads an earlier one's
     ==========================  ===============================================
@@ -157,6 +158,13 @@ class Environment:
         if value not in ("", "auto", "scalar"):
             raise ValueError(
                 f"environment variable PYCOMM_CPU_SIMD={value!r} is not 'auto' or 'scalar'")
+
+    def shrink_grace(self) -> float:
+        """PYCOMM_SHRINK_GRACE: seconds a shrink waits for ranks on other
+        hosts, whose death cannot be seen from here (default 2)."""
+        if not self.text("PYCOMM_SHRINK_GRACE"):
+            return 2.0
+        return self.number("PYCOMM_SHRINK_GRACE", float, "a number of seconds")
 
     def attempt(self) -> int:
         """TORCHELASTIC_RESTART_COUNT (torchrun's restart number), 0 when unset."""
@@ -329,18 +337,58 @@ def wait_for(store: Any, keys: dict[int, str], what: str) -> None:
             "create it (init(), or new_group/split on every member)") from e
 
 
-def same_host(store: Any, prefix: str, rank: int, world_size: int) -> bool:
-    """True when every rank runs on this host (hostname + boot id match)."""
+def host_id() -> str:
+    """This host: hostname and boot id (a container or network namespace with
+    its own hostname counts as a host of its own)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    me = f"{socket.gethostname()}|{boot}"
+    return f"{socket.gethostname()}|{boot}"
+
+
+def same_host(store: Any, prefix: str, rank: int, world_size: int) -> bool:
+    """True when every rank runs on this host (hostname + boot id match)."""
+    me = host_id()
     store.set(f"{prefix}/host/{rank}", me)
     keys = {r: f"{prefix}/host/{r}" for r in range(world_size)}
     wait_for(store, keys, "choosing the transport")
     return all(store.get(k).decode() == me for k in keys.values())
+
+
+def publish_process(store: Any, rank: int) -> None:
+    """Records where rank ``rank`` runs (host id and pid), for ``liveness``."""
+    store.set(f"process/{rank}", f"{host_id()}|{os.getpid()}")
+
+
+def liveness(store: Any, world_size: int) -> tuple[set[int], set[int]]:
+    """(ranks known dead, ranks whose liveness cannot be seen from here):
+    a rank on this host is dead when its process has exited (a zombie
+    counts); one on another host cannot be told from a slow one."""
+    me, dead, unknown = host_id(), set(), set()
+    for q in range(world_size):
+        host, _, pid = store.get(f"process/{q}").decode().rpartition("|")
+        if host != me:
+            unknown.add(q)
+        elif not _process_alive(int(pid)):
+            dead.add(q)
+    return dead, unknown
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # an exited child its parent has not reaped yet still answers kill()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 # ------------------------------------------------------------------ shm bootstrap
@@ -528,6 +576,7 @@ def build(st: Any, r: int, n: int, asked: Settings) -> tuple[Any, Settings, list
     timeout_ms = int(asked.timeout.total_seconds() * 1000)
     transport, impl = asked.transport, None
     keepalive: list[Any] = []
+    publish_process(st, r)
     if transport == "auto":
         transport = "shm" if same_host(st, "auto", r, n) else "gloo"
         if transport == "shm":
@@ -577,6 +626,9 @@ class DefaultCommunicator:
         with self._lock:
             if self._comm is comm:
                 self._comm = None
+
+    def holds(self, comm: Communicator) -> bool:
+        return self._comm is comm
 
     def get(self) -> Communicator:
         comm = self._comm

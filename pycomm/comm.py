@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, Union, overl
 import torch
 import torch.distributed as dist
 
-from . import _setup
+from . import _setup, _shrink
 from ._ext import _C
 from ._setup import (  # noqa: F401 - the defaults stay importable from pycomm.comm
     DEFAULT_AUTO_TABLE,
@@ -163,6 +163,7 @@ class Communicator:
         # group that other ranks never create cannot shift theirs.
         self._group_counts: dict[tuple[int, ...], int] = {}
         self._nccl_splits = 0  # split() calls over NCCL (all ranks make them)
+        self._shrinks = 0  # shrink() calls (every survivor makes them)
 
     # -- properties ------------------------------------------------------
     @property
@@ -531,6 +532,71 @@ class Communicator:
         except (CommError, dist.DistError) as e:  # setup failed, or a member never came
             raise CommError(f"creating the group of ranks {list(members)} (group rank i is "
                             f"ranks[i]) on rank {self.rank}: {e}") from e
+
+    def shrink(self, exclude: Sequence[int] | None = None, *,
+               timeout: timedelta | float | None = None) -> "Communicator":
+        """A new communicator over the ranks that continue after a failure:
+        a collective of the survivors, the idea of NCCL's ``ncclCommShrink``.
+
+        Call it on every surviving rank once an operation has raised
+        :class:`CommError` because peers died. The survivors agree on who
+        continues through the store: a rank on this host whose process has
+        exited is left out at once; a rank on another host (whose death
+        cannot be seen from here) is left out unless it calls ``shrink``
+        within ``PYCOMM_SHRINK_GRACE`` seconds (default 2) of this rank.
+        With ``exclude``, the survivors name the ranks that leave instead
+        (every survivor passes the same list, as with
+        ``torch.distributed.shrink_group``).
+
+        The new communicator has this one's transport and settings (shm: a
+        new segment; gloo: a new process group; nccl: a new NCCL
+        communicator through the store) and renumbers the survivors in their
+        old order. This communicator is aborted and closed; groups made from
+        it are not carried over (make them again from the new one). If it
+        was the default communicator, the new one becomes the default.
+
+        Args:
+            exclude: old ranks that leave (default: the dead, found as above).
+            timeout: the new communicator's timeout (default: this one's).
+
+        Returns:
+            The communicator of the survivors.
+
+        Raises:
+            ValueError: ``exclude`` names a rank out of range, or this one.
+            RuntimeError: this rank called ``shrink`` after the survivors
+                were decided without it.
+            CommError: the new transport could not be set up.
+
+        Example::
+            >>> try:
+            ...     loss.backward()            # a peer dies: CommError
+            ... except pycomm.CommError:
+            ...     comm = comm.shrink()       # the survivors go on
+            ...     ddp.rebind(comm)
+        """
+        if os.getpid() != self._pid:
+            raise RuntimeError("shrink: this communicator belongs to another process")
+        self._shrinks += 1
+        base = f"shrink/{self._shrinks}"
+        settings = replace(self._group_settings(timeout), require_check=self._settings.check)
+        dead, unknown = (set(), set()) if exclude is not None else \
+            _setup.liveness(self._store, self.world_size)
+        members = _shrink.agree_on_survivors(
+            self._store, base, self.rank, self.world_size, exclude=exclude, dead=dead,
+            unknown=unknown, grace=_setup.ENV.shrink_grace(),
+            timeout=settings.timeout.total_seconds())
+        rank, was_default = self.rank, _setup.default.holds(self)
+        self._impl.abort(f"rank {rank} shrank the communicator to ranks {members}")
+        try:
+            self.close()
+        except CommError:
+            pass  # the failure that made us shrink: the caller has seen it
+        new = _build(dist.PrefixStore(f"{base}/comm", self._store), members.index(rank),
+                     len(members), settings)
+        if was_default:
+            _setup.default.set(new)
+        return new
 
     # -- lifetime ---------------------------------------------------------
     def close(self) -> None:

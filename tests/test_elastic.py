@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from tests._dist import run_torchrun
+from tests._dist import run_script_ranks, run_torchrun
 
 EXAMPLE = "examples/elastic_train.py"
 STEPS = "8"
@@ -30,9 +30,11 @@ def _shm_names() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("pycomm")}
 
 
-def _reference(world: int, steps: int) -> list[torch.Tensor]:
+def _reference(world: int, steps: int, survivors: list[int] | None = None,
+               from_step: int = 0) -> list[torch.Tensor]:
     """One process, float64: the example's model and data, the gradient
-    averaged over the ranks' batches (what DDP computes)."""
+    averaged over the ranks' batches (what DDP computes); from step
+    ``from_step`` on, over the ``survivors``' batches only."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     try:
         import elastic_train as ex
@@ -42,9 +44,10 @@ def _reference(world: int, steps: int) -> list[torch.Tensor]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
         opt.zero_grad()
-        for r in range(world):
+        ranks = survivors if survivors is not None and step >= from_step else range(world)
+        for r in ranks:
             x, y = ex.batch(r, step)
-            (torch.nn.functional.mse_loss(model(x.double()), y.double()) / world).backward()
+            (torch.nn.functional.mse_loss(model(x.double()), y.double()) / len(ranks)).backward()
         opt.step()
     return [p.detach() for p in model.parameters()]
 
@@ -73,4 +76,28 @@ def test_torchrun_restart_after_a_worker_is_killed_mid_backward(tmp_path, world,
                          _reference(world, int(STEPS))):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         torch.testing.assert_close(a.double(), ref, rtol=1e-5, atol=1e-5)
+    assert _shm_names() <= before
+
+
+@pytest.mark.parametrize("world, transport", [(2, "shm"), (3, "shm"), (3, "gloo"),
+                                              pytest.param(2, "gloo", marks=pytest.mark.slow)])
+def test_shrink_continues_on_the_survivors(tmp_path, world, transport):
+    """Shrink mode: ranks started without an elastic agent (a dead worker
+    does not stop the others); the survivors shrink, rebind the DDP model
+    and finish equal to a reference trained on their data from the failure
+    step on."""
+    before = _shm_names()
+    victim, kill_step = 0 if world == 3 else 1, 3
+    procs = run_script_ranks(EXAMPLE, world, "--steps", STEPS, "--transport", transport, "--shrink",
+                             "--kill-rank", str(victim), "--kill-step", str(kill_step),
+                             "--out", str(tmp_path / "shrunk.pt"), timeout=240)
+    survivors = [r for r in range(world) if r != victim]
+    assert procs[victim].returncode == -9
+    for r in survivors:
+        assert procs[r].returncode == 0, procs[r].stdout + procs[r].stderr[-4000:]
+        assert f"rank {r}: step {kill_step} lost a peer" in procs[r].stdout
+    assert f"trained {STEPS} steps on {world - 1} ranks" in procs[survivors[0]].stdout
+    ref = _reference(world, int(STEPS), survivors, kill_step)
+    for a, b in zip(_final(tmp_path, "shrunk.pt"), ref):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
     assert _shm_names() <= before

@@ -686,6 +686,40 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------ join
     @contextlib.contextmanager
+    def rebind(self, comm: Communicator) -> None:
+        """Carries on over ``comm``, e.g. the survivors' communicator from
+        :meth:`pycomm.Communicator.shrink` after a peer died (a collective of
+        ``comm``'s ranks).
+
+        Forgets the iteration a failure interrupted (redo that step: zero the
+        gradients, forward, backward), gives every bucket a fresh buffer (the
+        old communicator's symmetric memory is not reused), makes every
+        rank's parameters and buffers equal to ``comm``'s rank 0's, as the
+        constructor does, and, when a comm hook's state is the old
+        communicator, replaces it with ``comm`` (another state that holds the
+        old communicator must be registered again). The bucket layout,
+        statistics and static-graph knowledge stay.
+
+        Raises:
+            TypeError: ``comm`` is not a pycomm.Communicator.
+            ValueError: the parameters are not on ``comm``'s device, or
+                differ in shape or dtype between ``comm``'s ranks.
+        """
+        if not isinstance(comm, Communicator):
+            raise TypeError(f"comm must be a pycomm.Communicator, got {type(comm).__name__}")
+        old, self.comm = self.comm, comm
+        if self._hook_state is old:
+            self._hook_state = comm
+        self._join = None
+        self._active = comm.world_size
+        self._check_params()
+        every = list(self.module.named_parameters())
+        check_same_parameters(comm, [p for _, p in every], [n for n, _ in every])
+        broadcast_coalesced(comm, [p for _, p in every] + (
+            self._module_buffers if self.broadcast_buffers else []), src=0)
+        self._set_buckets([bucket.param_indices for bucket in self._buckets])
+        self._reset_iteration()
+
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Iterator[None]:
         """Training with uneven inputs: a rank that leaves the block early

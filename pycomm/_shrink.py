@@ -1,0 +1,72 @@
+"""Who continues after a failure: the survivors' agreement behind
+``Communicator.shrink()``.
+
+Every surviving rank of the old communicator calls ``agree_on_survivors``
+with what it knows; they agree, through the old communicator's store, on one
+member list, the same on every rank:
+
+  1. each rank checks in under ``<base>/in/<rank>``;
+  2. it waits for the ranks it expects: every rank but those it knows are
+     dead (a rank on this host whose process has exited). When every rank
+     runs on this host that knowledge is exact, and it waits (up to
+     ``timeout``) for all the living; a rank on another host cannot be told
+     from a slow one, so then it waits at most ``grace`` seconds. (With
+     ``exclude`` the caller names the ranks that leave, and there is nothing
+     to agree on.)
+  3. it proposes the ranks that have checked in by then, and the first
+     proposal wins (the store's ``compare_set``), so a rank that checked in
+     late reads the same list as everyone else, and is told it was left out
+     rather than joining a communicator the others do not have.
+
+Keys live under ``<base>`` (``shrink<k>`` of the communicator's own store,
+``k`` counting this communicator's shrinks), so a later shrink never reads
+an earlier one's keys.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["agree_on_survivors"]
+
+_POLL_S = 0.005
+
+
+def agree_on_survivors(store: Any, base: str, rank: int, world_size: int, *,
+                       exclude: Iterable[int] | None, dead: Iterable[int],
+                       unknown: Iterable[int], grace: float, timeout: float) -> list[int]:
+    """The old ranks that continue, in order (the new rank of each is its
+    index). ``dead``: ranks known to have exited; ``unknown``: ranks whose
+    liveness cannot be seen from here. Raises ValueError for a bad
+    ``exclude`` and RuntimeError when this rank was left out (it checked in
+    after the list was decided)."""
+    if exclude is not None:
+        excluded = sorted(set(int(q) for q in exclude))
+        bad = [q for q in excluded if not 0 <= q < world_size]
+        if bad:
+            raise ValueError(f"shrink(exclude={excluded}): ranks {bad} are out of range for "
+                             f"world_size {world_size}")
+        if rank in excluded:
+            raise ValueError(f"shrink(exclude={excluded}): rank {rank} excludes itself; only "
+                             "the ranks that continue call shrink()")
+        return [q for q in range(world_size) if q not in excluded]
+    store.set(f"{base}/in/{rank}", "1")
+    expected = [q for q in range(world_size) if q not in set(dead) - {rank}]
+    deadline = time.monotonic() + (grace if set(unknown) - {rank} else timeout)
+    arrived = _arrived(store, base, expected)
+    while len(arrived) < len(expected) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+        arrived = _arrived(store, base, expected)
+    proposal = ",".join(str(q) for q in arrived)
+    decided = store.compare_set(f"{base}/members", "", proposal)
+    members = [int(q) for q in (decided.decode() if isinstance(decided, bytes) else decided).split(",")]
+    if rank not in members:
+        raise RuntimeError(f"shrink: rank {rank} checked in after the survivors {members} were "
+                           "decided; it is not part of the new communicator")
+    return members
+
+
+def _arrived(store: Any, base: str, expected: list[int]) -> list[int]:
+    return [q for q in expected if store.check([f"{base}/in/{q}"])]

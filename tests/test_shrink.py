@@ -1,0 +1,89 @@
+"""Communicator.shrink(): the survivors of a failure go on, without a restart.
+
+Fresh processes (spawn_ranks): the victim SIGKILLs itself inside a
+collective; the survivors get CommError, shrink, and the new communicator's
+collectives equal float64 references over the survivors' inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from tests._dist import COMM_TIMEOUT, client_store, spawn_ranks
+
+
+def _shm_names() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("pycomm")}
+
+
+def _die_then_shrink(rank, world_size, port, transport, victims, explicit):
+    import time
+
+    import pycomm
+
+    comm = pycomm.init(rank=rank, world_size=world_size, store=client_store(port, world_size),
+                       transport=transport, timeout=COMM_TIMEOUT)
+    t = torch.ones(1 << 16)
+    comm.all_reduce(t)  # everyone is up
+    if rank in victims:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.all_reduce(t)
+        raise AssertionError("the all-reduce with a dead peer succeeded")
+    except pycomm.CommError as e:
+        error = str(e)
+    start = time.monotonic()
+    new = comm.shrink(exclude=victims if explicit else None)
+    took = time.monotonic() - start
+    x = torch.full((1021,), float(rank + 1), dtype=torch.float64)
+    new.all_reduce(x)
+    b = torch.arange(7.0) * (rank + 1) if new.rank == 0 else torch.zeros(7)
+    new.broadcast(b, src=0)
+    out = (new.rank, new.world_size, new.transport, x[0].item(), b.tolist(), comm.closed,
+           pycomm.get_default() is new, error, took)
+    new.close()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+@pytest.mark.parametrize("world_size, victims, explicit", [
+    (2, [1], False), (3, [1], False), (3, [0], True), (4, [0, 2], False),
+])
+def test_survivors_shrink_and_go_on(transport, world_size, victims, explicit):
+    before = _shm_names()
+    results = spawn_ranks(_die_then_shrink, world_size, transport, victims, explicit, timeout=120)
+    survivors = [r for r in range(world_size) if r not in victims]
+    for new_rank, old in enumerate(survivors):
+        rank, n, tr, total, b, old_closed, is_default, error, took = results[old]
+        assert (rank, n, tr) == (new_rank, len(survivors), transport)
+        assert total == sum(q + 1 for q in survivors)
+        assert b == [i * (survivors[0] + 1) for i in range(7)]
+        assert old_closed and is_default
+    for v in victims:
+        assert results[v][0] == "died"
+    assert _shm_names() <= before
+
+
+def _bad_exclude(rank, world_size, port):
+    import pycomm
+
+    comm = pycomm.init(rank=rank, world_size=world_size, store=client_store(port, world_size),
+                       transport="gloo", timeout=COMM_TIMEOUT)
+    errors = []
+    for exclude in ([5], [rank]):
+        try:
+            comm.shrink(exclude=exclude)
+        except ValueError as e:
+            errors.append(str(e))
+    comm.close()
+    return errors
+
+
+def test_shrink_rejects_bad_exclude():
+    for rank, errors in enumerate(spawn_ranks(_bad_exclude, 2)):
+        assert "out of range" in errors[0]
+        assert f"rank {rank} excludes itself" in errors[1]
