@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import IO
 
 __all__ = ["RankResult", "SimulatedHosts", "unavailable_reason"]
 
@@ -161,14 +162,15 @@ class SimulatedHosts:
             raise ValueError(f"layout {list(layout)} needs 1+ ranks on each of at most "
                              f"{self.n_hosts} hosts")
         world = sum(layout)
-        procs: list[tuple[int, int, subprocess.Popen, object, object]] = []
+        procs: list[tuple[int, int, subprocess.Popen, IO[str], IO[str]]] = []
         base = {**os.environ, **(env or {}), "WORLD_SIZE": str(world),
                 "MASTER_ADDR": self.addresses[0], "MASTER_PORT": str(_PORT),
                 "GLOO_SOCKET_IFNAME": (env or {}).get("GLOO_SOCKET_IFNAME", "eth0")}
         rank = 0
         for host, local_world in enumerate(layout):
             for local in range(local_world):
-                out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+                out: IO[str] = tempfile.TemporaryFile("w+")
+                err: IO[str] = tempfile.TemporaryFile("w+")
                 rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local),
                             "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(host)}
                 p = subprocess.Popen(self.command(host, argv), env=rank_env, stdout=out,
@@ -191,11 +193,11 @@ class SimulatedHosts:
         return results
 
 
-def _read(f: object) -> str:
-    f.seek(0)  # type: ignore[attr-defined]
-    text = f.read()  # type: ignore[attr-defined]
-    f.close()  # type: ignore[attr-defined]
-    return str(text)
+def _read(f: IO[str]) -> str:
+    f.seek(0)
+    text = f.read()
+    f.close()
+    return text
 
 
 def _delete_namespace(ns: str) -> None:

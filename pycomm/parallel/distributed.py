@@ -45,6 +45,7 @@ from torch import nn
 
 from .._grad_bucket import GradBucket
 from ..comm import Communicator, ReduceOp, Work, get_default
+from ._records import _Bucket, _InFlight, _JoinState
 from ._sync import broadcast_coalesced, check_same_parameters
 from .buckets import bucket_size_limits, compute_bucket_assignment_by_size
 from .stats import BucketStats, DDPStats, IterationStats, comm_overlap
@@ -88,49 +89,6 @@ def _output_grad_hook(ref: "weakref.ref[DistributedDataParallel]") -> Callable:
         if ddp is not None:
             ddp._start_backward()
     return hook
-
-
-class _Bucket:
-    """One flat buffer and the parameters whose gradients live in it."""
-
-    def __init__(self, index: int, param_indices: list[int], params: list[nn.Parameter]) -> None:
-        self.index = index
-        self.param_indices = param_indices
-        first = params[param_indices[0]]
-        numels = [params[i].numel() for i in param_indices]
-        self.buffer = torch.zeros(sum(numels), dtype=first.dtype, device=first.device)
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for i, n in zip(param_indices, numels):
-            self.views.append(self.buffer[offset:offset + n].view(params[i].shape))
-            offset += n
-        self.pending = len(param_indices)
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """A launched bucket (or the used-flags all-reduce)."""
-
-    buffer: torch.Tensor
-    launched: float
-    work: Work | None = None  # the default path: an all-reduce in place
-    future: torch.futures.Future | None = None  # a comm hook's result
-    timed: torch.futures.Future | None = None  # completes after `done` is set
-    done: float | None = None
-    post_scale: float = 1.0
-
-
-@dataclasses.dataclass
-class _JoinState:
-    """Per-rank view of a :meth:`DistributedDataParallel.join` context."""
-
-    divide_by_initial_world_size: bool
-    throw_on_early_termination: bool
-    last_active: list[int] = dataclasses.field(default_factory=list)
 
 
 class DistributedDataParallel(nn.Module):
@@ -685,7 +643,6 @@ class DistributedDataParallel(nn.Module):
         return [[self._names[i] for i in b.param_indices] for b in self._buckets]
 
     # ------------------------------------------------------------ join
-    @contextlib.contextmanager
     def rebind(self, comm: Communicator) -> None:
         """Carries on over ``comm``, e.g. the survivors' communicator from
         :meth:`pycomm.Communicator.shrink` after a peer died (a collective of
@@ -720,6 +677,7 @@ class DistributedDataParallel(nn.Module):
         self._set_buckets([bucket.param_indices for bucket in self._buckets])
         self._reset_iteration()
 
+    @contextlib.contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Iterator[None]:
         """Training with uneven inputs: a rank that leaves the block early
