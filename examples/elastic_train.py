@@ -27,8 +27,10 @@ uninterrupted one would. The final parameters go to ``--out`` (rank 0).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -55,10 +57,21 @@ def save(path: str, step: int, model: nn.Module, opt: torch.optim.Optimizer) -> 
     os.replace(path + ".tmp", path)
 
 
-def kill_in_backward(model: nn.Module) -> None:
+def log_event(path: str, event: str, rank: int) -> None:
+    """Appends ``{"event", "rank", "t"}`` (wall clock) to ``path`` (--events),
+    for benchmarks/elastic: the time from a kill to the first resumed step."""
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"event": event, "rank": rank, "t": time.time()}) + "\n")
+
+
+def kill_in_backward(model: nn.Module, events: str, rank: int) -> None:
     """SIGKILLs this process when the first gradient of the next backward is ready."""
-    p = next(model.parameters())
-    p.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+    def die(grad: torch.Tensor) -> None:
+        log_event(events, "killed", rank)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    next(model.parameters()).register_hook(die)
 
 
 def main() -> None:
@@ -70,6 +83,7 @@ def main() -> None:
     ap.add_argument("--kill-step", type=int, default=-1)
     ap.add_argument("--transport", default="auto", help="pycomm.init's transport")
     ap.add_argument("--out", default="", help="rank 0 saves the final parameters here")
+    ap.add_argument("--events", default="", help="append timing events (JSON lines) here")
     args = ap.parse_args()
 
     comm = pycomm.init(transport=args.transport)
@@ -86,10 +100,10 @@ def main() -> None:
         print(f"rank {comm.rank}: attempt {attempt} resumes at step {start}", flush=True)
     ddp = DistributedDataParallel(model, comm)
 
-    step = start
+    step, resumed = start, start > 0
     while step < args.steps:
         if attempt == 0 and launch_rank == args.kill_rank and step == args.kill_step:
-            kill_in_backward(model)
+            kill_in_backward(model, args.events, launch_rank)
         x, y = batch(launch_rank, step)
         opt.zero_grad()
         try:
@@ -97,7 +111,8 @@ def main() -> None:
         except pycomm.CommError as e:
             if not args.shrink:
                 raise  # torchrun restarts the job; the checkpoint has the last step
-            comm = comm.shrink()
+            log_event(args.events, "detected", launch_rank)
+            comm, resumed = comm.shrink(), True
             ddp.rebind(comm)
             print(f"rank {launch_rank}: step {step} lost a peer ({e}); continuing as rank "
                   f"{comm.rank} of {comm.world_size}", flush=True)
@@ -105,6 +120,9 @@ def main() -> None:
         opt.step()
         if args.ckpt and comm.rank == 0:
             save(args.ckpt, step, model, opt)
+        if resumed:
+            log_event(args.events, "resumed", launch_rank)
+            resumed = False
         step += 1
     if comm.rank == 0:
         print(f"trained {args.steps} steps on {comm.world_size} ranks", flush=True)

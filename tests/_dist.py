@@ -353,35 +353,14 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 180,
 
 def run_script_ranks(script: str, nproc: int, *args: str,
                      timeout: float = 180) -> list["subprocess.CompletedProcess[str]"]:
-    """Runs ``script`` as ``nproc`` ranks started here with torchrun's
-    variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), but
-    no elastic agent: a rank that dies does not stop the others (what
-    ``Communicator.shrink`` needs). As torchrun's agent does, this process
-    serves the store (TORCHELASTIC_USE_AGENT_STORE), so it outlives every
-    rank, rank 0 included. Returns each rank's finished process."""
-    import subprocess
-    import sys
+    """``script`` (relative to the checkout) as ``nproc`` ranks with no
+    elastic agent and the store served by this process
+    (pycomm.bench.launch.run_script), this checkout on PYTHONPATH, one
+    OpenMP thread per rank."""
     from pathlib import Path
 
-    store = master_store(nproc)
-    port = store.port
+    from pycomm.bench.launch import run_script
+
     root = Path(__file__).resolve().parent.parent
-    procs = []
-    for r in range(nproc):
-        env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1", RANK=str(r),
-                   LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   TORCHELASTIC_USE_AGENT_STORE="True")
-        procs.append(subprocess.Popen([sys.executable, str(root / script), *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    done = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, err = p.communicate()
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    del store
-    return done
+    return run_script([str(root / script), *args], nproc, timeout=timeout,
+                      env={"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -21,7 +22,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["launch", "under_torchrun"]
+__all__ = ["launch", "run_script", "under_torchrun"]
 
 
 def under_torchrun() -> bool:
@@ -161,3 +162,38 @@ def launch(args: Any) -> int:
         dist.init_process_group(_backend(args.device), timeout=_rank_timeout(args))
         return _run_here(args)
     return _spawn(args, args.nproc or 1)
+
+
+def run_script(argv: list[str], nproc: int, *, timeout: float = 300,
+               env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Runs ``python argv...`` as ``nproc`` local ranks with torchrun's
+    variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) but no elastic agent: a rank that dies leaves the others
+    running, as ``Communicator.shrink`` needs. Like torchrun's agent, this
+    process serves the store (``TORCHELASTIC_USE_AGENT_STORE``), so the store
+    outlives every rank, rank 0 included. Past ``timeout`` seconds every rank
+    is killed. Returns each rank's finished process (output captured)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, nproc, True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    procs = []
+    for r in range(nproc):
+        rank_env = dict(os.environ, **(env or {}), RANK=str(r), LOCAL_RANK=str(r),
+                        WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                        TORCHELASTIC_USE_AGENT_STORE="True")
+        procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    deadline = time.monotonic() + timeout
+    done = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, err = p.communicate()
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    del store
+    return done
