@@ -15,6 +15,10 @@ const char* coll_name(CollKind k) {
     case CollKind::kBarrier: return "barrier";
     case CollKind::kCheck: return "checked-mode fingerprint exchange";
     case CollKind::kRegister: return "register_tensor";
+    case CollKind::kReduce: return "reduce";
+    case CollKind::kGather: return "gather";
+    case CollKind::kScatter: return "scatter";
+    case CollKind::kAllToAll: return "all_to_all";
   }
   return "?";
 }
@@ -34,7 +38,7 @@ const char* algo_name(int32_t a) {
 }
 
 const char* kind_name(int32_t k) {
-  return k >= 1 && k <= 7 ? coll_name(static_cast<CollKind>(k)) : "unknown-op";
+  return k >= 1 && k <= kNumCollKinds ? coll_name(static_cast<CollKind>(k)) : "unknown-op";
 }
 
 // 8 bits each for kind, dtype + 1, op + 1, algo; 32 bits for root + 1.
@@ -63,7 +67,12 @@ std::string OpHeader::str() const {
   std::ostringstream s;
   s << kind_name(kind) << " #" << seq;
   if (kind == static_cast<int32_t>(CollKind::kBarrier)) return s.str();
-  s << " (count=" << count;
+  s << " (count=";
+  if (count == kUnevenCount) {
+    s << "uneven";
+  } else {
+    s << count;
+  }
   if (dtype >= 0 && dtype < kNumDTypes) s << ", dtype=" << dtype_name(static_cast<DType>(dtype));
   if (op >= 0 && op < kNumReduceOps) s << ", op=" << op_name(static_cast<ReduceOp>(op));
   if (root >= 0) s << ", root=" << root;
@@ -96,7 +105,10 @@ std::string mismatch_message(int me, const OpHeader& mine, int peer, const OpHea
     differs("collective", kind_name(mine.kind), kind_name(theirs.kind));
   } else {
     if (mine.count != theirs.count) {
-      differs("count", std::to_string(mine.count), std::to_string(theirs.count));
+      auto c = [](uint64_t v) {
+        return v == kUnevenCount ? std::string("uneven") : std::to_string(v);
+      };
+      differs("count", c(mine.count), c(theirs.count));
     }
     if (mine.dtype != theirs.dtype) differs("dtype", dname(mine.dtype), dname(theirs.dtype));
     if (mine.op != theirs.op) differs("reduce op", oname(mine.op), oname(theirs.op));
