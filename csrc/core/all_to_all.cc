@@ -1,4 +1,4 @@
-// All-to-all with per-peer counts: a pairwise schedule, after an optional
+// All-to-all with per-peer counts: a pairwise schedule, after a
 // verification that every sender and receiver agree on each block's size.
 // See collectives.h for the contract.
 #include <algorithm>
@@ -73,13 +73,12 @@ void verify_all_to_all_counts(const Context& ctx, const size_t* send_count,
 }
 
 void all_to_all(const Context& ctx, const void* const* send, const size_t* send_count,
-                void* const* recv, const size_t* recv_count, size_t es, bool verify) {
+                void* const* recv, const size_t* recv_count, size_t es) {
   Transport& tr = ctx.transport;
   const int n = tr.world_size();
   const int r = tr.rank();
-  if (verify) verify_all_to_all_counts(ctx, send_count, recv_count);
-  // Verified, or uniform (the binding checks the block to itself then).
-  if (send_count[r] != recv_count[r]) {
+  verify_all_to_all_counts(ctx, send_count, recv_count);
+  if (send_count[r] != recv_count[r]) {  // verified above: unreachable
     throw CommError("all_to_all: rank " + std::to_string(r) + " sends " +
                     std::to_string(send_count[r]) + " elements to itself but expects " +
                     std::to_string(recv_count[r]));

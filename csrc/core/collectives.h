@@ -63,16 +63,16 @@ void scatter(const Context& ctx, const void* const* in, void* out, size_t m, siz
 // {send to r+k, recv from r-k} as one group (every rank's step k pairs with
 // its partners' step k), with step k+1 posted while step k is in flight.
 //
-// `verify`: before any payload moves, the ranks all-gather every rank's send
-// and receive counts (16 n bytes each) and compare send_count of rank i to
-// j with recv_count of rank j from i, for every pair. A mismatch throws
-// CommError on every rank alike (the same table, the same message), so an
-// uneven split that differs between sender and receiver never truncates,
-// hangs or half-succeeds. The binding verifies whenever the counts are not
-// uniform (OpHeader count kUnevenCount); uniform calls are checked by the op
-// header's count instead.
+// Before any payload moves, the ranks all-gather every rank's send and
+// receive counts (verify_all_to_all_counts) and compare send_count of rank i
+// to j with recv_count of rank j from i, for every pair. A mismatch throws
+// CommError on every rank alike (the same table, the same message), so a
+// split that differs between sender and receiver never truncates, hangs or
+// half-succeeds. The op header cannot do this (a rank's counts legitimately
+// differ from its peers'), and per-pair checks would leave the other ranks
+// finishing normally. Costs one all-gather of 16 n bytes per rank.
 void all_to_all(const Context& ctx, const void* const* send, const size_t* send_count,
-                void* const* recv, const size_t* recv_count, size_t es, bool verify);
+                void* const* recv, const size_t* recv_count, size_t es);
 
 // The verification step of all_to_all on its own (a collective: every rank
 // calls it at the same point). Needs ctx.scratch_bytes >= 16 * world_size

@@ -67,12 +67,7 @@ std::string OpHeader::str() const {
   std::ostringstream s;
   s << kind_name(kind) << " #" << seq;
   if (kind == static_cast<int32_t>(CollKind::kBarrier)) return s.str();
-  s << " (count=";
-  if (count == kUnevenCount) {
-    s << "uneven";
-  } else {
-    s << count;
-  }
+  s << " (count=" << count;
   if (dtype >= 0 && dtype < kNumDTypes) s << ", dtype=" << dtype_name(static_cast<DType>(dtype));
   if (op >= 0 && op < kNumReduceOps) s << ", op=" << op_name(static_cast<ReduceOp>(op));
   if (root >= 0) s << ", root=" << root;
@@ -105,10 +100,7 @@ std::string mismatch_message(int me, const OpHeader& mine, int peer, const OpHea
     differs("collective", kind_name(mine.kind), kind_name(theirs.kind));
   } else {
     if (mine.count != theirs.count) {
-      auto c = [](uint64_t v) {
-        return v == kUnevenCount ? std::string("uneven") : std::to_string(v);
-      };
-      differs("count", c(mine.count), c(theirs.count));
+      differs("count", std::to_string(mine.count), std::to_string(theirs.count));
     }
     if (mine.dtype != theirs.dtype) differs("dtype", dname(mine.dtype), dname(theirs.dtype));
     if (mine.op != theirs.op) differs("reduce op", oname(mine.op), oname(theirs.op));

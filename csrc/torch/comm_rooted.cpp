@@ -122,18 +122,6 @@ bool overlap(const at::Tensor& a, const at::Tensor& b) {
   return pa < pb + b.nbytes() && pb < pa + a.nbytes();
 }
 
-// Per-peer counts are uniform when every rank sends and receives m > 0
-// elements to and from everyone: the op header's count then checks them. Zero
-// is never uniform, since empty blocks send no message that could carry it.
-uint64_t uniform_count(const std::vector<size_t>& send, const std::vector<size_t>& recv) {
-  const size_t m = send[0];
-  if (m == 0) return kUnevenCount;
-  for (size_t p = 0; p < send.size(); ++p) {
-    if (send[p] != m || recv[p] != m) return kUnevenCount;
-  }
-  return m;
-}
-
 }  // namespace
 
 c10::intrusive_ptr<Work> Comm::reduce(const at::Tensor& t, int dst, int op, bool async_op) {
@@ -245,13 +233,11 @@ c10::intrusive_ptr<Work> Comm::all_to_all(const std::vector<at::Tensor>& outs,
   }
   const DType dt = to_dtype(st, "input_tensor_list[0]");
   const size_t es = ins[0].element_size();
-  const uint64_t count = uniform_count(send_count, recv_count);
-  const bool verify = count == kUnevenCount;
   return launch(kOp, outs,
-                collective(make_header(CollKind::kAllToAll, count, dt, -1, -1),
+                collective(make_header(CollKind::kAllToAll, 0, dt, -1, -1),
                            [=](const Context& ctx) {
                              pycomm::all_to_all(ctx, send.data(), send_count.data(), recv.data(),
-                                                recv_count.data(), es, verify);
+                                                recv_count.data(), es);
                            }),
                 wait_for(async_op), ins);
 }
@@ -300,13 +286,11 @@ c10::intrusive_ptr<Work> Comm::all_to_all_single(const at::Tensor& out, const at
     ro += recv_count[p];
   }
   const DType dt = to_dtype(in.scalar_type(), "input");
-  const uint64_t count = uniform_count(send_count, recv_count);
-  const bool verify = count == kUnevenCount;
   return launch(kOp, {out},
-                collective(make_header(CollKind::kAllToAll, count, dt, -1, -1),
+                collective(make_header(CollKind::kAllToAll, 0, dt, -1, -1),
                            [=](const Context& ctx) {
                              pycomm::all_to_all(ctx, send.data(), send_count.data(), recv.data(),
-                                                recv_count.data(), es, verify);
+                                                recv_count.data(), es);
                            }),
                 wait_for(async_op), {in});
 }
