@@ -318,6 +318,95 @@ class Communicator:
         _need_tensors("broadcast", tensor=tensor)
         return self._impl.broadcast(tensor, src, algo, async_op)
 
+    # -- rooted collectives and all-to-all (csrc/core/collectives.h) ------
+    def reduce(
+        self, tensor: torch.Tensor, dst: int = 0, op: OpLike = ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Reduces ``tensor`` of every rank into ``tensor`` on rank ``dst``
+        (like ``torch.distributed.reduce``; a pipelined chain toward ``dst``).
+
+        On the other ranks ``tensor`` is overwritten with partial results
+        (torch leaves their contents undefined): keep a copy if you need it.
+
+        Raises:
+            TypeError: unsupported dtype. ValueError: ``dst`` out of range,
+            wrong device, non-contiguous tensor, unknown op, AVG on integers.
+            CommError: the collective failed, or ranks passed different
+            ``dst``, sizes, dtypes or ops (``check=True``: ValueError on every
+            rank before anything is sent).
+        """
+        _need_tensors("reduce", tensor=tensor)
+        return self._impl.reduce(tensor, dst, _to_op(op), async_op)
+
+    def gather(
+        self, gather_list: Sequence[torch.Tensor] | None, tensor: torch.Tensor, dst: int = 0,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Rank ``dst`` receives every rank's ``tensor`` into
+        ``gather_list[rank]`` (world_size tensors of ``tensor``'s dtype and
+        numel); the other ranks pass ``None``. Like ``torch.distributed.gather``.
+
+        Raises:
+            ValueError: ``gather_list`` given on a rank other than ``dst``, or
+            of the wrong length or sizes on ``dst``; ``dst`` out of range.
+            TypeError: not tensors, or dtypes that differ.
+        """
+        _need_tensors("gather", tensor=tensor)
+        return self._impl.gather(_tensor_list("gather", "gather_list", gather_list), tensor, dst,
+                                 async_op)
+
+    def scatter(
+        self, tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None, src: int = 0,
+        async_op: bool = False,
+    ) -> Work | None:
+        """``tensor`` on rank r receives ``scatter_list[r]`` of rank ``src``;
+        the other ranks pass ``None``. Like ``torch.distributed.scatter``.
+
+        Raises:
+            ValueError / TypeError: as :meth:`gather`, for ``scatter_list``
+            and ``src``.
+        """
+        _need_tensors("scatter", tensor=tensor)
+        return self._impl.scatter(tensor, _tensor_list("scatter", "scatter_list", scatter_list),
+                                  src, async_op)
+
+    def all_to_all(
+        self, output_tensor_list: Sequence[torch.Tensor],
+        input_tensor_list: Sequence[torch.Tensor], async_op: bool = False,
+    ) -> Work | None:
+        """``output_tensor_list[p]`` receives rank p's
+        ``input_tensor_list[rank]``; sizes may differ per peer, as long as each
+        sender's block matches its receiver's (checked: a mismatch raises
+        CommError on every rank before any data moves). Pairwise schedule.
+        Like ``torch.distributed.all_to_all``."""
+        return self._impl.all_to_all(
+            _tensor_list("all_to_all", "output_tensor_list", output_tensor_list, none_ok=False),
+            _tensor_list("all_to_all", "input_tensor_list", input_tensor_list, none_ok=False),
+            async_op)
+
+    def all_to_all_single(
+        self, output: torch.Tensor, input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None, async_op: bool = False,
+    ) -> Work | None:
+        """Block p of ``input`` (``input_split_sizes[p]`` rows of dim 0) goes
+        to rank p, whose block for this rank lands in ``output`` at the rows
+        ``output_split_sizes`` give. ``None`` splits: equal blocks of
+        ``size(0) / world_size`` rows. Uneven splits are verified across ranks
+        (a mismatch raises CommError on every rank, nothing is truncated).
+        Like ``torch.distributed.all_to_all_single``.
+
+        Raises:
+            ValueError: splits of the wrong length, negative, or not summing
+            to ``size(0)``; ``size(0)`` not divisible without splits;
+            ``output`` overlapping ``input``. TypeError: dtypes differ.
+        """
+        _need_tensors("all_to_all_single", output=output, input=input)
+        return self._impl.all_to_all_single(
+            output, input, _splits("output_split_sizes", output_split_sizes),
+            _splits("input_split_sizes", input_split_sizes), async_op)
+
     def barrier(self) -> None:
         """Returns once every rank has entered the barrier."""
         self._impl.barrier()
@@ -617,6 +706,32 @@ def _need_tensors(op: str, **args: Any) -> None:
         if not isinstance(value, torch.Tensor):
             hint = " (wrap it with torch.as_tensor)" if hasattr(value, "__len__") else ""
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}{hint}")
+
+
+def _tensor_list(op: str, name: str, value: Any, none_ok: bool = True) -> list[torch.Tensor]:
+    """A list argument of tensors (None -> [] where allowed), or a TypeError
+    naming it."""
+    if value is None and none_ok:
+        return []
+    if isinstance(value, torch.Tensor) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{op}: {name} must be a list of tensors"
+                        f"{' or None' if none_ok else ''}, got {type(value).__name__}")
+    for i, t in enumerate(value):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    return list(value)
+
+
+def _splits(name: str, value: Any) -> list[int]:
+    """all_to_all_single's split sizes (None -> [], equal blocks)."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value):
+        raise TypeError(f"all_to_all_single: {name} must be a list of ints or None, got {value!r}")
+    return [int(v) for v in value]
 
 
 def _check_from(check: bool | None) -> bool:
