@@ -43,16 +43,21 @@ backend.register()
 __all__ = comm.__all__ + [
     "all_gather",
     "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
     "barrier",
     "batch_isend_irecv",
     "broadcast",
     "close",
+    "gather",
     "hooks",
     "irecv",
     "isend",
     "new_group",
     "recv",
+    "reduce",
     "reduce_scatter",
+    "scatter",
     "send",
     "split",
 ]
@@ -84,6 +89,39 @@ def broadcast(tensor: torch.Tensor, src: int = 0, algo: str = "auto",
               async_op: bool = False) -> Work | None:
     """:meth:`Communicator.broadcast` on the default communicator."""
     return get_default().broadcast(tensor, src=src, algo=algo, async_op=async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: Any = ReduceOp.SUM,
+           async_op: bool = False) -> Work | None:
+    """:meth:`Communicator.reduce` on the default communicator."""
+    return get_default().reduce(tensor, dst=dst, op=op, async_op=async_op)
+
+
+def gather(gather_list: Sequence[torch.Tensor] | None, tensor: torch.Tensor, dst: int = 0,
+           async_op: bool = False) -> Work | None:
+    """:meth:`Communicator.gather` on the default communicator."""
+    return get_default().gather(gather_list, tensor, dst=dst, async_op=async_op)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None, src: int = 0,
+            async_op: bool = False) -> Work | None:
+    """:meth:`Communicator.scatter` on the default communicator."""
+    return get_default().scatter(tensor, scatter_list, src=src, async_op=async_op)
+
+
+def all_to_all(output_tensor_list: Sequence[torch.Tensor],
+               input_tensor_list: Sequence[torch.Tensor], async_op: bool = False) -> Work | None:
+    """:meth:`Communicator.all_to_all` on the default communicator."""
+    return get_default().all_to_all(output_tensor_list, input_tensor_list, async_op=async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None,
+                      async_op: bool = False) -> Work | None:
+    """:meth:`Communicator.all_to_all_single` on the default communicator."""
+    return get_default().all_to_all_single(output, input, output_split_sizes,
+                                           input_split_sizes, async_op=async_op)
 
 
 def send(tensor: torch.Tensor, dst: int) -> None:

@@ -8,13 +8,12 @@ algorithms (csrc/core).
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import os
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, Union, overload
+from typing import TYPE_CHECKING, Any, Literal, Sequence, overload
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,16 @@ from ._setup import (  # noqa: F401 - the defaults stay importable from pycomm.c
     DEFAULT_SLICE_BYTES,
     DEFAULT_TIMEOUT,
     Settings,
+)
+from ._types import (  # noqa: F401 - _to_op stays importable from pycomm.comm
+    OpLike,
+    P2POp,
+    ReduceOp,
+    _need_tensors,
+    _splits,
+    _tensor_list,
+    _to_op,
+    _to_wire,
 )
 
 __all__ = [
@@ -54,89 +63,6 @@ if TYPE_CHECKING:  # the compiled class, opaque to type checkers
     Work = Any
 else:
     Work = _C.Work
-
-
-class ReduceOp(enum.IntEnum):
-    """Reduction operators. Strings ("sum", "avg", "max", "min", "product")
-    and ``torch.distributed.ReduceOp`` values are accepted wherever an op is."""
-
-    SUM = 0
-    AVG = 1
-    MAX = 2
-    MIN = 3
-    PRODUCT = 4
-
-
-_OP_NAMES = {
-    "sum": ReduceOp.SUM,
-    "avg": ReduceOp.AVG,
-    "mean": ReduceOp.AVG,
-    "max": ReduceOp.MAX,
-    "min": ReduceOp.MIN,
-    "product": ReduceOp.PRODUCT,
-    "prod": ReduceOp.PRODUCT,
-}
-
-OpLike = Union[ReduceOp, str, int, "dist.ReduceOp"]
-
-
-def _to_op(op: Any) -> int:
-    if isinstance(op, ReduceOp):
-        return int(op)
-    if isinstance(op, str):
-        try:
-            return int(_OP_NAMES[op.lower()])
-        except KeyError:
-            raise ValueError(
-                f"unknown reduce op {op!r}; expected one of {sorted(_OP_NAMES)}"
-            ) from None
-    if isinstance(op, dist.ReduceOp) or type(op).__name__ == "RedOpType":
-        name = str(op).split(".")[-1].lower()
-        if name in _OP_NAMES:
-            return int(_OP_NAMES[name])
-        raise ValueError(f"torch.distributed reduce op {op} is not supported by pycomm")
-    if isinstance(op, int) and not isinstance(op, bool) and 0 <= op < len(ReduceOp):
-        return op
-    raise ValueError(f"unknown reduce op {op!r}; use pycomm.ReduceOp or a string like 'sum'")
-
-
-# The C++ DType codes of the wire dtypes (csrc/core/types.h).
-_WIRE_DTYPES = {torch.float16: 2, torch.bfloat16: 3}
-_WIRE_NAMES = {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def _to_wire(wire_dtype: Any) -> int:
-    """all_reduce's wire_dtype -> the core's DType code."""
-    dt = _WIRE_NAMES.get(wire_dtype.lower()) if isinstance(wire_dtype, str) else wire_dtype
-    if not isinstance(dt, torch.dtype) or dt not in _WIRE_DTYPES:
-        raise ValueError(f"all_reduce: wire_dtype must be None, torch.float16 or torch.bfloat16 "
-                         f"(or 'float16' / 'bfloat16'), got {wire_dtype!r}")
-    return _WIRE_DTYPES[dt]
-
-
-@dataclass
-class P2POp:
-    """One request of :meth:`Communicator.batch_isend_irecv`.
-
-    Args:
-        op: ``"isend"`` or ``"irecv"`` (or the functions/methods of that name,
-            as with ``torch.distributed.P2POp(dist.isend, t, peer)``).
-        tensor: the tensor to send from or receive into (contiguous).
-        peer: the other rank.
-    """
-
-    op: Union[str, Callable[..., Any]]
-    tensor: torch.Tensor
-    peer: int
-
-    def is_send(self) -> bool:
-        name = self.op if isinstance(self.op, str) else getattr(self.op, "__name__", "")
-        if name in ("isend", "send"):
-            return True
-        if name in ("irecv", "recv"):
-            return False
-        raise ValueError(f"P2POp.op must be 'isend' or 'irecv', got {self.op!r}")
 
 
 class Communicator:
@@ -293,6 +219,95 @@ class Communicator:
         (pipelined chain from src)."""
         _need_tensors("broadcast", tensor=tensor)
         return self._impl.broadcast(tensor, src, algo, async_op)
+
+    # -- rooted collectives and all-to-all (csrc/core/collectives.h) ------
+    def reduce(
+        self, tensor: torch.Tensor, dst: int = 0, op: OpLike = ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Reduces ``tensor`` of every rank into ``tensor`` on rank ``dst``
+        (like ``torch.distributed.reduce``; a pipelined chain toward ``dst``).
+
+        On the other ranks ``tensor`` is overwritten with partial results
+        (torch leaves their contents undefined): keep a copy if you need it.
+
+        Raises:
+            TypeError: unsupported dtype. ValueError: ``dst`` out of range,
+            wrong device, non-contiguous tensor, unknown op, AVG on integers.
+            CommError: the collective failed, or ranks passed different
+            ``dst``, sizes, dtypes or ops (``check=True``: ValueError on every
+            rank before anything is sent).
+        """
+        _need_tensors("reduce", tensor=tensor)
+        return self._impl.reduce(tensor, dst, _to_op(op), async_op)
+
+    def gather(
+        self, gather_list: Sequence[torch.Tensor] | None, tensor: torch.Tensor, dst: int = 0,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Rank ``dst`` receives every rank's ``tensor`` into
+        ``gather_list[rank]`` (world_size tensors of ``tensor``'s dtype and
+        numel); the other ranks pass ``None``. Like ``torch.distributed.gather``.
+
+        Raises:
+            ValueError: ``gather_list`` given on a rank other than ``dst``, or
+            of the wrong length or sizes on ``dst``; ``dst`` out of range.
+            TypeError: not tensors, or dtypes that differ.
+        """
+        _need_tensors("gather", tensor=tensor)
+        return self._impl.gather(_tensor_list("gather", "gather_list", gather_list), tensor, dst,
+                                 async_op)
+
+    def scatter(
+        self, tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None, src: int = 0,
+        async_op: bool = False,
+    ) -> Work | None:
+        """``tensor`` on rank r receives ``scatter_list[r]`` of rank ``src``;
+        the other ranks pass ``None``. Like ``torch.distributed.scatter``.
+
+        Raises:
+            ValueError / TypeError: as :meth:`gather`, for ``scatter_list``
+            and ``src``.
+        """
+        _need_tensors("scatter", tensor=tensor)
+        return self._impl.scatter(tensor, _tensor_list("scatter", "scatter_list", scatter_list),
+                                  src, async_op)
+
+    def all_to_all(
+        self, output_tensor_list: Sequence[torch.Tensor],
+        input_tensor_list: Sequence[torch.Tensor], async_op: bool = False,
+    ) -> Work | None:
+        """``output_tensor_list[p]`` receives rank p's
+        ``input_tensor_list[rank]``; sizes may differ per peer, as long as each
+        sender's block matches its receiver's (checked: a mismatch raises
+        CommError on every rank before any data moves). Pairwise schedule.
+        Like ``torch.distributed.all_to_all``."""
+        return self._impl.all_to_all(
+            _tensor_list("all_to_all", "output_tensor_list", output_tensor_list, none_ok=False),
+            _tensor_list("all_to_all", "input_tensor_list", input_tensor_list, none_ok=False),
+            async_op)
+
+    def all_to_all_single(
+        self, output: torch.Tensor, input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None, async_op: bool = False,
+    ) -> Work | None:
+        """Block p of ``input`` (``input_split_sizes[p]`` rows of dim 0) goes
+        to rank p, whose block for this rank lands in ``output`` at the rows
+        ``output_split_sizes`` give. ``None`` splits: equal blocks of
+        ``size(0) / world_size`` rows. Uneven splits are verified across ranks
+        (a mismatch raises CommError on every rank, nothing is truncated).
+        Like ``torch.distributed.all_to_all_single``.
+
+        Raises:
+            ValueError: splits of the wrong length, negative, or not summing
+            to ``size(0)``; ``size(0)`` not divisible without splits;
+            ``output`` overlapping ``input``. TypeError: dtypes differ.
+        """
+        _need_tensors("all_to_all_single", output=output, input=input)
+        return self._impl.all_to_all_single(
+            output, input, _splits("output_split_sizes", output_split_sizes),
+            _splits("input_split_sizes", input_split_sizes), async_op)
 
     def barrier(self) -> None:
         """Returns once every rank has entered the barrier."""
@@ -636,15 +651,6 @@ class Communicator:
                 raise
             # The block's own exception is the one to see: the failure that
             # close() reports is the same one, or a consequence of it.
-
-
-def _need_tensors(op: str, **args: Any) -> None:
-    """TypeError naming the argument when one is not a torch.Tensor (a list
-    or a numpy array would otherwise get pybind's signature dump)."""
-    for name, value in args.items():
-        if not isinstance(value, torch.Tensor):
-            hint = " (wrap it with torch.as_tensor)" if hasattr(value, "__len__") else ""
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}{hint}")
 
 
 # ------------------------------------------------------------------ init

@@ -15,6 +15,10 @@ const char* coll_name(CollKind k) {
     case CollKind::kBarrier: return "barrier";
     case CollKind::kCheck: return "checked-mode fingerprint exchange";
     case CollKind::kRegister: return "register_tensor";
+    case CollKind::kReduce: return "reduce";
+    case CollKind::kGather: return "gather";
+    case CollKind::kScatter: return "scatter";
+    case CollKind::kAllToAll: return "all_to_all";
   }
   return "?";
 }
@@ -34,7 +38,7 @@ const char* algo_name(int32_t a) {
 }
 
 const char* kind_name(int32_t k) {
-  return k >= 1 && k <= 7 ? coll_name(static_cast<CollKind>(k)) : "unknown-op";
+  return k >= 1 && k <= kNumCollKinds ? coll_name(static_cast<CollKind>(k)) : "unknown-op";
 }
 
 // 8 bits each for kind, dtype + 1, op + 1, algo; 32 bits for root + 1.

@@ -24,7 +24,15 @@ enum class CollKind : int32_t {
   kBarrier = 5,
   kCheck = 6,     // checked mode's fingerprint exchange ahead of a collective
   kRegister = 7,  // Communicator.register_tensor (count: the storage's bytes)
+  // Rooted collectives and all-to-all (collectives.h). count: reduce, the
+  // tensor's elements; gather / scatter, one rank's block; all_to_all, 0 (its
+  // per-peer counts may differ by rank; all_to_all verifies them itself).
+  kReduce = 8,
+  kGather = 9,
+  kScatter = 10,
+  kAllToAll = 11,
 };
+constexpr int32_t kNumCollKinds = 11;
 const char* coll_name(CollKind k);
 
 // Algorithm of an op, as far as it changes the messages (the ring with a

@@ -156,6 +156,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
       .def("broadcast", &Comm::broadcast, py::arg("tensor"), py::arg("src"), py::arg("algo"),
            py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
+      .def("reduce", &Comm::reduce, py::arg("tensor"), py::arg("dst"), py::arg("op"),
+           py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
+      .def("gather", &Comm::gather, py::arg("gather_list"), py::arg("tensor"), py::arg("dst"),
+           py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
+      .def("scatter", &Comm::scatter, py::arg("tensor"), py::arg("scatter_list"), py::arg("src"),
+           py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
+      .def("all_to_all", &Comm::all_to_all, py::arg("output_tensor_list"),
+           py::arg("input_tensor_list"), py::arg("async_op"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("all_to_all_single", &Comm::all_to_all_single, py::arg("output"), py::arg("input"),
+           py::arg("output_split_sizes"), py::arg("input_split_sizes"), py::arg("async_op"),
+           py::call_guard<py::gil_scoped_release>())
       .def("send", &Comm::send, py::arg("tensor"), py::arg("dst"), py::arg("async_op"),
            py::call_guard<py::gil_scoped_release>())
       .def("recv", &Comm::recv, py::arg("tensor"), py::arg("src"), py::arg("async_op"),

@@ -277,6 +277,24 @@ class Comm {
                                       const std::string& algo, bool async_op);
   c10::intrusive_ptr<Work> broadcast(const at::Tensor& t, int src, const std::string& algo,
                                      bool async_op);
+  // Rooted collectives and all-to-all (comm_rooted.cpp; algorithms in
+  // core/collectives.h), with torch.distributed's conventions. reduce: in
+  // place to `dst` (other ranks' `t` then holds partial results). gather:
+  // `outs` is world_size tensors like `in` on dst, empty elsewhere. scatter:
+  // `ins` is world_size tensors like `out` on src, empty elsewhere.
+  // all_to_all: outs[p] receives rank p's ins[r] (r: this rank), sizes may
+  // differ per peer. all_to_all_single: the same over blocks of dim 0 of one
+  // tensor each, split_sizes in rows (empty: size(0) / world_size each).
+  c10::intrusive_ptr<Work> reduce(const at::Tensor& t, int dst, int op, bool async_op);
+  c10::intrusive_ptr<Work> gather(const std::vector<at::Tensor>& outs, const at::Tensor& in,
+                                  int dst, bool async_op);
+  c10::intrusive_ptr<Work> scatter(const at::Tensor& out, const std::vector<at::Tensor>& ins,
+                                   int src, bool async_op);
+  c10::intrusive_ptr<Work> all_to_all(const std::vector<at::Tensor>& outs,
+                                      const std::vector<at::Tensor>& ins, bool async_op);
+  c10::intrusive_ptr<Work> all_to_all_single(const at::Tensor& out, const at::Tensor& in,
+                                             const std::vector<int64_t>& out_splits,
+                                             const std::vector<int64_t>& in_splits, bool async_op);
   c10::intrusive_ptr<Work> send(const at::Tensor& t, int dst, bool async_op);
   c10::intrusive_ptr<Work> recv(const at::Tensor& t, int src, bool async_op);
   c10::intrusive_ptr<Work> batch_p2p(const std::vector<TensorP2P>& ops);
