@@ -490,10 +490,11 @@ class CudaExecutor final : public Executor {
       }
       destroy_events(joins);  // released once the waits above have passed
       work->enqueued(reduction_stream(last), scratch_);  // its events, on that stream
-      if (work->op() == "barrier") {
+      if (work->waits_on_host()) {
         // A barrier's Work.wait() blocks the host too (ProcessGroupNCCL's).
         cuda::NcclComm* nccl = lanes_[last].nccl.get();
-        work->set_host_wait([nccl](cudaEvent_t ev) { nccl->host_wait(ev, "barrier"); });
+        work->set_host_wait(
+            [nccl, op = work->op()](cudaEvent_t ev) { nccl->host_wait(ev, op.c_str()); });
       }
       if (in_capture) {
         work->complete();  // no host-side tracking of captured work (see the top)
