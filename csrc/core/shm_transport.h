@@ -103,7 +103,7 @@ struct ShmConfig {
   static ShmConfig from_env();
 };
 
-struct ShmSegment;  // the mapped layout (shm_transport.cc)
+struct ShmSegment;  // the mapped layout (shm_layout.h)
 
 class ShmTransport final : public Transport, public SharedBuffers {
  public:
@@ -158,8 +158,11 @@ class ShmTransport final : public Transport, public SharedBuffers {
     OpHeader hdr;     // the collective it belongs to (seq 0: user p2p)
     uint64_t packed;  // hdr.packed(), computed once
   };
-  bool progress_send(int peer, int channel);
-  bool progress_recv(int peer, int channel);
+  // Moves what fits of the queue to (send) or from `peer` on `channel`.
+  bool progress(int peer, int channel, bool send);
+  // One slot of op's next bytes into / out of the ring; returns the bytes.
+  size_t put_slot(int peer, int channel, const Op& op, size_t slot);
+  size_t take_slot(int peer, int channel, const Op& op, size_t slot);
   bool progress_all();
   void complete_op(Handle group);
   void notify(int peer);
