@@ -141,8 +141,9 @@ struct alignas(kLine) BufferOp {
   char pad[kLine - 32];
 };
 
-struct alignas(kLine) Header {
-  std::atomic<uint64_t> magic;  // stored last (release) by the creator
+// A segment's sizes and offsets: chosen by the creator (layout_for,
+// shm_segment.cc), read from the header by the others.
+struct Geometry {
   uint32_t version;
   uint32_t world_size;
   uint64_t slot_bytes;
@@ -156,6 +157,11 @@ struct alignas(kLine) Header {
   uint64_t ctrl_bytes;
   uint64_t direct_offset;
   uint64_t bufop_offset;
+};
+
+struct alignas(kLine) Header {
+  std::atomic<uint64_t> magic;  // stored last (release) by the creator
+  Geometry geo;
   alignas(kLine) std::atomic<uint32_t> abort;  // 0, or 1 + the rank that aborted
   std::atomic<uint32_t> reason_ready;          // 1 once `reason` is written (release)
   std::atomic<uint32_t> attached;              // ranks that mapped the segment
@@ -182,7 +188,7 @@ struct ShmSegment {
     return (static_cast<size_t>(src) * (n - 1) + (dst < src ? dst : dst - 1)) * kNumChannels + ch;
   }
   char* chan(int src, int dst, int ch) const {
-    return base + hdr->chan_offset + chan_index(src, dst, ch) * hdr->chan_stride;
+    return base + hdr->geo.chan_offset + chan_index(src, dst, ch) * hdr->geo.chan_stride;
   }
   ChanCtrl* ctrl(int src, int dst, int ch) const {
     return reinterpret_cast<ChanCtrl*>(chan(src, dst, ch));
@@ -190,13 +196,13 @@ struct ShmSegment {
   std::atomic<uint64_t>* meta(int src, int dst, int ch) const {
     return reinterpret_cast<std::atomic<uint64_t>*>(chan(src, dst, ch) + sizeof(ChanCtrl));
   }
-  char* data(int src, int dst, int ch) const { return chan(src, dst, ch) + hdr->ctrl_bytes; }
+  char* data(int src, int dst, int ch) const { return chan(src, dst, ch) + hdr->geo.ctrl_bytes; }
   char* direct(int r, int which) const {
-    return base + hdr->direct_offset +
+    return base + hdr->geo.direct_offset +
            (static_cast<size_t>(r) * direct_buffers + which) * direct_bytes;
   }
   BufferOp* bufop(int r, int which) const {
-    return reinterpret_cast<BufferOp*>(base + hdr->bufop_offset) +
+    return reinterpret_cast<BufferOp*>(base + hdr->geo.bufop_offset) +
            static_cast<size_t>(r) * direct_buffers + which;
   }
 };

@@ -112,91 +112,46 @@ ShmConfig ShmConfig::from_env() {
 
 namespace {
 
-// A segment's geometry: Header's sizes and offsets.
-struct Geometry {
-  uint32_t world_size;
-  uint64_t slot_bytes, slots, direct_bytes, direct_buffers, total_bytes, ranks_offset, chan_offset,
-      chan_stride, ctrl_bytes, direct_offset, bufop_offset;
-};
-
 // The segment's geometry for `n` ranks under `cfg` (the creator's; the others
 // read it from the header), with every offset of the layout.
 Geometry layout_for(int n, const ShmConfig& cfg) {
-  const size_t slots = std::max<size_t>(cfg.slots, 2);
   const size_t nchan = static_cast<size_t>(n) * (n - 1) * kNumChannels;
+  Geometry g;
+  g.version = kVersion;
+  g.world_size = static_cast<uint32_t>(n);
+  g.slots = std::max<size_t>(cfg.slots, 2);
   size_t want = cfg.slot_bytes;
   if (want == 0) {
     want = kAutoSlotMax;
-    while (want > kAutoSlotMin && nchan * slots * want > kAutoRingBudget) want /= 2;
+    while (want > kAutoSlotMin && nchan * g.slots * want > kAutoRingBudget) want /= 2;
   }
-  const size_t slot_bytes = round_up(std::max<size_t>(want, kLine), kLine);
-  const size_t direct_bytes = round_up(std::max<size_t>(cfg.direct_bytes, kLine), kLine);
-  const size_t direct_buffers = std::min<size_t>(std::max<size_t>(cfg.direct_buffers, 2), 64);
-  const size_t ranks_offset = round_up(sizeof(Header), kLine);
-  const size_t chan_offset = round_up(ranks_offset + n * sizeof(RankInfo), kPage);
-  const size_t ctrl_bytes =
-      round_up(sizeof(ChanCtrl) + kMetaWords * slots * sizeof(uint64_t), kPage);
-  const size_t chan_stride = round_up(ctrl_bytes + slots * slot_bytes, kPage);
-  const size_t direct_offset = chan_offset + nchan * chan_stride;
-  const size_t bufop_offset =
-      direct_offset + static_cast<size_t>(n) * direct_buffers * direct_bytes;
-  const size_t total =
-      round_up(bufop_offset + static_cast<size_t>(n) * direct_buffers * sizeof(BufferOp), kPage);
-
-  Geometry h;
-  h.world_size = static_cast<uint32_t>(n);
-  h.slot_bytes = slot_bytes;
-  h.slots = slots;
-  h.direct_bytes = direct_bytes;
-  h.direct_buffers = direct_buffers;
-  h.total_bytes = total;
-  h.ranks_offset = ranks_offset;
-  h.chan_offset = chan_offset;
-  h.chan_stride = chan_stride;
-  h.ctrl_bytes = ctrl_bytes;
-  h.direct_offset = direct_offset;
-  h.bufop_offset = bufop_offset;
-  return h;
+  g.slot_bytes = round_up(std::max<size_t>(want, kLine), kLine);
+  g.direct_bytes = round_up(std::max<size_t>(cfg.direct_bytes, kLine), kLine);
+  g.direct_buffers = std::min<size_t>(std::max<size_t>(cfg.direct_buffers, 2), 64);
+  g.ranks_offset = round_up(sizeof(Header), kLine);
+  g.chan_offset = round_up(g.ranks_offset + n * sizeof(RankInfo), kPage);
+  g.ctrl_bytes = round_up(sizeof(ChanCtrl) + kMetaWords * g.slots * sizeof(uint64_t), kPage);
+  g.chan_stride = round_up(g.ctrl_bytes + g.slots * g.slot_bytes, kPage);
+  g.direct_offset = g.chan_offset + nchan * g.chan_stride;
+  const size_t nbuf = static_cast<size_t>(n) * g.direct_buffers;
+  g.bufop_offset = g.direct_offset + nbuf * g.direct_bytes;
+  g.total_bytes = round_up(g.bufop_offset + nbuf * sizeof(BufferOp), kPage);
+  return g;
 }
 
 // Constructs the shared words of a new (zero-filled) segment at `base` in
-// place, with the geometry of `g`, and publishes it (magic, last).
+// place, with the geometry of `g`, and publishes it (magic, last). Value
+// initialisation zeroes every counter, flag and pid.
 void init_segment(char* base, const Geometry& g) {
   const int n = static_cast<int>(g.world_size);
   const size_t nchan = static_cast<size_t>(n) * (n - 1) * kNumChannels;
   Header* h = new (base) Header();
-  h->version = kVersion;
-  h->world_size = g.world_size;
-  h->slot_bytes = g.slot_bytes;
-  h->slots = g.slots;
-  h->direct_bytes = g.direct_bytes;
-  h->direct_buffers = g.direct_buffers;
-  h->total_bytes = g.total_bytes;
-  h->ranks_offset = g.ranks_offset;
-  h->chan_offset = g.chan_offset;
-  h->chan_stride = g.chan_stride;
-  h->ctrl_bytes = g.ctrl_bytes;
-  h->direct_offset = g.direct_offset;
-  h->bufop_offset = g.bufop_offset;
-  h->abort.store(0, std::memory_order_relaxed);
-  h->reason_ready.store(0, std::memory_order_relaxed);
-  h->attached.store(0, std::memory_order_relaxed);
-  for (int r = 0; r < n; ++r) {
-    RankInfo* ri = new (base + g.ranks_offset + r * sizeof(RankInfo)) RankInfo();
-    ri->pid.store(0, std::memory_order_relaxed);
-    ri->doorbell.store(0, std::memory_order_relaxed);
-    ri->sleeping.store(0, std::memory_order_relaxed);
-    ri->epoch.store(0, std::memory_order_relaxed);
-    ri->op_seq.store(0, std::memory_order_relaxed);
-  }
+  h->geo = g;
+  for (int r = 0; r < n; ++r) new (base + g.ranks_offset + r * sizeof(RankInfo)) RankInfo();
   for (size_t i = 0; i < static_cast<size_t>(n) * g.direct_buffers; ++i) {
     new (base + g.bufop_offset + i * sizeof(BufferOp)) BufferOp();
   }
-  for (size_t i = 0; i < nchan; ++i) {
-    ChanCtrl* cc = new (base + g.chan_offset + i * g.chan_stride) ChanCtrl();
-    cc->head.store(0, std::memory_order_relaxed);
-    cc->tail.store(0, std::memory_order_relaxed);
-  }
+  for (size_t i = 0; i < nchan; ++i) new (base + g.chan_offset + i * g.chan_stride) ChanCtrl();
   h->magic.store(kMagic, std::memory_order_release);
 }
 
@@ -236,9 +191,9 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
     }
     const Header* h = static_cast<const Header*>(map_);
     if (map_bytes_ < sizeof(Header) || h->magic.load(std::memory_order_acquire) != kMagic ||
-        h->version != kVersion || h->world_size != static_cast<uint32_t>(n) ||
-        h->total_bytes != map_bytes_) {
-      const uint32_t theirs = map_bytes_ < sizeof(Header) ? 0 : h->world_size;
+        h->geo.version != kVersion || h->geo.world_size != static_cast<uint32_t>(n) ||
+        h->geo.total_bytes != map_bytes_) {
+      const uint32_t theirs = map_bytes_ < sizeof(Header) ? 0 : h->geo.world_size;
       munmap(map_, map_bytes_);
       map_ = nullptr;
       throw CommError("shm transport: " + name + " is not a pycomm segment of this layout or " +
@@ -247,14 +202,15 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
   }
   char* base = static_cast<char*>(map_);
   Header* h = reinterpret_cast<Header*>(base);
+  const Geometry& g = h->geo;
   seg_ = new ShmSegment{base,
                         h,
-                        reinterpret_cast<RankInfo*>(base + h->ranks_offset),
+                        reinterpret_cast<RankInfo*>(base + g.ranks_offset),
                         n,
-                        static_cast<size_t>(h->slot_bytes),
-                        static_cast<size_t>(h->slots),
-                        static_cast<size_t>(h->direct_bytes),
-                        static_cast<size_t>(h->direct_buffers)};
+                        static_cast<size_t>(g.slot_bytes),
+                        static_cast<size_t>(g.slots),
+                        static_cast<size_t>(g.direct_bytes),
+                        static_cast<size_t>(g.direct_buffers)};
   seg_->ranks[rank_].pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
   // The last rank to map the segment removes its name at once: from then on
   // nothing is left in /dev/shm whoever dies, without waiting for the
