@@ -202,13 +202,12 @@ void ShmTransport::block(Poll&& poll, const char* what) {
       // On an idle core a yield returns within microseconds. When another
       // thread wants the core (the caller computing its backward while DDP's
       // buckets reduce on the worker), it hands that thread a whole
-      // scheduler slice instead, every wait: a 40 MiB all-reduce with the
-      // caller computing took 400-650 ms instead of 17 ms idle (2 ranks,
-      // 2 cores; 45 ms without yields). The futex sleep below does not pay
-      // that, since the peer's wake-up preempts the computing thread, but a
-      // sleep costs tens of microseconds per op where a yield costs one. So
-      // two slow yields in a row (one alone is a hiccup) turn yielding off
-      // for a while.
+      // scheduler slice instead, every wait, and an all-reduce with the
+      // caller computing takes many times as long as on idle cores
+      // (benchmarks/ddp/README.md, "Contention"). The futex sleep below does
+      // not pay that, since the peer's wake-up preempts the computing thread,
+      // but a sleep costs far more per op than a yield. So two slow yields in
+      // a row (one alone is a hiccup) turn yielding off for a while.
       const int64_t t = now_ns();
       if (t >= no_yield_until_) {
         sched_yield();

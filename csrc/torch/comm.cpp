@@ -22,10 +22,9 @@ Comm::Comm(std::unique_ptr<Executor> executor, CommOptions options)
       pid_(static_cast<long>(::getpid())),
       symmetric_(std::make_shared<SymmetricMemory>(exec_->symmetric_domain(), rank_)) {
   check_options(options_);
-  // Measured (benchmarks/allreduce/table_cpu_{2,3,4}ranks.txt, 2 cores):
-  // direct beats the ring over shm from 1 KiB to 64 MiB, but for a tie at
-  // 3 ranks and 4 MiB (1290 vs 1233 us, within noise), so auto always takes
-  // it on shm; the ring stays available as algo="ring".
+  // auto always takes direct on shm: it beats or ties the ring at every
+  // size recorded (benchmarks/allreduce/README.md); the ring stays available
+  // as algo="ring".
   direct_max_bytes_ = std::numeric_limits<size_t>::max();
   if (const char* v = std::getenv("PYCOMM_DIRECT_MAX_BYTES")) {
     direct_max_bytes_ = static_cast<size_t>(std::strtoull(v, nullptr, 10));
@@ -158,8 +157,8 @@ NativeCollectives& native(const Context& ctx) { return *ctx.transport.native(); 
 
 // all_reduce's "auto" picks by size: "direct" over shared memory (one or two
 // synchronisations per piece instead of 2(n-1) ring steps; algorithms.h) up
-// to direct_max_bytes_; on a GPU the measured auto table decides between the
-// ring and NCCL's own collectives.
+// to direct_max_bytes_; on a GPU the auto table (CommOptions::auto_table)
+// decides between the ring and NCCL's own collectives.
 AlgoKind Comm::pick(const std::string& algo, CollKind coll, size_t bytes, bool wire) const {
   const char* op = coll_name(coll);
   const bool is_all_reduce = coll == CollKind::kAllReduce;

@@ -20,8 +20,8 @@
 namespace pycomm {
 
 // op -> [(max_bytes, algo), ...]: the first rule with bytes <= max_bytes (or
-// max_bytes < 0, no limit) is what algo="auto" runs (measured on a GPU by
-// benchmarks/gpu; pycomm/comm.py passes it to CUDA communicators).
+// max_bytes < 0, no limit) is what algo="auto" runs (chosen from
+// benchmarks/gpu's runs; pycomm/comm.py passes it to CUDA communicators).
 using AutoTable = std::map<std::string, std::vector<std::pair<int64_t, std::string>>>;
 
 struct CommOptions {
