@@ -76,86 +76,111 @@ void pipeline(size_t K, bool overlap, Transport& tr, Post&& post, Finish&& finis
   }
 }
 
+// One pass around the ring over `chunks` cut into slices of `per` elements:
+// n-1 steps; step s sends chunk r-s-shift to next and receives chunk
+// r-s-shift-1 from prev, slice by slice. Item k is slice k % slices of step
+// k / slices. Reduce-scatter passes with shift 1 (its own chunk is received
+// last), all-gather with shift 0 (its own chunk is sent first).
+class RingPass {
+ public:
+  struct Item {
+    size_t k;      // item number (scratch slots alternate with it)
+    size_t step;   // s
+    int sc, rc;    // the chunk sent, the chunk received
+    Slice ss, rs;  // the slices of them this item moves (elements)
+  };
+
+  RingPass(Transport& tr, Chunks chunks, size_t per, int shift)
+      : tr_(tr),
+        chunks_(chunks),
+        per_(per),
+        slices_(std::max<size_t>(1, ceil_div(chunks.max_length(), per))),
+        n_(tr.world_size()),
+        r_(tr.rank()),
+        shift_(shift) {}
+
+  Item item(size_t k) const {
+    const size_t s = k / slices_, j = k % slices_;
+    const int sc = mod(r_ - static_cast<int>(s) - shift_, n_), rc = mod(sc - 1, n_);
+    return Item{
+        k, s, sc, rc, slice_of(chunks_.length(sc), per_, j), slice_of(chunks_.length(rc), per_, j)};
+  }
+  // Element offset of a slice of chunk `c` in the data.
+  size_t offset(int c, const Slice& sl) const { return chunks_.offset(c) + sl.begin; }
+  // The last step of a reduce-scatter pass: rc == r, this slice is final.
+  bool last_step(const Item& it) const { return it.step + 2 == static_cast<size_t>(n_); }
+
+  // Posts item `it`: its send slice from `src` to next, its receive slice
+  // into `dst` from prev, `es` bytes an element.
+  Handle post(const Item& it, const void* src, void* dst, size_t es) const {
+    P2POp ops[2] = {
+        {P2POp::kSend, const_cast<void*>(src), it.ss.count * es, mod(r_ + 1, n_)},
+        {P2POp::kRecv, dst, it.rs.count * es, mod(r_ - 1, n_)},
+    };
+    return tr_.post(ops, 2);
+  }
+
+  // Runs every item through pipeline(): post(item) returns its Handle,
+  // finish(item) consumes it once waited for.
+  template <class Post, class Finish>
+  void run(Post&& post, Finish&& finish) const {
+    const size_t K = static_cast<size_t>(n_ - 1) * slices_;
+    pipeline(
+        K, slices_ >= 2, tr_, [&](size_t k) { return post(item(k)); },
+        [&](size_t k) { finish(item(k)); });
+  }
+
+ private:
+  Transport& tr_;
+  Chunks chunks_;
+  size_t per_, slices_;
+  int n_, r_, shift_;
+};
+
 }  // namespace
 
 void ring_reduce_scatter(const Context& ctx, void* data, Chunks chunks, DType dtype, ReduceOp op) {
-  Transport& tr = ctx.transport;
-  const int n = tr.world_size();
-  const int r = tr.rank();
+  const int n = ctx.transport.world_size();
+  if (n == 1) return;
   const size_t es = dtype_size(dtype);
   char* base = static_cast<char*>(data);
-  if (n > 1) {
-    const int next = mod(r + 1, n), prev = mod(r - 1, n);
-    const size_t per = slice_elems(ctx.slice_bytes, es);  // elements per slice
-    const size_t slices = std::max<size_t>(1, ceil_div(chunks.max_length(), per));
-    const size_t K = static_cast<size_t>(n - 1) * slices;
-    const RecvSlots slots = recv_slots(ctx, per * es);
-
-    // Step s sends chunk r-s-1 (own data, or the partial sum received at step
-    // s-1) to next and receives chunk r-s-2 from prev, which it reduces into
-    // its copy. After n-1 steps the last chunk received is chunk r.
-    auto send_chunk = [&](size_t s) { return mod(r - static_cast<int>(s) - 1, n); };
-    auto recv_chunk = [&](size_t s) { return mod(r - static_cast<int>(s) - 2, n); };
-    // Where item k's received slice is reduced into, and where it is received.
-    auto dst_of = [&](size_t k, const Slice& rs) {
-      return base + (chunks.offset(recv_chunk(k / slices)) + rs.begin) * es;
-    };
-
-    auto post = [&](size_t k) {
-      const size_t s = k / slices, j = k % slices;
-      const int sc = send_chunk(s), rc = recv_chunk(s);
-      const Slice ss = slice_of(chunks.length(sc), per, j);
-      const Slice rs = slice_of(chunks.length(rc), per, j);
-      P2POp ops[2] = {
-          {P2POp::kSend, base + (chunks.offset(sc) + ss.begin) * es, ss.count * es, next},
-          {P2POp::kRecv, slots.at(k, dst_of(k, rs)), rs.count * es, prev},
-      };
-      return tr.post(ops, 2);
-    };
-    auto finish = [&](size_t k) {
-      const size_t s = k / slices, j = k % slices;
-      const int rc = recv_chunk(s);
-      const Slice rs = slice_of(chunks.length(rc), per, j);
-      if (rs.count == 0) return;
-      char* dst = dst_of(k, rs);
-      const char* tmp = slots.at(k, dst);
-      if (op == ReduceOp::kAvg && s + 2 == static_cast<size_t>(n)) {
-        // Last step: rc == r, this slice of our chunk is final; AVG's scale by
-        // 1/n is fused into its reduction (one pass instead of two).
-        ctx.reducer.reduce_scale(dst, dst, tmp, rs.count, dtype, op, 1.0 / n);
-      } else {
-        ctx.reducer.reduce(dst, dst, tmp, rs.count, dtype, op);
-      }
-    };
-    pipeline(K, slices >= 2, tr, post, finish);
-  }
+  const size_t per = slice_elems(ctx.slice_bytes, es);  // elements per slice
+  const RecvSlots slots = recv_slots(ctx, per * es);
+  // Step s sends chunk r-s-1 (own data, or the partial sum received at step
+  // s-1) to next and receives chunk r-s-2 from prev, which it reduces into
+  // its copy. After n-1 steps the last chunk received is chunk r.
+  const RingPass ring(ctx.transport, chunks, per, /*shift=*/1);
+  // Where an item's received slice is reduced into.
+  auto dst_of = [&](const RingPass::Item& it) { return base + ring.offset(it.rc, it.rs) * es; };
+  auto post = [&](const RingPass::Item& it) {
+    return ring.post(it, base + ring.offset(it.sc, it.ss) * es, slots.at(it.k, dst_of(it)), es);
+  };
+  auto finish = [&](const RingPass::Item& it) {
+    if (it.rs.count == 0) return;
+    char* dst = dst_of(it);
+    const char* tmp = slots.at(it.k, dst);
+    if (op == ReduceOp::kAvg && ring.last_step(it)) {
+      // Last step: rc == r, this slice of our chunk is final; AVG's scale by
+      // 1/n is fused into its reduction (one pass instead of two).
+      ctx.reducer.reduce_scale(dst, dst, tmp, it.rs.count, dtype, op, 1.0 / n);
+    } else {
+      ctx.reducer.reduce(dst, dst, tmp, it.rs.count, dtype, op);
+    }
+  };
+  ring.run(post, finish);
 }
 
 void ring_all_gather(const Context& ctx, void* data, Chunks chunks, size_t es) {
-  Transport& tr = ctx.transport;
-  const int n = tr.world_size();
-  const int r = tr.rank();
-  if (n == 1) return;
-  const int next = mod(r + 1, n), prev = mod(r - 1, n);
+  if (ctx.transport.world_size() == 1) return;
   char* base = static_cast<char*>(data);
-  const size_t per = slice_elems(ctx.slice_bytes, es);
-  const size_t slices = std::max<size_t>(1, ceil_div(chunks.max_length(), per));
-  const size_t K = static_cast<size_t>(n - 1) * slices;
-
   // Step s forwards chunk r-s (own at s = 0, then the one received at s-1)
   // and receives chunk r-s-1 in place.
-  auto post = [&](size_t k) {
-    const size_t s = k / slices, j = k % slices;
-    const int sc = mod(r - static_cast<int>(s), n), rc = mod(r - static_cast<int>(s) - 1, n);
-    const Slice ss = slice_of(chunks.length(sc), per, j);
-    const Slice rs = slice_of(chunks.length(rc), per, j);
-    P2POp ops[2] = {
-        {P2POp::kSend, base + (chunks.offset(sc) + ss.begin) * es, ss.count * es, next},
-        {P2POp::kRecv, base + (chunks.offset(rc) + rs.begin) * es, rs.count * es, prev},
-    };
-    return tr.post(ops, 2);
+  const RingPass ring(ctx.transport, chunks, slice_elems(ctx.slice_bytes, es), /*shift=*/0);
+  auto post = [&](const RingPass::Item& it) {
+    return ring.post(it, base + ring.offset(it.sc, it.ss) * es,
+                     base + ring.offset(it.rc, it.rs) * es, es);
   };
-  pipeline(K, slices >= 2, tr, post, [](size_t) {});
+  ring.run(post, [](const RingPass::Item&) {});
 }
 
 void ring_reduce_scatter_out(const Context& ctx, const void* in, void* work, void* out, size_t m,
@@ -213,7 +238,6 @@ void ring_all_reduce_wire(const Context& ctx, float* data, size_t count, DType w
   Transport& tr = ctx.transport;
   Reducer& red = ctx.reducer;
   const int n = tr.world_size();
-  const int r = tr.rank();
   const size_t ws = dtype_size(wire);
   // Elements per slice: floats in slice_bytes, cut to a multiple of the wire
   // dtype's alignment unit (8), so the float32 slices and the wire slots
@@ -230,64 +254,43 @@ void ring_all_reduce_wire(const Context& ctx, float* data, size_t count, DType w
     }
     return;
   }
-  const int next = mod(r + 1, n), prev = mod(r - 1, n);
   const Chunks chunks = Chunks::aligned(count, n, sizeof(float));
-  const size_t slices = std::max<size_t>(1, ceil_div(chunks.max_length(), per));
-  const size_t K = static_cast<size_t>(n - 1) * slices;
   auto at = [&](int c, const Slice& s) { return data + chunks.offset(c) + s.begin; };
 
-  // Reduce-scatter: the chunk schedule of ring_reduce_scatter. Posting item
-  // k rounds the float32 slice it sends into its send slot; finishing it adds
-  // the received wire slice into the float32 partial sum.
-  auto rs_post = [&](size_t k) {
-    const size_t s = k / slices, j = k % slices;
-    const int sc = mod(r - static_cast<int>(s) - 1, n), rc = mod(r - static_cast<int>(s) - 2, n);
-    const Slice ss = slice_of(chunks.length(sc), per, j);
-    const Slice rs = slice_of(chunks.length(rc), per, j);
-    red.to_wire(slot.send(k), at(sc, ss), ss.count, wire);
-    P2POp ops[2] = {
-        {P2POp::kSend, slot.send(k), ss.count * ws, next},
-        {P2POp::kRecv, slot.recv(k), rs.count * ws, prev},
-    };
-    return tr.post(ops, 2);
+  // Reduce-scatter: ring_reduce_scatter's pass. Posting an item rounds the
+  // float32 slice it sends into its send slot; finishing it adds the
+  // received wire slice into the float32 partial sum.
+  const RingPass rs_ring(tr, chunks, per, /*shift=*/1);
+  auto rs_post = [&](const RingPass::Item& it) {
+    red.to_wire(slot.send(it.k), at(it.sc, it.ss), it.ss.count, wire);
+    return rs_ring.post(it, slot.send(it.k), slot.recv(it.k), ws);
   };
-  auto rs_finish = [&](size_t k) {
-    const size_t s = k / slices, j = k % slices;
-    const int rc = mod(r - static_cast<int>(s) - 2, n);
-    const Slice rs = slice_of(chunks.length(rc), per, j);
-    if (rs.count == 0) return;
-    float* dst = at(rc, rs);
-    red.reduce_wire(dst, dst, slot.recv(k), rs.count, wire, op);
-    if (op == ReduceOp::kAvg && s + 2 == static_cast<size_t>(n)) {
-      red.scale(dst, rs.count, DType::kFloat32, 1.0 / n);  // rc == r: final
+  auto rs_finish = [&](const RingPass::Item& it) {
+    if (it.rs.count == 0) return;
+    float* dst = at(it.rc, it.rs);
+    red.reduce_wire(dst, dst, slot.recv(it.k), it.rs.count, wire, op);
+    if (op == ReduceOp::kAvg && rs_ring.last_step(it)) {
+      red.scale(dst, it.rs.count, DType::kFloat32, 1.0 / n);  // rc == r: final
     }
   };
-  pipeline(K, slices >= 2, tr, rs_post, rs_finish);
+  rs_ring.run(rs_post, rs_finish);
 
-  // All-gather: step 0 rounds this rank's final chunk to the wire dtype in
-  // place (so the owner holds exactly what the others receive) and sends it;
-  // later steps forward the chunk received at the previous step, whose
-  // float32 values are wire values, so rounding them again is exact.
-  auto ag_post = [&](size_t k) {
-    const size_t s = k / slices, j = k % slices;
-    const int sc = mod(r - static_cast<int>(s), n), rc = mod(r - static_cast<int>(s) - 1, n);
-    const Slice ss = slice_of(chunks.length(sc), per, j);
-    const Slice rs = slice_of(chunks.length(rc), per, j);
-    red.to_wire(slot.send(k), at(sc, ss), ss.count, wire);
-    if (s == 0) red.from_wire(at(sc, ss), slot.send(k), ss.count, wire);
-    P2POp ops[2] = {
-        {P2POp::kSend, slot.send(k), ss.count * ws, next},
-        {P2POp::kRecv, slot.recv(k), rs.count * ws, prev},
-    };
-    return tr.post(ops, 2);
+  // All-gather: ring_all_gather's pass. Step 0 rounds this rank's final
+  // chunk to the wire dtype in place (so the owner holds exactly what the
+  // others receive) and sends it; later steps forward the chunk received at
+  // the previous step, whose float32 values are wire values, so rounding
+  // them again is exact.
+  const RingPass ag_ring(tr, chunks, per, /*shift=*/0);
+  auto ag_post = [&](const RingPass::Item& it) {
+    float* src = at(it.sc, it.ss);
+    red.to_wire(slot.send(it.k), src, it.ss.count, wire);
+    if (it.step == 0) red.from_wire(src, slot.send(it.k), it.ss.count, wire);
+    return ag_ring.post(it, slot.send(it.k), slot.recv(it.k), ws);
   };
-  auto ag_finish = [&](size_t k) {
-    const size_t s = k / slices, j = k % slices;
-    const int rc = mod(r - static_cast<int>(s) - 1, n);
-    const Slice rs = slice_of(chunks.length(rc), per, j);
-    red.from_wire(at(rc, rs), slot.recv(k), rs.count, wire);
+  auto ag_finish = [&](const RingPass::Item& it) {
+    red.from_wire(at(it.rc, it.rs), slot.recv(it.k), it.rs.count, wire);
   };
-  pipeline(K, slices >= 2, tr, ag_post, ag_finish);
+  ag_ring.run(ag_post, ag_finish);
 }
 
 void chain_broadcast(const Context& ctx, void* data, size_t bytes, int root) {

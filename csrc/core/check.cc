@@ -14,13 +14,9 @@ Fingerprint Fingerprint::of(const OpHeader& h, uint64_t slice_bytes, uint64_t di
   Fingerprint f;
   f.seq = h.seq;
   f.count = h.count;
+  f.packed = h.packed();
   f.slice_bytes = slice_bytes;
   f.direct_max_bytes = direct_max_bytes;
-  f.kind = h.kind;
-  f.dtype = h.dtype;
-  f.op = h.op;
-  f.root = h.root;
-  f.algo = h.algo;
   return f;
 }
 
@@ -30,15 +26,8 @@ std::string Fingerprint::str() const {
     s << "<not a checked-mode fingerprint: is check enabled on every rank?>";
     return s.str();
   }
-  OpHeader h;
-  h.seq = seq;
-  h.count = count;
-  h.kind = kind;
-  h.dtype = dtype;
-  h.op = op;
-  h.root = root;
-  h.algo = algo;
-  s << h.str() << " [slice_bytes=" << slice_bytes << ", PYCOMM_DIRECT_MAX_BYTES=";
+  s << OpHeader::unpack(seq, count, packed).str() << " [slice_bytes=" << slice_bytes
+    << ", PYCOMM_DIRECT_MAX_BYTES=";
   if (direct_max_bytes == ~uint64_t{0}) {
     s << "unset";
   } else {

@@ -20,20 +20,19 @@
 
 namespace pycomm {
 
-// Plain bytes on the wire: fixed-width fields, no padding (56 bytes).
+// Plain bytes on the wire: fixed-width fields, no padding (48 bytes).
 struct Fingerprint {
-  uint64_t seq = 0;    // collective sequence number (p2p ops do not count)
-  uint64_t count = 0;  // elements per rank (input of reduce_scatter / all_gather)
+  // The op's header (op_header.h) as its three words: sequence number,
+  // elements per rank, and kind, dtype, reduce op, root and algo packed.
+  uint64_t seq = 0;
+  uint64_t count = 0;
+  uint64_t packed = 0;
   // Tunables that change the messages or the algorithm auto picks; ranks
   // that differ in them would mismatch silently or hang.
   uint64_t slice_bytes = 0;       // ring slice size
   uint64_t direct_max_bytes = 0;  // PYCOMM_DIRECT_MAX_BYTES (auto: direct up to this)
   uint32_t magic = 0;             // kMagic: marks a checked-mode peer
-  int32_t kind = 0;               // CollKind
-  int32_t dtype = -1;             // DType, or -1 when irrelevant (barrier)
-  int32_t op = -1;                // ReduceOp, or -1 when the collective has none
-  int32_t root = -1;              // broadcast root, or -1
-  int32_t algo = 0;               // AlgoKind the call resolved to (auto -> ring / direct)
+  uint32_t unused = 0;
   static constexpr uint32_t kMagic = 0x70634b32;  // "pcK2"
 
   // The op's fields from its header (op_header.h).
@@ -43,7 +42,7 @@ struct Fingerprint {
   bool operator!=(const Fingerprint& o) const { return !(*this == o); }
   std::string str() const;  // "all_reduce #3 (count=8, dtype=float32, op=sum)"
 };
-static_assert(sizeof(Fingerprint) == 56, "Fingerprint must have no padding");
+static_assert(sizeof(Fingerprint) == 48, "Fingerprint must have no padding");
 
 // All-gathers `mine` (whose magic it sets) over ctx.transport and throws
 // UsageError on every rank, listing the fingerprints of the ranks that differ,

@@ -55,6 +55,98 @@ void symmetric_all_reduce(SharedBuffers& sb, Reducer& red, const SymmetricRegion
   sb.arrive_and_wait(sb.next_epoch(), which, sym.id());
 }
 
+// The first arrival of an all-reduce that negotiates (a region or an offer):
+// stages piece 0 (`bytes` of `data`) in a buffer of its own and arrives with
+// `tag` (a region's id, equal on every rank that allocated it together, or
+// kAdoptTag). All ranks read the same n tags, so they all decide alike.
+struct FirstArrival {
+  int which;      // the buffer piece 0 is staged in
+  bool everyone;  // every rank's tag is `tag`
+};
+FirstArrival arrive_first(SharedBuffers& sb, Reducer& red, int n, const void* data, size_t bytes,
+                          uint64_t tag) {
+  const int which = sb.next_buffer();
+  red.copy(sb.local(which), data, bytes);
+  sb.arrive_and_wait(sb.next_epoch(), which, tag);
+  bool all = true;
+  for (int r = 0; r < n && all; ++r) all = sb.tag(r, which) == tag;
+  return {which, all};
+}
+
+// Reduces one piece (`m` elements at `dst`, staged in buffer `which` by every
+// rank, all of which have arrived): one-shot or two-shot (algorithms.h).
+// `tag`: the piece's first arrival's, reused by the two-shot's second one.
+void reduce_piece(SharedBuffers& sb, Reducer& red, int n, int me, char* dst, size_t m, DType dtype,
+                  ReduceOp op, int which, uint64_t tag) {
+  const size_t es = dtype_size(dtype);
+  auto in = [&](int r) { return static_cast<const char*>(sb.remote(r, which)); };
+  // The first reduction reads this rank's own input from `dst` (identical
+  // to its shared copy, and hot in L2) rather than from the shared buffer,
+  // whose lines peers are reading at the same time. Later terms must come
+  // from the buffers, because `dst` then holds the partial result.
+  auto first = [&](int r, const char* own) { return r == me ? own : in(r); };
+  if (n == 2 || m * es < kTwoShotMinBytes) {
+    // One-shot: every rank reduces the whole piece from all n buffers, in
+    // the same order: ((b0 op b1) op b2) ... op b(n-1).
+    reduce_all(red, dst, [&](int r) { return r < 2 ? first(r, dst) : in(r); }, n, m, dtype, op);
+    return;
+  }
+  // Two-shot: rank r reduces chunk r of the piece (same order as above)
+  // into its own output, publishes it in its shared buffer (chunk r of that
+  // buffer is read by nobody else, so overwriting it is safe), then every
+  // rank copies the other chunks from their owners.
+  const Chunks ch = Chunks::aligned(m, n, es);
+  const size_t off = ch.offset(me) * es, len = ch.length(me);
+  if (len > 0) {
+    char* out = dst + off;
+    reduce_all(
+        red, out, [&](int r) { return (r < 2 ? first(r, dst) : in(r)) + off; }, n, len, dtype, op);
+    red.copy(static_cast<char*>(sb.local(which)) + off, out, len * es);
+  }
+  sb.arrive_and_wait(sb.next_epoch(), which, tag);  // same tag: see transport.h
+  for (int r = 0; r < n; ++r) {
+    if (r == me || ch.length(r) == 0) continue;
+    const size_t o = ch.offset(r) * es;
+    red.copy(dst + o, in(r) + o, ch.length(r) * es);
+  }
+}
+
+// The staged all-reduce: piece by piece, copy into a shared buffer, arrive,
+// reduce. `first`: piece 0 is staged and arrived already (by the
+// negotiation, with tag `tag`), or nullptr.
+void staged_all_reduce(SharedBuffers& sb, Reducer& red, int n, int me, char* base, size_t count,
+                       DType dtype, ReduceOp op, const FirstArrival* first, uint64_t tag) {
+  const size_t es = dtype_size(dtype);
+  const size_t per = std::max<size_t>(1, sb.capacity() / es);  // elements per piece
+  for (size_t begin = 0; begin < count; begin += per) {
+    const size_t m = std::min(per, count - begin);
+    char* dst = base + begin * es;
+    if (begin == 0 && first != nullptr) {
+      reduce_piece(sb, red, n, me, dst, m, dtype, op, first->which, tag);
+      continue;
+    }
+    const int which = sb.next_buffer();
+    red.copy(sb.local(which), dst, m * es);
+    sb.arrive_and_wait(sb.next_epoch(), which, 0);
+    reduce_piece(sb, red, n, me, dst, m, dtype, op, which, 0);
+  }
+}
+
+// `data` is this rank's copy of `region`: if every rank passes it, reduce
+// from symmetric memory (true); else stage (false).
+bool from_region(SharedBuffers& sb, Reducer& red, int n, int me, const SymmetricRegion& region,
+                 void* data, size_t count, DType dtype, ReduceOp op) {
+  const size_t es = dtype_size(dtype);
+  const size_t first_bytes = std::min(std::max<size_t>(1, sb.capacity() / es), count) * es;
+  const FirstArrival a = arrive_first(sb, red, n, data, first_bytes, region.id());
+  if (a.everyone) {
+    symmetric_all_reduce(sb, red, region, a.which, n, me, count, dtype, op);
+    return true;
+  }
+  staged_all_reduce(sb, red, n, me, static_cast<char*>(data), count, dtype, op, &a, region.id());
+  return false;
+}
+
 }  // namespace
 
 bool direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
@@ -69,78 +161,31 @@ bool direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
                      tr.name());
   }
   Reducer& red = ctx.reducer;
-  const size_t es = dtype_size(dtype);
-  const size_t per = std::max<size_t>(1, sb->capacity() / es);  // elements per piece
   char* base = static_cast<char*>(data);
-  for (size_t begin = 0; begin < count; begin += per) {
-    const size_t m = std::min(per, count - begin);
-    char* dst = base + begin * es;
-    const int which = sb->next_buffer();
-    red.copy(sb->local(which), dst, m * es);
-    // The first arrival also says whether this rank's `data` is all of a
-    // symmetric region (its tag: the region's number, equal on every rank
-    // that allocated it together), or offers to move into one (kAdoptTag).
-    // If every rank's is the same region, the ranks switch to
-    // symmetric_all_reduce; if every rank offers, they move (a collective)
-    // and start over from symmetric memory; otherwise (say, one rank passed
-    // another tensor) they all go on staging pieces. All ranks read the same
-    // n tags, so they all decide alike.
-    const uint64_t tag = begin != 0 ? 0 : sym != nullptr ? sym->id() : adopt ? kAdoptTag : 0;
-    sb->arrive_and_wait(sb->next_epoch(), which, tag);
-    if (tag != 0) {
-      bool all = true;
-      for (int r = 0; r < n && all; ++r) all = sb->tag(r, which) == tag;
-      if (all && sym != nullptr) {
-        symmetric_all_reduce(*sb, red, *sym, which, n, me, count, dtype, op);
-        return true;
-      }
-      if (sym == nullptr) {
-        // `data` still holds the input (only piece 0 was copied out), which
-        // adopt() moves if every rank offered. A slow peer may still be
-        // reading the tags at `which`: adopt()'s arrivals may come back to
-        // that buffer (with 2 of them), but not before every rank has arrived
-        // at the next epoch, i.e. has read them.
-        const std::shared_ptr<SymmetricRegion> region = adopt(*sb, all);
-        if (region) return direct_all_reduce(ctx, region->base(me), count, dtype, op, region.get());
-        if (all) {
-          direct_all_reduce(ctx, data, count, dtype, op);  // no room: staged, every rank
-          return false;
-        }
-      }
-    }
-    auto in = [&](int r) { return static_cast<const char*>(sb->remote(r, which)); };
-    // The first reduction reads this rank's own input from `dst` (identical
-    // to its shared copy, and hot in L2) rather than from the shared buffer,
-    // whose lines peers are reading at the same time: 64 MiB on 2 ranks,
-    // 9.5 -> 7.1 ms. Later terms must come from the buffers, because `dst`
-    // then holds the partial result.
-    auto first = [&](int r, const char* own) { return r == me ? own : in(r); };
-    if (n == 2 || m * es < kTwoShotMinBytes) {
-      // One-shot: every rank reduces the whole piece from all n buffers, in
-      // the same order: ((b0 op b1) op b2) ... op b(n-1).
-      reduce_all(red, dst, [&](int r) { return r < 2 ? first(r, dst) : in(r); }, n, m, dtype, op);
-      continue;
-    }
-    // Two-shot: rank r reduces chunk r of the piece (same order as above)
-    // into its own output, publishes it in its shared buffer (chunk r of that
-    // buffer is read by nobody else, so overwriting it is safe), then every
-    // rank copies the other chunks from their owners.
-    const Chunks ch = Chunks::aligned(m, n, es);
-    const size_t off = ch.offset(me) * es, len = ch.length(me);
-    if (len > 0) {
-      char* out = dst + off;
-      reduce_all(
-          red, out, [&](int r) { return (r < 2 ? first(r, dst) : in(r)) + off; }, n, len, dtype,
-          op);
-      red.copy(static_cast<char*>(sb->local(which)) + off, out, len * es);
-    }
-    sb->arrive_and_wait(sb->next_epoch(), which, tag);  // same tag: see transport.h
-    for (int r = 0; r < n; ++r) {
-      if (r == me || ch.length(r) == 0) continue;
-      const size_t o = ch.offset(r) * es;
-      red.copy(dst + o, in(r) + o, ch.length(r) * es);
-    }
+  // The negotiation rides on piece 0's first arrival (arrive_first): a
+  // region, an offer, or neither.
+  if (sym != nullptr) return from_region(*sb, red, n, me, *sym, data, count, dtype, op);
+  if (!adopt) {
+    staged_all_reduce(*sb, red, n, me, base, count, dtype, op, nullptr, 0);
+    return false;
   }
+  const size_t es = dtype_size(dtype);
+  const size_t first_bytes = std::min(std::max<size_t>(1, sb->capacity() / es), count) * es;
+  const FirstArrival a = arrive_first(*sb, red, n, data, first_bytes, kAdoptTag);
+  // `data` still holds the input (only piece 0 was copied out), which
+  // adopt() moves if every rank offered. A slow peer may still be reading
+  // the tags at `which`: adopt()'s arrivals may come back to that buffer
+  // (with 2 of them), but not before every rank has arrived at the next
+  // epoch, i.e. has read them.
+  const std::shared_ptr<SymmetricRegion> region = adopt(*sb, a.everyone);
+  if (region) {
+    // Every rank moved: from the region (its first arrival also orders every
+    // rank's move before anyone reads its copy).
+    return from_region(*sb, red, n, me, *region, region->base(me), count, dtype, op);
+  }
+  // No room (every rank: start over, staged) or some rank did not offer
+  // (go on staging from piece 0).
+  staged_all_reduce(*sb, red, n, me, base, count, dtype, op, a.everyone ? nullptr : &a, kAdoptTag);
   return false;
 }
 

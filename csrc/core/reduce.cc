@@ -249,21 +249,20 @@ void cpu_reduce(void* dst, const void* a, const void* b, size_t count, DType dty
       T* d = static_cast<T*>(dst);
       const T* x = static_cast<const T*>(a);
       const T* y = static_cast<const T*>(b);
-      if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
+      constexpr bool k16 = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
 #if PYCOMM_X86_SIMD
-        if (have_avx2_f16c()) {
+      if (have_avx2_f16c()) {
+        if constexpr (k16) {
           reduce16_avx2(d, x, y, count, fn);
-          return 0;
+        } else {
+          reduce_loop_avx2(d, x, y, count, fn);
         }
+        return 0;
+      }
 #endif
+      if constexpr (k16) {
         reduce_block16(d, x, y, count, fn);
       } else {
-#if PYCOMM_X86_SIMD
-        if (have_avx2_f16c()) {
-          reduce_loop_avx2(d, x, y, count, fn);
-          return 0;
-        }
-#endif
         reduce_loop(d, x, y, count, fn);
       }
       return 0;

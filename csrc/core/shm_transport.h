@@ -78,23 +78,22 @@ namespace pycomm {
 struct ShmConfig {
   // Bytes per ring slot; 0 picks by world size: the largest power of two in
   // [64 KiB, 256 KiB] that keeps all rings (n(n-1) pairs x 2 channels x
-  // `slots`) within 32 MiB. Big slots matter for p2p: 16 MiB exchanged both
-  // ways by 2 ranks takes 2.4-3.1 ms with 256 KiB slots, 2.9-3.1 ms with
-  // 64 KiB; one way 0.87 vs 1.55 ms.
+  // `slots`) within 32 MiB. Big slots matter for p2p: fewer, larger copies
+  // per message (benchmarks/allreduce/README.md, "Measurements behind
+  // csrc's defaults").
   size_t slot_bytes = 0;
   size_t slots = 8;  // slots per channel (ring depth)
-  // bytes of each SharedBuffers buffer: pieces this small stay in L2 between
-  // the copy-in and the reduction (64 MiB, 2 ranks: 256 KiB 6.7 GB/s busbw,
-  // 1 MiB 5.0, 4 MiB 4.4 on the 2-core CI machine)
+  // Bytes of each SharedBuffers buffer: pieces this small stay in L2 between
+  // the copy-in and the reduction (larger pieces measured slower: the
+  // README named above).
   size_t direct_bytes = 256 * 1024;
   // Buffers per rank, used in rotation. More than two lets a peer's cached
   // copy of a buffer age out before the owner writes it again, so the copy-in
-  // pays fewer cross-core invalidations (64 MiB, 2 ranks, standalone loop:
-  // 2 buffers 7.1 ms, 3-4 buffers 6.0-6.3 ms; pycomm all_reduce 7.1 vs 6.3).
+  // pays fewer cross-core invalidations.
   size_t direct_buffers = 4;
   // Waiting policy: pause-spins before yielding, yields before sleeping.
   // Short on purpose: on a machine with few cores a long spin starves the
-  // peer (or a helper thread) it is waiting for; ~500 pauses is 10-30 us.
+  // peer (or a helper thread) it is waiting for.
   unsigned spin = 500;
   unsigned yields = 50;
   // Overrides from PYCOMM_SHM_SLOT_BYTES, PYCOMM_SHM_SLOTS,
@@ -103,7 +102,7 @@ struct ShmConfig {
   static ShmConfig from_env();
 };
 
-struct ShmSegment;  // the mapped layout (shm_transport.cc)
+struct ShmSegment;  // the mapped layout (shm_layout.h)
 
 class ShmTransport final : public Transport, public SharedBuffers {
  public:
@@ -158,8 +157,11 @@ class ShmTransport final : public Transport, public SharedBuffers {
     OpHeader hdr;     // the collective it belongs to (seq 0: user p2p)
     uint64_t packed;  // hdr.packed(), computed once
   };
-  bool progress_send(int peer, int channel);
-  bool progress_recv(int peer, int channel);
+  // Moves what fits of the queue to (send) or from `peer` on `channel`.
+  bool progress(int peer, int channel, bool send);
+  // One slot of op's next bytes into / out of the ring; returns the bytes.
+  size_t put_slot(int peer, int channel, const Op& op, size_t slot);
+  size_t take_slot(int peer, int channel, const Op& op, size_t slot);
   bool progress_all();
   void complete_op(Handle group);
   void notify(int peer);

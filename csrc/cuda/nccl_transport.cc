@@ -28,6 +28,20 @@ std::string ms_str(std::chrono::milliseconds t) {
   return s.str();
 }
 
+// The asynchronous state of communicator `c`: ncclSuccess, or ncclInProgress
+// while its last nonblocking call runs; `*err` is set instead when NCCL
+// reports an error (of the call `what`).
+ncclResult_t async_state(ncclComm_t c, const char* what, std::string* err) {
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t r = ncclCommGetAsyncError(c, &state);
+  if (r != ncclSuccess) {
+    *err = nccl_error_message(r, "ncclCommGetAsyncError", __FILE__, __LINE__, c);
+  } else if (state != ncclSuccess && state != ncclInProgress) {
+    *err = nccl_error_message(state, what, __FILE__, __LINE__, c);
+  }
+  return state;
+}
+
 }  // namespace
 
 ncclDataType_t to_nccl(DType t) {
@@ -132,16 +146,9 @@ ncclComm_t NcclComm::run_split(NcclComm& parent, const char* name, int color, in
   for (;;) {
     std::string err;
     ncclComm_t child = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
-    if (child != nullptr) {
-      ncclResult_t state = ncclSuccess;
-      const ncclResult_t r = ncclCommGetAsyncError(child, &state);
-      if (r != ncclSuccess) {
-        err = nccl_error_message(r, "ncclCommGetAsyncError", __FILE__, __LINE__, child);
-      } else if (state != ncclSuccess && state != ncclInProgress) {
-        err = nccl_error_message(state, "ncclCommSplit", __FILE__, __LINE__, child);
-      } else if (state == ncclSuccess) {
-        break;
-      }
+    if (child != nullptr && async_state(child, "ncclCommSplit", &err) == ncclSuccess &&
+        err.empty()) {
+      break;
     }
     if (err.empty() && Clock::now() > deadline) {
       err = "ncclCommSplit did not finish within the timeout of " + ms_str(parent.timeout_) +
@@ -230,26 +237,13 @@ void NcclComm::abort(const std::string& why) {
   if (c != nullptr) (void)ncclCommAbort(c);
 }
 
-void NcclComm::wait_ready(const char* what) {
+void NcclComm::poll_until(const char* what, const char* late, const std::function<bool()>& done) {
   const auto deadline = Clock::now() + timeout_;
   int spins = 0;
   for (;;) {
-    ncclResult_t state = ncclSuccess;
-    std::string err;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      throw_if_aborted();
-      const ncclResult_t r = ncclCommGetAsyncError(comm_.load(), &state);
-      if (r != ncclSuccess) {
-        err = nccl_error_message(r, "ncclCommGetAsyncError", __FILE__, __LINE__, comm_.load());
-      } else if (state != ncclSuccess && state != ncclInProgress) {
-        err = nccl_error_message(state, what, __FILE__, __LINE__, comm_.load());
-      }
-    }
-    if (!err.empty()) fail(err);
-    if (state == ncclSuccess) return;
+    if (done()) return;
     if (Clock::now() > deadline) {
-      fail(std::string(what) + " did not finish within the timeout of " + ms_str(timeout_) +
+      fail(std::string(what) + " " + late + " within the timeout of " + ms_str(timeout_) +
            " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
            "; a peer may be dead or not calling the same operation)");
     }
@@ -257,35 +251,28 @@ void NcclComm::wait_ready(const char* what) {
   }
 }
 
-void NcclComm::check_async(const char* what) {
+void NcclComm::wait_ready(const char* what) {
+  poll_until(what, "did not finish", [&] { return check_async(what) == ncclSuccess; });
+}
+
+ncclResult_t NcclComm::check_async(const char* what) {
   std::string err;
+  ncclResult_t state = ncclSuccess;
   {
     std::lock_guard<std::mutex> lk(mu_);
     throw_if_aborted();
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(comm_.load(), &state);
-    if (r != ncclSuccess) {
-      err = nccl_error_message(r, "ncclCommGetAsyncError", __FILE__, __LINE__, comm_.load());
-    } else if (state != ncclSuccess && state != ncclInProgress) {
-      err = nccl_error_message(state, what, __FILE__, __LINE__, comm_.load());
-    }
+    state = async_state(comm_.load(), what, &err);
   }
   if (!err.empty()) fail(err);
+  return state;
 }
 
 void NcclComm::host_wait(cudaEvent_t ev, const char* what) {
-  const auto deadline = Clock::now() + timeout_;
-  int spins = 0;
-  for (;;) {
-    if (event_done(ev)) return;
+  poll_until(what, "did not complete on the GPU", [&] {
+    if (event_done(ev)) return true;
     check_async(what);
-    if (Clock::now() > deadline) {
-      fail(std::string(what) + " did not complete on the GPU within the timeout of " +
-           ms_str(timeout_) + " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
-           "; a peer may be dead or not calling the same operation)");
-    }
-    backoff(spins);
-  }
+    return false;
+  });
 }
 
 void NcclComm::destroy() {

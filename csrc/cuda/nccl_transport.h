@@ -32,6 +32,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -96,8 +97,10 @@ class NcclComm {
   // asynchronous error or after timeout(): aborts and throws CommError.
   void wait_ready(const char* what);
 
-  // Throws CommError (after aborting) if NCCL reports an asynchronous error.
-  void check_async(const char* what);
+  // Throws CommError (after aborting) if NCCL reports an asynchronous error;
+  // otherwise returns the state: ncclSuccess, or ncclInProgress while the
+  // last nonblocking call runs.
+  ncclResult_t check_async(const char* what);
 
   // Blocks the host until `ev` completes, checking for NCCL errors and the
   // timeout while it polls (then aborts and throws).
@@ -117,6 +120,9 @@ class NcclComm {
  private:
   void throw_if_aborted() const;                   // mu_ held
   [[noreturn]] void fail(const std::string& msg);  // abort + throw CommError
+  // Polls until done() holds, backing off; after timeout(): aborts and throws
+  // CommError "<what> <late> within the timeout ...".
+  void poll_until(const char* what, const char* late, const std::function<bool()>& done);
   NcclComm(NcclComm& parent, const char* name, int color, int key);
   // Runs ncclCommSplit and waits for it; the new handle, nullptr for no color.
   static ncclComm_t run_split(NcclComm& parent, const char* name, int color, int key);

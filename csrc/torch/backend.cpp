@@ -142,6 +142,21 @@ void unflatten(const std::vector<at::Tensor>& list, const at::Tensor& flat) {
   }
 }
 
+// The one list of a list-of-lists argument (c10d's API allows several).
+const std::vector<at::Tensor>& one_list(const std::vector<std::vector<at::Tensor>>& lists,
+                                        const char* what, const char* op) {
+  TORCH_CHECK_VALUE(lists.size() == 1, op, ": the pycomm backend takes one ", what,
+                    " list per call, got ", lists.size());
+  return lists[0];
+}
+
+// reduce_scatter with reduce op `rop`, for launch_flat.
+auto reduce_scatter_issue(int rop) {
+  return [rop](Comm& c, const at::Tensor& out, const at::Tensor& in, bool async_op) {
+    return c.reduce_scatter(out, in, rop, "auto", async_op);
+  };
+}
+
 const char* c10d_op_name(c10d::ReduceOp::RedOpType op) {
   switch (op) {
     case c10d::ReduceOp::SUM: return "SUM";
@@ -474,10 +489,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
     const c10d::AllgatherOptions& opts) {
   constexpr const char* kOp = "allgather";
   check_one(inputs, kOp);
-  TORCH_CHECK_VALUE(outputs.size() == 1, kOp,
-                    ": the pycomm backend takes one output list per call, got ", outputs.size());
+  std::vector<at::Tensor> outs = one_list(outputs, "output", kOp);
   const at::Tensor in = inputs[0];
-  std::vector<at::Tensor> outs = outputs[0];
   const c10::Device dev = OpDevice(kOp).add(in, "input").add_list(outs, "output_tensor_list").get();
   check_list(outs, "output_tensor_list", in, "input", size_, kOp);
   // Gathered into one flat staging buffer, then copied out to the list.
@@ -489,18 +502,28 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
       [outs, flat] { unflatten(outs, flat); });
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::launch_flat(
+    c10d::OpType type, const char* op, const c10::Device& device, bool async_op,
+    const at::Tensor& output, const at::Tensor& input, IssueFlat issue) {
+  at::Tensor buf = contiguous_buffer(output);
+  at::Tensor src = contiguous_buffer(input);
+  Finish finish = copy_back_when_staged(output, buf);
+  return launch(
+      type, op, device, async_op, {output},
+      [issue = std::move(issue), buf, src](Comm& c, bool async) {
+        return issue(c, buf, src, async);
+      },
+      std::move(finish));
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   constexpr const char* kOp = "_allgather_base";
   const c10::Device dev = OpDevice(kOp).add(output, "output").add(input, "input").get();
-  const at::Tensor out = output;
-  at::Tensor buf = contiguous_buffer(out);
-  at::Tensor src = contiguous_buffer(input);
-  Finish finish = copy_back_when_staged(out, buf);
-  return launch(
-      c10d::OpType::_ALLGATHER_BASE, kOp, dev, opts.asyncOp, {out},
-      [buf, src](Comm& c, bool async_op) { return c.all_gather(buf, src, "auto", async_op); },
-      std::move(finish));
+  return launch_flat(c10d::OpType::_ALLGATHER_BASE, kOp, dev, opts.asyncOp, output, input,
+                     [](Comm& c, const at::Tensor& out, const at::Tensor& in, bool async_op) {
+                       return c.all_gather(out, in, "auto", async_op);
+                     });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
@@ -508,22 +531,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
     const c10d::ReduceScatterOptions& opts) {
   constexpr const char* kOp = "reduce_scatter";
   check_one(outputs, kOp);
-  TORCH_CHECK_VALUE(inputs.size() == 1, kOp,
-                    ": the pycomm backend takes one input list per call, got ", inputs.size());
+  const std::vector<at::Tensor>& ins = one_list(inputs, "input", kOp);
   const at::Tensor out = outputs[0];
-  const c10::Device dev = OpDevice(kOp).add(out, "output").add_list(inputs[0], "input_list").get();
-  check_list(inputs[0], "input_list", out, "output", size_, kOp);
+  const c10::Device dev = OpDevice(kOp).add(out, "output").add_list(ins, "input_list").get();
+  check_list(ins, "input_list", out, "output", size_, kOp);
   const int rop = reduce_op(opts.reduceOp, kOp);
   // The list is concatenated into one flat input (Comm reduces in a copy of it).
-  at::Tensor flat = flatten(inputs[0]);
-  at::Tensor buf = contiguous_buffer(out);
-  Finish finish = copy_back_when_staged(out, buf);
-  return launch(
-      c10d::OpType::REDUCE_SCATTER, kOp, dev, opts.asyncOp, {out},
-      [buf, flat, rop](Comm& c, bool async_op) {
-        return c.reduce_scatter(buf, flat, rop, "auto", async_op);
-      },
-      std::move(finish));
+  return launch_flat(c10d::OpType::REDUCE_SCATTER, kOp, dev, opts.asyncOp, out, flatten(ins),
+                     reduce_scatter_issue(rop));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
@@ -531,16 +546,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
   constexpr const char* kOp = "_reduce_scatter_base";
   const c10::Device dev = OpDevice(kOp).add(output, "output").add(input, "input").get();
   const int rop = reduce_op(opts.reduceOp, kOp);
-  const at::Tensor out = output;
-  at::Tensor buf = contiguous_buffer(out);
-  at::Tensor src = contiguous_buffer(input);
-  Finish finish = copy_back_when_staged(out, buf);
-  return launch(
-      c10d::OpType::_REDUCE_SCATTER_BASE, kOp, dev, opts.asyncOp, {out},
-      [buf, src, rop](Comm& c, bool async_op) {
-        return c.reduce_scatter(buf, src, rop, "auto", async_op);
-      },
-      std::move(finish));
+  return launch_flat(c10d::OpType::_REDUCE_SCATTER_BASE, kOp, dev, opts.asyncOp, output, input,
+                     reduce_scatter_issue(rop));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOptions& opts) {

@@ -143,6 +143,16 @@ class ProcessGroupPycomm final : public c10d::Backend {
                                         const c10::Device& device, bool async_op,
                                         std::vector<at::Tensor> outputs, const Issue& issue,
                                         Finish finish);
+  // Issues an op of one flat output and one flat input (the _base variants,
+  // reduce_scatter over its flattened list): the staging path they share.
+  // Each tensor is staged in a contiguous buffer when it is not contiguous,
+  // and the output's buffer is copied back after the op.
+  using IssueFlat = std::function<c10::intrusive_ptr<pycomm::Work>(
+      Comm& comm, const at::Tensor& out, const at::Tensor& in, bool async_op)>;
+  c10::intrusive_ptr<c10d::Work> launch_flat(c10d::OpType type, const char* op,
+                                             const c10::Device& device, bool async_op,
+                                             const at::Tensor& output, const at::Tensor& input,
+                                             IssueFlat issue);
   c10::intrusive_ptr<c10d::Work> p2p(c10d::OpType type, const char* op,
                                      std::vector<at::Tensor>& tensors, int peer, int tag);
   void check_not_coalescing(const char* op) const;

@@ -92,33 +92,8 @@ void cpu_scale_(at::Tensor dst, double factor) {
   pycomm::cpu_scale(dst.data_ptr(), dst.numel(), dt, factor);
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pycomm C++ core: ring collectives over pluggable transports";
-
-  // The one place where pycomm's C++ exceptions become Python exceptions.
-  // C++ code (checks, the core, the workers) throws only C++ types, often
-  // with the GIL released; pybind11 calls this translator with the GIL held.
-  // Anything else keeps pybind11's / torch's default mapping
-  // (std::runtime_error -> RuntimeError, c10::ValueError -> ValueError, ...).
-  static py::exception<pycomm::CommError> comm_error(m, "CommError", PyExc_RuntimeError);
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const pycomm::Interrupted& e) {
-      py::set_error(PyExc_KeyboardInterrupt, e.what());
-    } catch (const pycomm::CommError& e) {
-      py::set_error(comm_error, e.what());
-    } catch (const pycomm::UsageError& e) {
-      py::set_error(PyExc_ValueError, e.what());
-    } catch (const pycomm::UsageTypeError& e) {
-      py::set_error(PyExc_TypeError, e.what());
-    }
-  });
-
-  m.attr("WITH_CUDA") = false;
-
+// The Work and Comm classes (pycomm/comm.py wraps them).
+void bind_comm(py::module_& m) {
   py::class_<Work, c10::intrusive_ptr<Work>>(m, "Work")
       .def("wait", &Work::wait, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &Work::is_completed)
@@ -187,6 +162,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("close", &Comm::close, py::call_guard<py::gil_scoped_release>())
       .def("abort", &Comm::abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pycomm C++ core: ring collectives over pluggable transports";
+
+  // The one place where pycomm's C++ exceptions become Python exceptions.
+  // C++ code (checks, the core, the workers) throws only C++ types, often
+  // with the GIL released; pybind11 calls this translator with the GIL held.
+  // Anything else keeps pybind11's / torch's default mapping
+  // (std::runtime_error -> RuntimeError, c10::ValueError -> ValueError, ...).
+  static py::exception<pycomm::CommError> comm_error(m, "CommError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const pycomm::Interrupted& e) {
+      py::set_error(PyExc_KeyboardInterrupt, e.what());
+    } catch (const pycomm::CommError& e) {
+      py::set_error(comm_error, e.what());
+    } catch (const pycomm::UsageError& e) {
+      py::set_error(PyExc_ValueError, e.what());
+    } catch (const pycomm::UsageTypeError& e) {
+      py::set_error(PyExc_TypeError, e.what());
+    }
+  });
+
+  m.attr("WITH_CUDA") = false;
+
+  bind_comm(m);
 
   m.def("make_gloo_comm", &make_gloo_comm, py::arg("backend"), py::arg("timeout_ms"),
         py::arg("slice_bytes"), py::arg("check") = false);

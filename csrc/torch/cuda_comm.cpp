@@ -3,24 +3,45 @@
 // only runs the bodies, with ProcessGroupNCCL's stream semantics. Compiled
 // only into the CUDAExtension (PYCOMM_WITH_CUDA); in the CPU build it is empty.
 //
-// Streams (see csrc/cuda/streams.h). Each operation
-//   1. records an event on the caller's current stream; the communicator's
-//      reduction and comm streams wait for it (CudaStreams::begin);
-//   2. enqueues the algorithm (csrc/core, or the native NCCL collective) on
-//      those streams and returns without blocking the host;
-//   3. records a `done` event on the reduction stream, which every transfer
-//      group of the operation was joined into, and records the tensors on both
-//      streams for the caching allocator (recordStream), so memory the caller
-//      frees is not reused before the communicator is done with it;
-//   4. sync op: the caller's current stream waits for `done` (no host block);
-//      async op: Work.wait() does that. Work.get_future() is CUDA-aware, as
+// Streams (csrc/cuda/streams.h). Every op runs on one or more lanes (below);
+// a lane is an NCCL communicator with its own comm and reduction streams.
+// enqueue() takes an op through these steps:
+//
+//   caller's current stream --(1) event--+-------------------------+--(5) wait
+//                                        |                         |    `done`
+//                                        v                         |
+//   each lane of the op:  comm stream       (2) NCCL groups --+    |
+//                         reduction stream  (2) kernels <-----+    |
+//                                        |                         |
+//                                        | (3) join                |
+//                                        v                         |
+//   last lane:            reduction stream  (4) record `done` -----+
+//                                        |
+//   watchdog thread                      +--(6) poll `done`, in order per lane
+//
+//   1. An event on the caller's current stream; the lane's comm and
+//      reduction streams wait for it (CudaStreams::begin).
+//   2. The body (a csrc/core algorithm, or the native NCCL collective)
+//      enqueues NCCL groups on the comm stream and reductions on the
+//      reduction stream, which waits for each group, and returns without
+//      blocking the host.
+//   3. An op on several lanes (batch_isend_irecv) joins every other lane's
+//      reduction stream into the last one's with an event.
+//   4. `done` is recorded on the last lane's reduction stream, and the
+//      tensors on every lane's streams for the caching allocator
+//      (recordStream), so memory the caller frees is not reused before the
+//      communicator is done with it.
+//   5. Sync op: the caller's current stream waits for `done` (no host block);
+//      async op: Work.wait() does that; a barrier (Wait::kHost) also blocks
+//      the host until `done`. Work.get_future() is CUDA-aware, as
 //      ProcessGroupNCCL's: it is completed right after the enqueue with an
 //      event on the reduction stream, so value(), wait() and then() callbacks
 //      are ordered on the caller's current stream and never block the host
-//      (DDP comm hooks rely on it). A watchdog thread polls the `done` events
-//      in order to complete Work.is_completed()/enforce the timeout; an op
-//      that fails after its enqueue fails its Work (wait() raises) and aborts
-//      the communicator, but its future has already been completed.
+//      (DDP comm hooks rely on it).
+//   6. A watchdog thread polls the `done` events in order to complete
+//      Work.is_completed() and enforce the timeout; an op that fails after
+//      its enqueue fails its Work (wait() raises) and aborts the
+//      communicator, but its future has already been completed.
 //
 // User point-to-point (send/recv/isend/irecv/batch_isend_irecv, channel
 // kUser) runs on lanes of its own: two NCCL communicators split from the
@@ -29,7 +50,7 @@
 // sends to higher ranks and receives from lower ones go to the "up" lane, the
 // others to the "down" lane. Each lane has its own CudaStreams (the NCCL group
 // on its comm stream, joined into its reduction stream, which carries no
-// kernels) and NcclTransport; steps 1-4 above are the same, on the lane's
+// kernels) and NcclTransport; steps 1-6 above are the same, on the lane's
 // streams. So NCCL can never pair a user send with a ring step's receive, a
 // pending irecv blocks neither the GPU work nor the Works of later
 // collectives, and isend(x, p); irecv(y, p) on both ranks completes at any
@@ -60,15 +81,15 @@
 // (kernels exit, streams drain) and fails every pending Work with CommError;
 // later calls raise. Works complete in order per lane.
 //
-// CUDA graph capture. Capturing a collective should work but is untested:
-// begin() forks both internal streams off the capturing stream by an event and
-// `done` joins them back (the fork/join pattern capture supports), NCCL
-// ncclSend/ncclRecv and collectives are capturable (NCCL >= 2.9), our kernels
-// and cudaMemcpyAsync are, and the nonblocking-NCCL polling is host-only. What
-// cannot be captured is host waiting: under capture the watchdog (timeouts)
-// is skipped and the Work completes at once, and barrier() raises.
-// Replays are ordered only with the stream they are launched on, not with
-// eager calls on the same communicator (which share its scratch buffer).
+// CUDA graph capture: begin() forks both internal streams off the capturing
+// stream by an event and `done` joins them back (the fork/join pattern
+// capture supports), NCCL ncclSend/ncclRecv and collectives are capturable
+// (NCCL >= 2.9), our kernels and cudaMemcpyAsync are, and the
+// nonblocking-NCCL polling is host-only. What cannot be captured is host
+// waiting: under capture the watchdog (timeouts) is skipped and the Work
+// completes at once, and barrier() raises. Replays are ordered only with the
+// stream they are launched on, not with eager calls on the same
+// communicator (which share its scratch buffer).
 #ifdef PYCOMM_WITH_CUDA
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -424,9 +445,8 @@ class CudaExecutor final : public Executor {
     }
   }
 
-  // Enqueues the parts (a body per lane) as one op: each on its lane's
-  // streams, after the caller's current stream; the Work's `done` event is
-  // recorded on the last part's reduction stream once every part has passed.
+  // Enqueues the parts (a body per lane) as one op: steps 1-6 of the diagram
+  // at the top of this file.
   void enqueue(const c10::intrusive_ptr<Work>& w, std::vector<std::pair<LaneId, Body>> parts,
                Wait wait, const std::vector<at::Tensor>& keep) {
     auto work = c10::static_intrusive_pointer_cast<CudaWork>(w);
@@ -455,12 +475,12 @@ class CudaExecutor final : public Executor {
       try {
         for (auto& [id, body] : parts) {
           Lane& lane = lanes_[id];
-          lane.streams->begin(user);
+          lane.streams->begin(user);  // (1)
           const bool collective = id == kLaneCollective;
           Context ctx{*lane.transport, *lane.reducer, collective ? scratch_.data_ptr() : nullptr,
                       collective ? static_cast<size_t>(scratch_.nbytes()) : 0, slice_bytes_};
-          body(ctx);
-          if (id != last) {
+          body(ctx);         // (2)
+          if (id != last) {  // (3)
             joins.push_back(cuda::make_event());
             lane.streams->record_done(joins.back());
           }
@@ -468,10 +488,11 @@ class CudaExecutor final : public Executor {
         for (cudaEvent_t ev : joins) {
           PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(lanes_[last].streams->reduction(), ev, 0));
         }
-        lanes_[last].streams->record_done(work->done());
+        lanes_[last].streams->record_done(work->done());  // (4)
         for (const auto& [id, body] : parts) {
           for (const auto& t : keep) record_on_streams(t, *lanes_[id].streams);
         }
+        // (5) sync op
         if (wait == Wait::kSync) PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(user, work->done(), 0));
       } catch (const UsageError& e) {
         destroy_events(joins);
@@ -489,24 +510,26 @@ class CudaExecutor final : public Executor {
         throw CommError(msg);
       }
       destroy_events(joins);  // released once the waits above have passed
-      work->enqueued(reduction_stream(last), scratch_);  // its events, on that stream
-      if (work->op() == "barrier") {
+      work->enqueued(reduction_stream(last), scratch_);  // (5) the future, on that stream
+      if (work->waits_on_host()) {
         // A barrier's Work.wait() blocks the host too (ProcessGroupNCCL's).
         cuda::NcclComm* nccl = lanes_[last].nccl.get();
-        work->set_host_wait([nccl](cudaEvent_t ev) { nccl->host_wait(ev, "barrier"); });
+        work->set_host_wait(
+            [nccl, op = work->op()](cudaEvent_t ev) { nccl->host_wait(ev, op.c_str()); });
       }
       if (in_capture) {
         work->complete();  // no host-side tracking of captured work (see the top)
       } else {
         {
           std::lock_guard<std::mutex> wl(wd_mu_);
-          pending_[last].push_back({work, Clock::now()});
+          pending_[last].push_back({work, Clock::now()});  // (6)
         }
         wd_cv_.notify_one();
       }
     }
     if (wait == Wait::kHost) {
-      // Aborts and throws on an error or the timeout.
+      // (5) barrier: the host waits too. Aborts and throws on an error or the
+      // timeout.
       lanes_[last].nccl->host_wait(work->done(), work->op().c_str());
       work->rethrow_if_failed();
     }

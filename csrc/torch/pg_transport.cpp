@@ -243,14 +243,15 @@ void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeo
   }
 }
 
+ProcessGroupTransport::Pending* ProcessGroupTransport::find(Handle h) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = pending_.find(h);
+  if (it == pending_.end()) throw CommError("gloo transport: unknown handle");
+  return &it->second;
+}
+
 void ProcessGroupTransport::wait(Handle h) {
-  Pending* p;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    auto it = pending_.find(h);
-    if (it == pending_.end()) throw CommError("gloo transport: unknown handle");
-    p = &it->second;
-  }
+  Pending* p = find(h);
   // Wait without the lock (abort() may come from another thread), then erase.
   std::exception_ptr err;
   try {
@@ -270,13 +271,7 @@ void ProcessGroupTransport::wait(Handle h) {
 }
 
 bool ProcessGroupTransport::test(Handle h) {
-  Pending* pp;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    auto it = pending_.find(h);
-    if (it == pending_.end()) throw CommError("gloo transport: unknown handle");
-    pp = &it->second;
-  }
+  Pending* pp = find(h);
   Pending& p = *pp;
   if (!p.waiter.valid()) {
     // The Pending entry (and its works) stays in pending_ until consumed.

@@ -74,6 +74,9 @@ class ProcessGroupTransport final : public Transport {
   // receive's payload once its header checked out (throws CommError naming
   // the failed message and, for a mismatch, what differs).
   void wait_all(Pending& p, std::chrono::milliseconds timeout);
+  // The entry of posted group `h` (it stays valid until erased: unordered_map
+  // keeps elements in place); CommError for an unknown handle.
+  Pending* find(Handle h);
   // Checks a received header against the receive; posts its payload.
   void accept_header(Message& m);
   // Best effort: tells every peer why this rank fails (an abort header and

@@ -1,0 +1,132 @@
+#include "checks.h"
+
+#include <sstream>
+
+#include "executor.h"
+
+namespace pycomm {
+
+DType to_dtype(at::ScalarType t, const char* arg) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kDouble: return DType::kFloat64;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kInt: return DType::kInt32;
+    case at::kLong: return DType::kInt64;
+    case at::kByte: return DType::kUInt8;
+    case at::kChar: return DType::kInt8;
+    default: break;
+  }
+  std::ostringstream msg;
+  msg << arg << " has unsupported dtype " << c10::toString(t)
+      << "; pycomm supports float32, float64, float16, bfloat16, int32, int64, uint8, int8";
+  throw UsageTypeError(msg.str());
+}
+
+std::string join_msg(std::initializer_list<std::string> parts) {
+  std::string s;
+  for (const auto& p : parts) s += p;
+  return s;
+}
+
+void check_tensor(const at::Tensor& t, const char* arg, const char* op, const c10::Device& device) {
+  if (!t.defined()) throw UsageError(join_msg({op, ": ", arg, " is an undefined tensor"}));
+  if (t.is_sparse()) throw UsageError(join_msg({op, ": ", arg, " must be a dense tensor"}));
+  to_dtype(t.scalar_type(), arg);
+  // A CPU communicator takes any CPU tensor; a CUDA one, its own device only.
+  if (t.device().type() != device.type() ||
+      (device.has_index() && t.device().index() != device.index())) {
+    throw UsageError(join_msg({op, ": ", arg, " is on ", t.device().str(),
+                               " but the communicator runs on ", device.str()}));
+  }
+  if (!t.is_contiguous()) {
+    throw UsageError(join_msg(
+        {op, ": ", arg, " must be contiguous (pass t.contiguous() and copy the result back)"}));
+  }
+}
+
+void check_peer(int peer, const char* arg, const char* op, int rank, int size, bool allow_self) {
+  if (peer < 0 || peer >= size) {
+    std::ostringstream msg;
+    msg << op << ": " << arg << "=" << peer << " is out of range for world_size " << size;
+    throw UsageError(msg.str());
+  }
+  if (!allow_self && peer == rank) {
+    std::ostringstream msg;
+    msg << op << ": " << arg << "=" << peer << " is this rank; point-to-point needs another rank";
+    throw UsageError(msg.str());
+  }
+}
+
+void check_scatter_sizes(const at::Tensor& big, const char* big_arg, const at::Tensor& small,
+                         const char* small_arg, int world_size, const char* op) {
+  if (big.scalar_type() != small.scalar_type()) {
+    throw UsageTypeError(
+        join_msg({op, ": ", big_arg, " dtype ", c10::toString(big.scalar_type()), " differs from ",
+                  small_arg, " dtype ", c10::toString(small.scalar_type())}));
+  }
+  if (big.numel() != small.numel() * world_size) {
+    std::ostringstream msg;
+    msg << op << ": " << big_arg << " must have world_size * " << small_arg
+        << ".numel() = " << world_size << " * " << small.numel() << " elements, got "
+        << big.numel();
+    throw UsageError(msg.str());
+  }
+}
+
+ReduceOp to_op(int op, DType dtype, const char* opname) {
+  if (op < 0 || op >= kNumReduceOps) {
+    throw UsageError(join_msg({opname, ": unknown reduce op ", std::to_string(op)}));
+  }
+  const ReduceOp r = static_cast<ReduceOp>(op);
+  if (r == ReduceOp::kAvg && !is_floating(dtype)) {
+    throw UsageError(join_msg({opname, ": ReduceOp.AVG needs a floating dtype, got ",
+                               dtype_name(dtype), " (use SUM and divide)"}));
+  }
+  return r;
+}
+
+std::optional<DType> to_wire_dtype(int wire_dtype, DType tensor_dtype, const char* opname) {
+  if (wire_dtype < 0) return std::nullopt;
+  const DType w = static_cast<DType>(wire_dtype);
+  if (wire_dtype >= kNumDTypes || (w != DType::kFloat16 && w != DType::kBFloat16)) {
+    throw UsageError(
+        join_msg({opname, ": wire_dtype must be torch.float16 or torch.bfloat16, got ",
+                  wire_dtype < kNumDTypes ? dtype_name(w) : std::to_string(wire_dtype)}));
+  }
+  if (tensor_dtype != DType::kFloat32) {
+    throw UsageError(join_msg({opname,
+                               ": wire_dtype needs a float32 tensor (it is reduced in "
+                               "float32 and sent as ",
+                               dtype_name(w), "), got ", dtype_name(tensor_dtype)}));
+  }
+  return w;
+}
+
+std::string failure_message(const Work& work, int rank, const std::string& transport,
+                            int world_size, const std::string& device, const std::string& why) {
+  std::ostringstream msg;
+  msg << work.op() << " #" << work.seq() << " on rank " << rank << " (" << transport
+      << " transport, world_size " << world_size << ", " << device << ") failed: " << why;
+  return msg.str();
+}
+
+UsageError usage_failure(const Work& work, int rank, const std::exception& e) {
+  return UsageError(join_msg({work.op(), " #", std::to_string(work.seq()), " on rank ",
+                              std::to_string(rank), ": ", e.what()}));
+}
+
+void check_options(const CommOptions& options) {
+  if (options.slice_bytes < 64) throw UsageError("slice_bytes must be at least 64");
+  if (options.timeout_ms <= 0) throw UsageError("timeout must be positive");
+  for (const auto& [op, rules] : options.auto_table) {
+    for (const auto& rule : rules) {
+      if (rule.second != "ring" && rule.second != "nccl" && rule.second != "direct") {
+        throw UsageError(join_msg({"auto_table: unknown algo '", rule.second, "' for ", op}));
+      }
+    }
+  }
+}
+
+}  // namespace pycomm

@@ -1,0 +1,238 @@
+// The CPU executor: the transport's ops run on a worker thread in submission
+// order; synchronous calls run inline when nothing is queued.
+#include <chrono>
+#include <deque>
+#include <mutex>
+#include <sstream>
+
+#include "../core/check.h"
+#include "../core/reduce.h"
+#include "../core/worker.h"
+#include "checks.h"
+#include "executor.h"
+
+namespace pycomm {
+
+std::unique_ptr<Executor> Executor::split(int, int, const CommOptions&) {
+  throw UsageError(join_msg({"split: the ", transport_name(),
+                             " transport has no split of its own (groups of it are built "
+                             "through the store: Communicator.new_group / split)"}));
+}
+
+size_t scratch_bytes(size_t slice_bytes, int world_size) {
+  return std::max(2 * slice_bytes + 64, static_cast<size_t>(world_size) * sizeof(Fingerprint));
+}
+
+namespace {
+
+class CpuExecutor final : public Executor {
+ public:
+  CpuExecutor(std::unique_ptr<Transport> transport, const CommOptions& options)
+      : transport_(std::move(transport)),
+        timeout_(options.timeout_ms),
+        slice_bytes_(static_cast<size_t>(options.slice_bytes)),
+        scratch_(scratch_bytes(slice_bytes_, transport_->world_size())) {
+    transport_->set_timeout(timeout_);
+    if (transport_->checks_interrupts()) transport_->set_interrupt_check(&check_interrupt);
+    worker_ = std::make_unique<Worker>();
+    worker_->set_idle_poll([this] { return poll_deferred(); });
+    worker_->set_idle_wait([this](int64_t ns) { return transport_->idle_wait(ns); },
+                           [this] { transport_->interrupt(); });
+  }
+
+  int rank() const override { return transport_->rank(); }
+  int world_size() const override { return transport_->world_size(); }
+  std::string transport_name() const override { return transport_->name(); }
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
+  bool shared_buffers() const override { return transport_->shared_buffers() != nullptr; }
+  uint64_t symmetric_domain() const override {
+    return transport_->shared_buffers() ? transport_->shared_buffers()->symmetric_domain() : 0;
+  }
+  bool native_collectives() const override { return transport_->native() != nullptr; }
+  bool on_own_thread() const override { return worker_ && worker_->is_current(); }
+  at::Tensor empty_like(const at::Tensor& t) override { return at::empty_like(t); }
+
+  c10::intrusive_ptr<Work> new_work(const char* op, uint64_t seq,
+                                    std::vector<at::Tensor> outputs) override {
+    auto work = c10::make_intrusive<Work>(op, seq, std::move(outputs));
+    work->set_worker(worker_.get());
+    work->set_on_interrupt([this](const std::string& why) { abort(why); });
+    return work;
+  }
+
+  void run(const c10::intrusive_ptr<Work>& work, Body body, Wait wait,
+           std::vector<at::Tensor> keep) override {
+    std::function<void()> task = [this, work, body = std::move(body), keep = std::move(keep)]() {
+      if (fail_if_aborted(work)) return;
+      try {
+        Context ctx{*transport_, reducer_, scratch_.data(), scratch_.size(), slice_bytes_};
+        body(ctx);
+        work->complete();
+      } catch (const UsageError& e) {
+        // Detected by every rank before any payload moved (checked mode):
+        // the communicator stays usable.
+        work->fail(std::make_exception_ptr(usage_failure(*work, rank(), e)));
+      } catch (const std::exception& e) {
+        fail_op(work, e);
+      }
+    };
+    if (wait == Wait::kAsync) {
+      worker_->submit(std::move(task));  // on the worker thread: ahead of the caller's queue
+      return;
+    }
+    if (worker_->is_current()) {
+      // A synchronous op from a Future callback, which runs on the worker as
+      // an op completes: run it right here, between that op and the next one
+      // (queueing it and waiting would wait for ourselves). Every rank runs it
+      // at the same point of its op sequence.
+      task();
+    } else if (!(transport_->checks_interrupts() || !on_main_thread()) ||
+               !worker_->try_run_inline(task)) {
+      // Queued behind other work, or on a transport whose waits cannot check
+      // for SIGINT (gloo): Work::wait below can.
+      worker_->submit(std::move(task));
+    }
+    work->wait();
+  }
+
+  // Synchronous: post and wait like run(). Asynchronous: the task only posts
+  // and the worker's idle poll (poll_deferred) completes the Work, so a
+  // pending isend never blocks a later irecv or collective.
+  void run_p2p(const c10::intrusive_ptr<Work>& work, std::vector<P2POp> ops, Wait wait,
+               std::vector<at::Tensor> keep) override {
+    if (wait != Wait::kAsync) {
+      run(
+          work, [ops](const Context& ctx) { ctx.transport.exchange(ops.data(), ops.size()); }, wait,
+          std::move(keep));
+      return;
+    }
+    std::ostringstream peers;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      peers << (i ? ", " : "")
+            << (ops[i].kind == P2POp::kSend ? "send to rank " : "recv from rank ") << ops[i].peer;
+    }
+    worker_->submit([this, work, ops, peers = peers.str(), keep = std::move(keep)] {
+      if (fail_if_aborted(work)) return;
+      try {
+        const Handle h = transport_->post(ops.data(), ops.size());
+        deferred_.push_back({work, h, std::chrono::steady_clock::now() + timeout_, peers});
+        worker_->kick();
+      } catch (const std::exception& e) {
+        fail_p2p(work, e, peers);
+      }
+    });
+  }
+
+  void close() override {
+    worker_->drain();
+    worker_.reset();
+    transport_.reset();
+  }
+
+  void leak() override {
+    (void)worker_.release();
+    (void)transport_.release();
+  }
+
+  void abort(const std::string& why) override {
+    {
+      std::lock_guard<std::mutex> lk(abort_mu_);
+      if (aborted_) return;
+      abort_reason_ = why;
+      aborted_ = true;
+    }
+    if (transport_) transport_->abort_because(why);
+  }
+  bool aborted() const override { return aborted_; }
+  std::string abort_reason() const override {
+    std::lock_guard<std::mutex> lk(abort_mu_);
+    return abort_reason_;
+  }
+
+ private:
+  struct Deferred {
+    c10::intrusive_ptr<Work> work;
+    Handle handle;
+    std::chrono::steady_clock::time_point deadline;
+    std::string peers;  // "send to rank 1, recv from rank 2": for the timeout message
+  };
+
+  // On the worker: fails `work` if an earlier op aborted the communicator.
+  bool fail_if_aborted(const c10::intrusive_ptr<Work>& work) {
+    if (!aborted_) return false;
+    work->fail(std::make_exception_ptr(
+        CommError(join_msg({work->op(), " #", std::to_string(work->seq()),
+                            ": communicator aborted earlier (", abort_reason(), ")"}))));
+    return true;
+  }
+
+  void fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e) {
+    const std::string msg =
+        failure_message(*work, rank(), transport_->name(), world_size(), "cpu", e.what());
+    abort(msg);
+    work->fail(dynamic_cast<const Interrupted*>(&e) != nullptr
+                   ? std::make_exception_ptr(Interrupted(msg))
+                   : std::make_exception_ptr(CommError(msg)));
+  }
+
+  // fail_op for a deferred p2p op, naming its peers where the transport's own
+  // error does not (gloo's "Connection closed by peer [127.0.0.1]:47338").
+  void fail_p2p(const c10::intrusive_ptr<Work>& work, const std::exception& e,
+                const std::string& peers) {
+    const std::string what = e.what();
+    if (dynamic_cast<const Interrupted*>(&e) != nullptr || what.find(peers) != std::string::npos) {
+      fail_op(work, e);
+    } else {
+      fail_op(work, CommError(what + " (" + peers + ")"));
+    }
+  }
+
+  // On the executing thread; true while any deferred op is pending.
+  bool poll_deferred() {
+    for (auto it = deferred_.begin(); it != deferred_.end();) {
+      bool done = false;
+      try {
+        if (aborted_) throw CommError("communicator aborted (" + abort_reason() + ")");
+        done = transport_->test(it->handle);
+        if (!done && std::chrono::steady_clock::now() > it->deadline) {
+          std::ostringstream msg;
+          msg << "timed out after " << timeout_.count() << " ms (" << it->peers
+              << "); is the peer alive and did it post the matching operation?";
+          throw CommError(msg.str());
+        }
+      } catch (const std::exception& e) {
+        fail_p2p(it->work, e, it->peers);
+        it = deferred_.erase(it);
+        continue;
+      }
+      if (done) {
+        it->work->complete();
+        it = deferred_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return !deferred_.empty();
+  }
+
+  std::unique_ptr<Transport> transport_;
+  std::chrono::milliseconds timeout_;
+  size_t slice_bytes_;
+  CpuReducer reducer_;
+  std::vector<char> scratch_;
+  std::deque<Deferred> deferred_;  // touched only by the executing thread
+  std::unique_ptr<Worker> worker_;
+  std::atomic<bool> aborted_{false};
+  mutable std::mutex abort_mu_;
+  std::string abort_reason_;
+};
+
+}  // namespace
+
+std::unique_ptr<Executor> make_cpu_executor(std::unique_ptr<Transport> transport,
+                                            const CommOptions& options) {
+  check_options(options);
+  return std::make_unique<CpuExecutor>(std::move(transport), options);
+}
+
+}  // namespace pycomm

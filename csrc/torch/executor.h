@@ -1,0 +1,113 @@
+// Where Comm's ops run (Executor) and the options they run with. The
+// executors: CpuExecutor (cpu_executor.cpp), a worker thread; CudaExecutor
+// (cuda_comm.cpp), the caller's thread enqueues on CUDA streams.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../core/algorithms.h"
+#include "../core/transport.h"
+#include "work.h"
+
+namespace pycomm {
+
+// op -> [(max_bytes, algo), ...]: the first rule with bytes <= max_bytes (or
+// max_bytes < 0, no limit) is what algo="auto" runs (chosen from
+// benchmarks/gpu's runs; pycomm/comm.py passes it to CUDA communicators).
+using AutoTable = std::map<std::string, std::vector<std::pair<int64_t, std::string>>>;
+
+struct CommOptions {
+  int64_t timeout_ms = 300000;
+  int64_t slice_bytes = 512 * 1024;
+  // Checked mode: compare call fingerprints across ranks before each
+  // collective (csrc/core/check.h); a mismatch raises ValueError on all ranks.
+  bool check = false;
+  AutoTable auto_table;
+};
+
+// UsageError (ValueError) for options no communicator can run with.
+void check_options(const CommOptions& options);
+// Bytes of an executor's scratch: two ring slices (+ alignment slack), and
+// at least checked mode's table of world_size fingerprints.
+size_t scratch_bytes(size_t slice_bytes, int world_size);
+
+using Body = std::function<void(const Context&)>;
+
+// How a call returns. kAsync: at once, with the Work. kSync: once the op is
+// complete for the caller (CPU: the host waited; GPU: the caller's current
+// stream waits, the host does not). kHost: once the op is complete, host
+// included, on every device (barrier).
+enum class Wait { kAsync, kSync, kHost };
+
+// Where ops run (see the top). Comm calls it from one thread at a time (or
+// from the executor's own thread, for ops issued by Future callbacks).
+class Executor {
+ public:
+  virtual ~Executor() = default;
+
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual std::string transport_name() const = 0;
+  virtual c10::Device device() const = 0;
+  // Capabilities of the collectives' transport: shared memory (the direct
+  // algorithms) and native collectives (algo="nccl").
+  virtual bool shared_buffers() const = 0;
+  // SharedBuffers::symmetric_domain() of the transport, 0 when it has none.
+  virtual uint64_t symmetric_domain() const { return 0; }
+  virtual bool native_collectives() const = 0;
+
+  // A Work of this executor's kind for the op about to run.
+  virtual c10::intrusive_ptr<Work> new_work(const char* op, uint64_t seq,
+                                            std::vector<at::Tensor> outputs) = 0;
+  // Runs the collective `body` as `work`: completes or fails `work`,
+  // returning as `wait` says;
+  // a synchronous op's error is thrown. A body's UsageError (checked mode:
+  // every rank detected it before any payload moved) fails only this op;
+  // any other error aborts the communicator. `keep` holds tensors the body
+  // reads until the op is done.
+  virtual void run(const c10::intrusive_ptr<Work>& work, Body body, Wait wait,
+                   std::vector<at::Tensor> keep) = 0;
+  // User p2p: posts `ops` (channel kUser) and completes `work` when they are
+  // done, without holding up later ops (a pending irecv never blocks a later
+  // collective or isend).
+  virtual void run_p2p(const c10::intrusive_ptr<Work>& work, std::vector<P2POp> ops, Wait wait,
+                       std::vector<at::Tensor> keep) = 0;
+  // Uninitialised memory like `t` that a body may use as work space.
+  virtual at::Tensor empty_like(const at::Tensor& t) = 0;
+  // True on a thread of the executor's own (the CPU worker, which runs
+  // Future callbacks): ops issued there run in order without the call guard.
+  virtual bool on_own_thread() const = 0;
+  // The transport's own split (ncclCommSplit): an executor over the ranks
+  // that pass the same color >= 0, ranked by (key, rank); nullptr for a
+  // negative color. A collective: every rank calls it at the same point of
+  // its op sequence. Executors without one throw UsageError (pycomm/comm.py
+  // builds such groups through the store instead).
+  virtual std::unique_ptr<Executor> split(int color, int key, const CommOptions& options);
+
+  // Waits for queued work (bounded by the timeout), then releases the
+  // transport; rethrows a failure met on the way. Not on the own thread.
+  virtual void close() = 0;
+  // A forked child: drop everything without touching threads or connections
+  // that belong to the parent.
+  virtual void leak() = 0;
+  // Fails pending and future ops at once (any thread, idempotent) and tells
+  // the peers `why` where the transport can.
+  virtual void abort(const std::string& why) = 0;
+  virtual bool aborted() const = 0;
+  virtual std::string abort_reason() const = 0;
+};
+
+// The CPU executor: the transport's ops run on a worker thread in submission
+// order; synchronous calls run inline when nothing is queued.
+std::unique_ptr<Executor> make_cpu_executor(std::unique_ptr<Transport> transport,
+                                            const CommOptions& options);
+
+}  // namespace pycomm
