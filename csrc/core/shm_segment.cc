@@ -10,6 +10,7 @@
 #include <new>
 
 #include "shm_layout.h"
+#include "stop_signals.h"
 
 namespace pycomm {
 namespace {
@@ -176,11 +177,15 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
   std::string why;
   if (create) {
     const Geometry g = layout_for(n, cfg);
+    name_watch_ = watch_name(name);  // until it is unlinked: a SIGTERM now leaves nothing
     map_ = create_mapping(name, g.total_bytes, /*populate=*/false,
                           " enlarge it, e.g. docker --shm-size, lower PYCOMM_SHM_SLOT_BYTES / "
                           "PYCOMM_SHM_SLOTS, or use transport='gloo'",
                           &why);
-    if (map_ == nullptr) throw CommError("shm transport: " + why);
+    if (map_ == nullptr) {
+      unwatch_name(name_watch_);
+      throw CommError("shm transport: " + why);
+    }
     map_bytes_ = g.total_bytes;
     init_segment(static_cast<char*>(map_), g);
   } else {
@@ -226,9 +231,11 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
   recv_tail_.assign(n * kNumChannels, 0);
   pidfds_.assign(n, -1);
   pidfd_ok_.assign(n, true);
+  stop_watch_ = watch_stop(&ShmTransport::on_stop_signal, this);
 }
 
 ShmTransport::~ShmTransport() {
+  unwatch_stop(stop_watch_);  // before seg_ goes: the handler reads it
   for (int fd : pidfds_) {
     if (fd >= 0) close(fd);
   }
@@ -240,6 +247,7 @@ ShmTransport::~ShmTransport() {
   // init that failed half way. Names are unique, so this never hits another
   // communicator's segment.
   if (!unlinked_) unlink(name_);
+  unwatch_name(name_watch_);
 }
 
 void ShmTransport::unlink(const std::string& name) { shm_unlink(name.c_str()); }
@@ -268,6 +276,13 @@ std::shared_ptr<SymmetricRegion> ShmTransport::allocate_symmetric(size_t bytes,
   if (mine_why.empty() && env != nullptr && std::string(env) == "0") {
     mine_why = "symmetric memory is disabled (PYCOMM_SHM_SYMMETRIC=0)";
   }
+  // This rank's name, until every rank has unlinked it: a SIGTERM in between
+  // removes it too (stop_signals.h).
+  const int watch = mine_why.empty() ? watch_name(symmetric_name(id, rank_)) : -1;
+  struct Unwatch {
+    int token;
+    ~Unwatch() { unwatch_name(token); }
+  } unwatch{watch};
   if (mine_why.empty()) {
     bases[rank_] =
         create_mapping(symmetric_name(id, rank_), map_bytes, /*populate=*/true, "", &mine_why);

@@ -177,7 +177,11 @@ class ShmTransport final : public Transport, public SharedBuffers {
   // Fails if a peer runs a different op under our sequence number.
   void check_peer_ops();
   // Sets the shared abort word; the first rank to do so leaves `reason`.
-  void abort_with(const std::string& reason);
+  // The (const char*, size_t) form is async-signal-safe: stop_signals.h's
+  // handler calls it through on_stop_signal.
+  void abort_with(const std::string& reason) { abort_with(reason.data(), reason.size()); }
+  void abort_with(const char* reason, size_t len);
+  static void on_stop_signal(void* self, int signo);
   std::string aborted_by(uint32_t abort_word) const;
   bool peer_dead(int* who);
   [[noreturn]] void fail(const std::string& msg);
@@ -192,6 +196,8 @@ class ShmTransport final : public Transport, public SharedBuffers {
   size_t map_bytes_ = 0;
   ShmSegment* seg_ = nullptr;  // views into the mapping
   bool unlinked_ = false;
+  int name_watch_ = -1;  // stop_signals.h tokens: the name, the abort on SIGTERM/SIGHUP
+  int stop_watch_ = -1;
 
   // Indexed by peer * channels + channel; FIFO per queue.
   std::vector<std::deque<Op>> sendq_, recvq_;

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "shm_layout.h"
+#include "stop_signals.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
@@ -30,14 +31,14 @@ void ShmTransport::fail(const std::string& msg) {
 
 void ShmTransport::abort() { abort_with(""); }
 
-void ShmTransport::abort_with(const std::string& reason) {
+void ShmTransport::abort_with(const char* reason, size_t len) {
   aborted_.store(true, std::memory_order_release);
   if (!seg_) return;
   uint32_t zero = 0;
   if (seg_->hdr->abort.compare_exchange_strong(zero, static_cast<uint32_t>(rank_ + 1)) &&
-      !reason.empty()) {
-    const size_t m = std::min(reason.size(), kReasonBytes - 1);
-    std::memcpy(seg_->hdr->reason, reason.data(), m);
+      len != 0) {
+    const size_t m = std::min(len, kReasonBytes - 1);
+    std::memcpy(seg_->hdr->reason, reason, m);
     seg_->hdr->reason[m] = 0;
     seg_->hdr->reason_ready.store(1, std::memory_order_release);
   }
@@ -45,6 +46,15 @@ void ShmTransport::abort_with(const std::string& reason) {
     seg_->ranks[r].doorbell.fetch_add(1);
     futex_wake(&seg_->ranks[r].doorbell);
   }
+}
+
+// Inside a SIGTERM/SIGHUP handler (stop_signals.h): the peers fail at once
+// with "rank R was stopped by SIGTERM" instead of finding a dead process.
+void ShmTransport::on_stop_signal(void* self, int signo) {
+  auto* t = static_cast<ShmTransport*>(self);
+  char reason[64];
+  stop_reason(reason, sizeof(reason), t->rank_, signo);
+  t->abort_with(reason, std::strlen(reason));
 }
 
 bool ShmTransport::peer_dead(int* who) {
