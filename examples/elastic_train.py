@@ -14,9 +14,9 @@ Two ways, both with pycomm's DistributedDataParallel:
   moves the model onto it. It needs a launcher that leaves the survivors
   running when a worker dies (torchrun's agent stops them all) and serves
   the store itself, so that the store outlives any rank (with plain env://
-  rank 0 serves it, and losing rank 0 loses it): e.g. one of your own that
-  sets TORCHELASTIC_USE_AGENT_STORE=True, as tests/_dist.run_script_ranks
-  does.
+  rank 0 serves it, and losing rank 0 loses it): ``--spawn N`` starts N
+  local ranks that way (pycomm.bench.launch.run_script):
+      python examples/elastic_train.py --spawn 3 --shrink --kill-rank 1 --kill-step 3
 
 ``--kill-rank R --kill-step S`` makes rank R SIGKILL itself in the middle of
 step S's backward (first attempt only), to try it. Every rank's data at step
@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -74,6 +75,20 @@ def kill_in_backward(model: nn.Module, events: str, rank: int) -> None:
     next(model.parameters()).register_hook(die)
 
 
+def spawn(nproc: int, victim: int) -> None:
+    """Starts ``nproc`` ranks of this script, the store served here
+    (pycomm.bench.launch.run_script): a dead rank leaves the others running."""
+    from pycomm.bench.launch import run_script
+
+    argv = [a for i, a in enumerate(sys.argv[1:])
+            if a != "--spawn" and (i == 0 or sys.argv[i] != "--spawn")]
+    procs = run_script([__file__, *argv], nproc)
+    for r, p in enumerate(procs):
+        print(p.stdout, end="")
+        if p.returncode != 0 and r != victim:
+            sys.exit(f"rank {r} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -84,7 +99,13 @@ def main() -> None:
     ap.add_argument("--transport", default="auto", help="pycomm.init's transport")
     ap.add_argument("--out", default="", help="rank 0 saves the final parameters here")
     ap.add_argument("--events", default="", help="append timing events (JSON lines) here")
+    ap.add_argument("--spawn", type=int, default=0,
+                    help="launch this many local ranks of this script without an elastic agent "
+                         "(for --shrink) and print their output")
     args = ap.parse_args()
+    if args.spawn:
+        spawn(args.spawn, args.kill_rank)
+        return
 
     comm = pycomm.init(transport=args.transport)
     launch_rank = comm.rank  # the data shard: a rank keeps its shard after a shrink

@@ -113,14 +113,14 @@ class Communicator:
         return self._impl.transport
 
     @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._impl.closed
-
-    @property
     def check(self) -> bool:
         """Checked mode: ranks compare call fingerprints before each collective."""
         return bool(getattr(self._impl, "check", False))
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._impl.closed
 
     def __repr__(self) -> str:
         return (

@@ -3,6 +3,7 @@
 # torch and requirements-dev.txt installed):
 #   ruff check pycomm           lint (ruff.toml)
 #   mypy                        types of pycomm/ (mypy.ini; needs torch)
+#   scripts/check_size.py       files <= 800 lines, functions <= 80 lines of logic
 #   clang-format --dry-run      csrc/ formatted as .clang-format says
 # `bash scripts/lint.sh --fix` first applies what the tools can fix (ruff's
 # safe fixes, clang-format -i on the same files), then checks.
@@ -22,6 +23,8 @@ echo "lint: ruff" >&2
 ruff check pycomm
 echo "lint: mypy" >&2
 mypy ${MYPY_ARGS:-}
+echo "lint: size limits" >&2
+python scripts/check_size.py
 echo "lint: clang-format" >&2
 clang-format --dry-run -Werror "${sources[@]}"
 echo "lint: OK (${#sources[@]} C++/CUDA files formatted)" >&2

@@ -55,6 +55,19 @@ struct OpHeader {
   int32_t root = -1;   // broadcast root, -1 otherwise
   int32_t algo = 0;    // AlgoKind
 
+  // A collective's header (seq is set when it runs). dtype, op and root are
+  // -1 where the collective has none.
+  static OpHeader of(CollKind kind, uint64_t count, int32_t dtype = -1, int32_t op = -1,
+                     int32_t root = -1, AlgoKind algo = AlgoKind::kRing) {
+    OpHeader h;
+    h.kind = static_cast<int32_t>(kind);
+    h.count = count;
+    h.dtype = dtype;
+    h.op = op;
+    h.root = root;
+    h.algo = static_cast<int32_t>(algo);
+    return h;
+  }
   // kind, dtype, op, algo and root in one word (for shared slots / the wire).
   uint64_t packed() const;
   static OpHeader unpack(uint64_t seq, uint64_t count, uint64_t packed);

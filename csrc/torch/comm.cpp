@@ -125,18 +125,6 @@ Body Comm::collective(OpHeader h, Body body) {
 }
 
 namespace {
-OpHeader header(CollKind kind, size_t count, int32_t dtype = -1, int32_t op = -1, int32_t root = -1,
-                AlgoKind algo = AlgoKind::kRing) {
-  OpHeader h;
-  h.kind = static_cast<int32_t>(kind);
-  h.count = count;
-  h.dtype = dtype;
-  h.op = op;
-  h.root = root;
-  h.algo = static_cast<int32_t>(algo);
-  return h;
-}
-
 AlgoKind algo_kind(const std::string& algo) {
   if (algo == "direct") return AlgoKind::kDirect;
   if (algo == "nccl") return AlgoKind::kNative;
@@ -147,8 +135,6 @@ AlgoKind algo_kind(const std::string& algo) {
 AlgoKind wire_kind(DType wire) {
   return wire == DType::kFloat16 ? AlgoKind::kRingWireF16 : AlgoKind::kRingWireBF16;
 }
-
-Wait wait_of(bool async_op) { return async_op ? Wait::kAsync : Wait::kSync; }
 
 // The transport's own collectives (algo="nccl"); pick() only returns kNative
 // when the transport has them.
@@ -307,7 +293,7 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   auto symmetric = symmetric_;
   c10::intrusive_ptr<Work> work = launch(
       kOp, {t},
-      collective(header(CollKind::kAllReduce, count, int32_t(dt), int32_t(rop), -1, kind),
+      collective(OpHeader::of(CollKind::kAllReduce, count, int32_t(dt), int32_t(rop), -1, kind),
                  [=](const Context& ctx) {
                    switch (kind) {
                      case AlgoKind::kRingWireF16:
@@ -328,14 +314,23 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   return work;
 }
 
+DType Comm::check_chunked(const at::Tensor& out, const at::Tensor& in, bool output_whole,
+                          const char* op) const {
+  check_open(op);
+  check_tensor(out, "output", op);
+  check_tensor(in, "input", op);
+  if (output_whole) {
+    check_scatter_sizes(out, "output", in, "input", size_, op);
+  } else {
+    check_scatter_sizes(in, "input", out, "output", size_, op);
+  }
+  return to_dtype(in.scalar_type(), "input");
+}
+
 c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op,
                                               const std::string& algo, bool async_op) {
   constexpr const char* kOp = "reduce_scatter";
-  check_open(kOp);
-  check_tensor(out, "output", kOp);
-  check_tensor(in, "input", kOp);
-  check_scatter_sizes(in, "input", out, "output", size_, kOp);
-  const DType dt = to_dtype(in.scalar_type(), "input");
+  const DType dt = check_chunked(out, in, /*output_whole=*/false, kOp);
   const ReduceOp rop = to_op(op, dt, kOp);
   const AlgoKind kind = pick(algo, CollKind::kReduceScatter, in.nbytes(), false);
   const size_t m = out.numel();
@@ -346,34 +341,30 @@ c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::T
   void* work = buf.defined() ? buf.data_ptr() : nullptr;
   return launch(
       kOp, {out},
-      collective(
-          header(CollKind::kReduceScatter, size_t(in.numel()), int32_t(dt), int32_t(rop), -1, kind),
-          [=](const Context& ctx) {
-            switch (kind) {
-              case AlgoKind::kNative:
-                ctx.transport.wait(native(ctx).reduce_scatter(src, dst, m, dt, rop));
-                break;
-              default: ring_reduce_scatter_out(ctx, src, work, dst, m, dt, rop); break;
-            }
-          }),
+      collective(OpHeader::of(CollKind::kReduceScatter, size_t(in.numel()), int32_t(dt),
+                              int32_t(rop), -1, kind),
+                 [=](const Context& ctx) {
+                   switch (kind) {
+                     case AlgoKind::kNative:
+                       ctx.transport.wait(native(ctx).reduce_scatter(src, dst, m, dt, rop));
+                       break;
+                     default: ring_reduce_scatter_out(ctx, src, work, dst, m, dt, rop); break;
+                   }
+                 }),
       wait_of(async_op), {in, buf});
 }
 
 c10::intrusive_ptr<Work> Comm::all_gather(const at::Tensor& out, const at::Tensor& in,
                                           const std::string& algo, bool async_op) {
   constexpr const char* kOp = "all_gather";
-  check_open(kOp);
-  check_tensor(out, "output", kOp);
-  check_tensor(in, "input", kOp);
-  check_scatter_sizes(out, "output", in, "input", size_, kOp);
-  const DType dt = to_dtype(in.scalar_type(), "input");
+  const DType dt = check_chunked(out, in, /*output_whole=*/true, kOp);
   const AlgoKind kind = pick(algo, CollKind::kAllGather, out.nbytes(), false);
   const size_t es = in.element_size();
   const size_t m = in.numel();
   const void* src = in.data_ptr();
   void* dst = out.data_ptr();
   return launch(kOp, {out},
-                collective(header(CollKind::kAllGather, m, int32_t(dt), -1, -1, kind),
+                collective(OpHeader::of(CollKind::kAllGather, m, int32_t(dt), -1, -1, kind),
                            [=](const Context& ctx) {
                              switch (kind) {
                                case AlgoKind::kNative:
@@ -397,7 +388,7 @@ c10::intrusive_ptr<Work> Comm::broadcast(const at::Tensor& t, int src, const std
   const size_t bytes = t.nbytes();
   return launch(
       kOp, {t},
-      collective(header(CollKind::kBroadcast, size_t(t.numel()), int32_t(dt), -1, src, kind),
+      collective(OpHeader::of(CollKind::kBroadcast, size_t(t.numel()), int32_t(dt), -1, src, kind),
                  [=](const Context& ctx) {
                    switch (kind) {
                      case AlgoKind::kNative:
@@ -473,12 +464,13 @@ std::string Comm::register_tensor(const at::Tensor& t) {
             "where ops queued earlier may still hold the tensor's address"
           : "";
   auto symmetric = symmetric_;
-  launch(kOp, {},
-         collective(header(CollKind::kRegister, storage.nbytes(), -1, -1, -1, AlgoKind::kNone),
-                    [=](const Context& ctx) {
-                      symmetric->move(*ctx.transport.shared_buffers(), storage, why.get(), refuse);
-                    }),
-         Wait::kSync, {t});
+  launch(
+      kOp, {},
+      collective(OpHeader::of(CollKind::kRegister, storage.nbytes(), -1, -1, -1, AlgoKind::kNone),
+                 [=](const Context& ctx) {
+                   symmetric->move(*ctx.transport.shared_buffers(), storage, why.get(), refuse);
+                 }),
+      Wait::kSync, {t});
   return *why;
 }
 
@@ -487,7 +479,7 @@ bool Comm::is_registered(const at::Tensor& t) const {
 }
 
 c10::intrusive_ptr<Work> Comm::barrier(bool async_op) {
-  Body body = collective(header(CollKind::kBarrier, 0),
+  Body body = collective(OpHeader::of(CollKind::kBarrier, 0),
                          [](const Context& ctx) { dissemination_barrier(ctx); });
   const Wait wait = async_op ? Wait::kAsync : Wait::kHost;
   return start("barrier", {}, wait, [&](const c10::intrusive_ptr<Work>& work) {

@@ -168,6 +168,17 @@ class Comm {
   Body collective(OpHeader h, Body body);
   void check_open(const char* op) const;
   void check_tensor(const at::Tensor& t, const char* arg, const char* op) const;
+  // reduce_scatter's and all_gather's checks: `output` and `input` valid, the
+  // whole one (`output` when `output_whole`) world_size times the other;
+  // returns input's dtype.
+  DType check_chunked(const at::Tensor& out, const at::Tensor& in, bool output_whole,
+                      const char* op) const;
+  // gather's and scatter's checks: `tensor` valid, `root` a rank, and the
+  // list: on the root world_size tensors like `tensor` (their data pointers
+  // go to `ptrs`), elsewhere empty (torch's None). Returns tensor's dtype.
+  DType check_rooted(const at::Tensor& tensor, const std::vector<at::Tensor>& list,
+                     const char* list_arg, const char* root_arg, int root, const char* op,
+                     std::vector<void*>* ptrs) const;
   // The algorithm `algo` resolves to for this op: kRing, kDirect or kNative.
   AlgoKind pick(const std::string& algo, CollKind coll, size_t bytes, bool wire) const;
 

@@ -1,7 +1,8 @@
 // Comm::reduce, gather, scatter, all_to_all and all_to_all_single: argument
 // checks, the op header, and a body that calls the core (core/collectives.h).
 // Like the other ops in comm.cpp, no algorithm logic lives here: the core
-// picks reduce's algorithm by size.
+// picks reduce's algorithm by size. Their op headers carry AlgoKind::kNone:
+// the core decides, alike on every rank.
 #include <sstream>
 
 #include "../core/collectives.h"
@@ -9,19 +10,6 @@
 
 namespace pycomm {
 namespace {
-
-OpHeader make_header(CollKind kind, uint64_t count, DType dtype, int32_t op, int32_t root) {
-  OpHeader h;
-  h.kind = static_cast<int32_t>(kind);
-  h.count = count;
-  h.dtype = static_cast<int32_t>(dtype);
-  h.op = op;
-  h.root = root;
-  h.algo = static_cast<int32_t>(AlgoKind::kNone);  // the core decides, alike on every rank
-  return h;
-}
-
-Wait wait_for(bool async_op) { return async_op ? Wait::kAsync : Wait::kSync; }
 
 std::string indexed(const char* name, size_t i) {
   return std::string(name) + "[" + std::to_string(i) + "]";
@@ -135,59 +123,58 @@ c10::intrusive_ptr<Work> Comm::reduce(const at::Tensor& t, int dst, int op, bool
   const size_t count = t.numel();
   return launch(
       kOp, {t},
-      collective(make_header(CollKind::kReduce, count, dt, int32_t(rop), dst),
-                 [=](const Context& ctx) { pycomm::reduce(ctx, data, count, dt, rop, dst); }),
-      wait_for(async_op));
+      collective(
+          OpHeader::of(CollKind::kReduce, count, int32_t(dt), int32_t(rop), dst, AlgoKind::kNone),
+          [=](const Context& ctx) { pycomm::reduce(ctx, data, count, dt, rop, dst); }),
+      wait_of(async_op));
+}
+
+DType Comm::check_rooted(const at::Tensor& tensor, const std::vector<at::Tensor>& list,
+                         const char* list_arg, const char* root_arg, int root, const char* op,
+                         std::vector<void*>* ptrs) const {
+  check_open(op);
+  check_tensor(tensor, "tensor", op);
+  check_peer(root, root_arg, op, rank_, size_, /*allow_self=*/true);
+  const DType dt = to_dtype(tensor.scalar_type(), "tensor");
+  if (rank_ != root) {
+    check_no_list(list, list_arg, root_arg, root, rank_, op);
+    return dt;
+  }
+  check_list(list, list_arg, tensor, "tensor", size_, op,
+             [&](const at::Tensor& x, const std::string& a) { check_tensor(x, a.c_str(), op); });
+  for (const auto& t : list) ptrs->push_back(t.data_ptr());
+  return dt;
 }
 
 c10::intrusive_ptr<Work> Comm::gather(const std::vector<at::Tensor>& outs, const at::Tensor& in,
                                       int dst, bool async_op) {
   constexpr const char* kOp = "gather";
-  check_open(kOp);
-  check_tensor(in, "tensor", kOp);
-  check_peer(dst, "dst", kOp, rank_, size_, /*allow_self=*/true);
-  const DType dt = to_dtype(in.scalar_type(), "tensor");
   std::vector<void*> out_ptrs;
-  if (rank_ == dst) {
-    check_list(outs, "gather_list", in, "tensor", size_, kOp,
-               [&](const at::Tensor& x, const std::string& a) { check_tensor(x, a.c_str(), kOp); });
-    for (const auto& o : outs) out_ptrs.push_back(o.data_ptr());
-  } else {
-    check_no_list(outs, "gather_list", "dst", dst, rank_, kOp);
-  }
+  const DType dt = check_rooted(in, outs, "gather_list", "dst", dst, kOp, &out_ptrs);
   const void* src = in.data_ptr();
   const size_t m = in.numel(), es = in.element_size();
-  return launch(kOp, outs,
-                collective(make_header(CollKind::kGather, m, dt, -1, dst),
-                           [=](const Context& ctx) {
-                             pycomm::gather(ctx, src, out_ptrs.data(), m, es, dst);
-                           }),
-                wait_for(async_op), {in});
+  return launch(
+      kOp, outs,
+      collective(
+          OpHeader::of(CollKind::kGather, m, int32_t(dt), -1, dst, AlgoKind::kNone),
+          [=](const Context& ctx) { pycomm::gather(ctx, src, out_ptrs.data(), m, es, dst); }),
+      wait_of(async_op), {in});
 }
 
 c10::intrusive_ptr<Work> Comm::scatter(const at::Tensor& out, const std::vector<at::Tensor>& ins,
                                        int src, bool async_op) {
   constexpr const char* kOp = "scatter";
-  check_open(kOp);
-  check_tensor(out, "tensor", kOp);
-  check_peer(src, "src", kOp, rank_, size_, /*allow_self=*/true);
-  const DType dt = to_dtype(out.scalar_type(), "tensor");
-  std::vector<const void*> in_ptrs;
-  if (rank_ == src) {
-    check_list(ins, "scatter_list", out, "tensor", size_, kOp,
-               [&](const at::Tensor& x, const std::string& a) { check_tensor(x, a.c_str(), kOp); });
-    for (const auto& i : ins) in_ptrs.push_back(i.data_ptr());
-  } else {
-    check_no_list(ins, "scatter_list", "src", src, rank_, kOp);
-  }
+  std::vector<void*> ptrs;
+  const DType dt = check_rooted(out, ins, "scatter_list", "src", src, kOp, &ptrs);
+  const std::vector<const void*> in_ptrs(ptrs.begin(), ptrs.end());
   void* dst = out.data_ptr();
   const size_t m = out.numel(), es = out.element_size();
-  return launch(kOp, {out},
-                collective(make_header(CollKind::kScatter, m, dt, -1, src),
-                           [=](const Context& ctx) {
-                             pycomm::scatter(ctx, in_ptrs.data(), dst, m, es, src);
-                           }),
-                wait_for(async_op), ins);
+  return launch(
+      kOp, {out},
+      collective(
+          OpHeader::of(CollKind::kScatter, m, int32_t(dt), -1, src, AlgoKind::kNone),
+          [=](const Context& ctx) { pycomm::scatter(ctx, in_ptrs.data(), dst, m, es, src); }),
+      wait_of(async_op), ins);
 }
 
 c10::intrusive_ptr<Work> Comm::all_to_all(const std::vector<at::Tensor>& outs,
@@ -233,13 +220,14 @@ c10::intrusive_ptr<Work> Comm::all_to_all(const std::vector<at::Tensor>& outs,
   }
   const DType dt = to_dtype(st, "input_tensor_list[0]");
   const size_t es = ins[0].element_size();
-  return launch(kOp, outs,
-                collective(make_header(CollKind::kAllToAll, 0, dt, -1, -1),
-                           [=](const Context& ctx) {
-                             pycomm::all_to_all(ctx, send.data(), send_count.data(), recv.data(),
-                                                recv_count.data(), es);
-                           }),
-                wait_for(async_op), ins);
+  return launch(
+      kOp, outs,
+      collective(OpHeader::of(CollKind::kAllToAll, 0, int32_t(dt), -1, -1, AlgoKind::kNone),
+                 [=](const Context& ctx) {
+                   pycomm::all_to_all(ctx, send.data(), send_count.data(), recv.data(),
+                                      recv_count.data(), es);
+                 }),
+      wait_of(async_op), ins);
 }
 
 c10::intrusive_ptr<Work> Comm::all_to_all_single(const at::Tensor& out, const at::Tensor& in,
@@ -286,13 +274,14 @@ c10::intrusive_ptr<Work> Comm::all_to_all_single(const at::Tensor& out, const at
     ro += recv_count[p];
   }
   const DType dt = to_dtype(in.scalar_type(), "input");
-  return launch(kOp, {out},
-                collective(make_header(CollKind::kAllToAll, 0, dt, -1, -1),
-                           [=](const Context& ctx) {
-                             pycomm::all_to_all(ctx, send.data(), send_count.data(), recv.data(),
-                                                recv_count.data(), es);
-                           }),
-                wait_for(async_op), {in});
+  return launch(
+      kOp, {out},
+      collective(OpHeader::of(CollKind::kAllToAll, 0, int32_t(dt), -1, -1, AlgoKind::kNone),
+                 [=](const Context& ctx) {
+                   pycomm::all_to_all(ctx, send.data(), send_count.data(), recv.data(),
+                                      recv_count.data(), es);
+                 }),
+      wait_of(async_op), {in});
 }
 
 }  // namespace pycomm

@@ -46,6 +46,7 @@ using Body = std::function<void(const Context&)>;
 // stream waits, the host does not). kHost: once the op is complete, host
 // included, on every device (barrier).
 enum class Wait { kAsync, kSync, kHost };
+inline Wait wait_of(bool async_op) { return async_op ? Wait::kAsync : Wait::kSync; }
 
 // Where ops run (see the top). Comm calls it from one thread at a time (or
 // from the executor's own thread, for ops issued by Future callbacks).
