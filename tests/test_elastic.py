@@ -101,3 +101,46 @@ def test_shrink_continues_on_the_survivors(tmp_path, world, transport):
     for a, b in zip(_final(tmp_path, "shrunk.pt"), ref):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
     assert _shm_names() <= before
+
+
+def test_one_transport_decision_when_one_rank_cannot_map_the_segment(tmp_path):
+    """Rank 1 runs with a /dev/shm of its own (a mount namespace, as in a
+    container with a private IPC mount): it cannot map rank 0's segment.
+    transport="auto" then falls back to gloo on every rank, never a mix, and
+    the warning names rank 1 and its reason."""
+    import shutil
+    import subprocess
+    import textwrap
+
+    from tests._dist import master_store
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare for a private /dev/shm")
+    before = _shm_names()
+    store = master_store(2)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = textwrap.dedent(f"""
+        import sys, warnings, torch, pycomm
+        from tests._dist import client_store
+        r = int(sys.argv[1])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            comm = pycomm.init(rank=r, world_size=2, store=client_store({store.port}, 2),
+                               transport="auto", timeout=60)
+        t = torch.ones(3)
+        comm.all_reduce(t)
+        print(comm.transport, t.tolist(), [str(w.message) for w in caught])
+        comm.close()
+    """)
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    private = ["unshare", "--mount", "--", "sh", "-c",
+               'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh"]
+    procs = [subprocess.Popen(prefix + [sys.executable, "-c", code, str(r)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r, prefix in ((0, []), (1, private))]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert out.startswith("gloo [2.0, 2.0, 2.0]"), out + err[-2000:]
+        assert "rank 1" in out and "uses gloo instead of shm" in out, out
+    assert _shm_names() <= before
