@@ -34,9 +34,16 @@ Supported: ``all_reduce`` (SUM, AVG, MAX, MIN, PRODUCT), ``broadcast``,
 ``reduce_scatter_tensor``, ``send``/``recv``/``isend``/``irecv`` (tag 0),
 ``batch_isend_irecv`` (posted together), ``barrier`` (on the CUDA communicator
 when torch names a CUDA device: ``device_ids=`` or a group bound with
-``device_id=``), ``all_reduce_coalesced``; ``async_op=True`` Works with
-``get_future()``. Other ops (``reduce``, ``gather``, ``scatter``,
-``all_to_all``, ...) and other reduce ops raise an error naming them. The list
+``device_id=``), ``all_reduce_coalesced``, ``reduce``, ``gather``,
+``scatter`` (and so ``gather_object`` / ``scatter_object_list``),
+``all_to_all``, ``all_to_all_single`` (even or uneven splits), the coalesced
+``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (one op each, as
+DTensor and FSDP2 issue them), ``all_gather_coalesced``, and sequence numbers
+(``TORCH_DISTRIBUTED_DEBUG=DETAIL``); ``async_op=True`` Works with
+``get_future()``. A collective issued inside a ``then()`` callback runs
+nested, at once, so waiting for it there works (torch's PowerSGD hook).
+Other ops, other reduce ops and sparse tensors (``TypeError``) raise an
+error naming them. The list
 variants and non-contiguous tensors go through a contiguous staging buffer and
 one copy each way (on CUDA: ordered on the streams, as the op). The tensors of
 one call must be on one device (else ``ValueError``).

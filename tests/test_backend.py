@@ -269,12 +269,7 @@ def _groups_options_errors(rank: int, world_size: int, port: int) -> list:
         assert torch.equal(y, torch.full((3,), 2.0))
 
         t = torch.ones(4)
-        # Ops pycomm does not implement: an error naming the op, nothing runs.
-        _raises(RuntimeError, "pycomm does not support reduce", dist.reduce, t, dst=0)
-        _raises(RuntimeError, "pycomm does not support gather", dist.gather, t,
-                [torch.empty(4) for _ in range(world_size)] if rank == 0 else None, dst=0)
-        _raises(RuntimeError, "pycomm does not support alltoall", dist.all_to_all_single,
-                torch.empty(6), torch.ones(6))
+        # Unsupported options: an error naming the op, nothing runs.
         _raises(NotImplementedError, "ReduceOp.BAND is not supported", dist.all_reduce,
                 torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BAND)
         _raises(NotImplementedError, "tag=3 is not supported", dist.isend, t, (rank + 1) % 3,
@@ -290,6 +285,8 @@ def _groups_options_errors(rank: int, world_size: int, port: int) -> list:
         _raises(TypeError, "unsupported dtype", dist.all_reduce,
                 torch.ones(4, dtype=torch.bool))
         _raises(ValueError, "out of range", dist.send, t, 5)
+        _raises(ValueError, "not divisible by world_size = 3", dist.all_to_all_single,
+                torch.empty(5), torch.ones(5))
         z = torch.full((2,), float(rank))
         dist.all_reduce(z)
         assert torch.equal(z, torch.full((2,), 3.0))

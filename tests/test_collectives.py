@@ -268,18 +268,32 @@ def test_op_issued_from_callback_runs_in_the_same_place_on_every_rank(transport,
 
 
 def _blocking_calls_in_callback(comm, tmp):
-    """On the worker thread, a synchronous op runs in place (it used to hang
-    forever); waiting for a later op, or close(), raises instead of hanging."""
+    """On the worker thread (inside a then() callback) an op runs nested, in
+    place: a synchronous one returns done, an async one is complete when it
+    returns, so waiting on its Work or its future there works (torch's
+    PowerSGD hook waits this way), as does a nested isend/irecv waited there.
+    Waiting for an op issued outside the callback and queued behind, or
+    close(), still raises instead of hanging."""
     import threading
 
     n, r = comm.world_size, comm.rank
     a, b, c = torch.ones(10), torch.full((3,), r + 1.0), torch.ones(20)
+    d, e = torch.full((3,), r + 1.0), torch.full((6,), 2.0 * (r + 1))
+    got = torch.zeros(5)
     seen = {}
 
-    def sync_op(f):
+    def nested_ops(f):
         seen["thread"] = threading.current_thread() is threading.main_thread()
         comm.all_reduce(b)  # synchronous, on the worker thread
-        return b.clone()
+        w = comm.all_reduce(d, async_op=True)
+        w.wait()
+        comm.all_reduce(e, op="max", async_op=True).get_future().wait()
+        if n > 1:  # a ring of nested p2p, waited inside the callback
+            ws = comm.isend(torch.full((5,), float(r)), (r + 1) % n)
+            wr = comm.irecv(got, (r - 1) % n)
+            wr.wait()
+            ws.wait()
+        return b.clone() + d + e.sum()
 
     def wait_later(f):
         wc.wait()
@@ -290,18 +304,20 @@ def _blocking_calls_in_callback(comm, tmp):
     if r != 0:
         _wait_for(f"{tmp}/registered", "callbacks registered on rank 0")
     wa = comm.all_reduce(a, async_op=True)
-    fb = wa.get_future().then(sync_op)
+    fb = wa.get_future().then(nested_ops)
     wc = comm.all_reduce(c, async_op=True)
     if r == 0:
         f_wait = wa.get_future().then(wait_later)
         f_close = wa.get_future().then(close_comm)
         open(f"{tmp}/registered", "w").close()
-    assert torch.all(fb.wait() == n * (n + 1) / 2)
+    total = n * (n + 1) / 2
+    assert torch.all(fb.wait() == total + total + 6 * 2.0 * n)
     wc.wait()
     assert torch.all(a == n) and torch.all(c == n)
+    assert torch.all(got == float((r - 1) % n)) or n == 1
     if r == 0:
         assert seen["thread"] is False  # the callback did run on the worker
-        with pytest.raises(RuntimeError, match="worker thread.*deadlock"):
+        with pytest.raises(RuntimeError, match="worker thread.*queued behind.*deadlock"):
             f_wait.wait()
         with pytest.raises(RuntimeError, match="close.*worker thread"):
             f_close.wait()

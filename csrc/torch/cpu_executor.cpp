@@ -56,6 +56,9 @@ class CpuExecutor final : public Executor {
                                     std::vector<at::Tensor> outputs) override {
     auto work = c10::make_intrusive<Work>(op, seq, std::move(outputs));
     work->set_worker(worker_.get());
+    // A wait on the worker thread (in a Future callback) for a pending
+    // isend/irecv drives them itself.
+    work->set_pump([this] { return poll_deferred(); });
     work->set_on_interrupt([this](const std::string& why) { abort(why); });
     return work;
   }
@@ -76,18 +79,22 @@ class CpuExecutor final : public Executor {
         fail_op(work, e);
       }
     };
-    if (wait == Wait::kAsync) {
-      worker_->submit(std::move(task));  // on the worker thread: ahead of the caller's queue
+    if (worker_->is_current()) {
+      // An op issued from a Future callback, which runs on the worker as an
+      // op completes (nested): synchronous or not, it runs right here, between
+      // that op and the next one, so a wait on it (Work.wait, or the future's
+      // wait, as torch's PowerSGD hook does) finds it complete instead of
+      // waiting for ourselves. Callbacks fire in op order, so every rank runs
+      // it at the same point of its op sequence.
+      task();
+      if (wait != Wait::kAsync) work->wait();  // a synchronous op's error is thrown
       return;
     }
-    if (worker_->is_current()) {
-      // A synchronous op from a Future callback, which runs on the worker as
-      // an op completes: run it right here, between that op and the next one
-      // (queueing it and waiting would wait for ourselves). Every rank runs it
-      // at the same point of its op sequence.
-      task();
-    } else if (!(transport_->checks_interrupts() || !on_main_thread()) ||
-               !worker_->try_run_inline(task)) {
+    if (wait == Wait::kAsync) {
+      worker_->submit(std::move(task));
+      return;
+    }
+    if (!(transport_->checks_interrupts() || !on_main_thread()) || !worker_->try_run_inline(task)) {
       // Queued behind other work, or on a transport whose waits cannot check
       // for SIGINT (gloo): Work::wait below can.
       worker_->submit(std::move(task));
@@ -111,7 +118,7 @@ class CpuExecutor final : public Executor {
       peers << (i ? ", " : "")
             << (ops[i].kind == P2POp::kSend ? "send to rank " : "recv from rank ") << ops[i].peer;
     }
-    worker_->submit([this, work, ops, peers = peers.str(), keep = std::move(keep)] {
+    std::function<void()> post = [this, work, ops, peers = peers.str(), keep = std::move(keep)] {
       if (fail_if_aborted(work)) return;
       try {
         const Handle h = transport_->post(ops.data(), ops.size());
@@ -120,7 +127,14 @@ class CpuExecutor final : public Executor {
       } catch (const std::exception& e) {
         fail_p2p(work, e, peers);
       }
-    });
+    };
+    // From a Future callback (on the worker): posted now, in callback order;
+    // a wait on it there polls (Work::set_pump) instead of blocking.
+    if (worker_->is_current()) {
+      post();
+    } else {
+      worker_->submit(std::move(post));
+    }
   }
 
   void close() override {

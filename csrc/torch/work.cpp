@@ -45,13 +45,19 @@ Work::Work(std::string op, uint64_t seq, std::vector<at::Tensor> outputs,
 
 void Work::wait() {
   if (worker_ && worker_->is_current() && !future_->completed()) {
-    // A Future callback runs on the worker that completes ops: waiting there
-    // for a later op would wait for ourselves, forever.
+    // A Future callback runs on the worker that completes ops. A pending
+    // isend/irecv it issued completes as we poll the transport here.
+    while (pump_ && !future_->completed() && pump_()) std::this_thread::yield();
+  }
+  if (worker_ && worker_->is_current() && !future_->completed()) {
+    // An op queued behind the running one: waiting for it here would wait
+    // for ourselves, forever.
     throw std::runtime_error(
         op_ + " #" + std::to_string(seq_) +
         ": wait() called on the communicator's worker thread (inside a Future callback) "
-        "before the op completed; it would deadlock. Return the op's future from the "
-        "callback, or chain with then(), instead of waiting inside it");
+        "for an op queued behind the running one (issued outside the callback); it would deadlock. "
+        "Return the op's future from the callback, or chain with then(), instead of waiting "
+        "inside it");
   }
   if (!future_->completed() && on_main_thread()) wait_interruptibly(completion_flag(future_));
   future_->wait();

@@ -49,9 +49,14 @@ class Work : public c10::intrusive_ptr_target {
   // the op's own outcome is then dropped.
   virtual void complete();
   virtual void fail(std::exception_ptr e);
-  // The worker that runs this op: wait() on that thread before completion
-  // (from a Future callback) would wait for itself, so it throws instead.
+  // The worker that runs this op. wait() on that thread (from a Future
+  // callback) before completion cannot block: the worker would wait for
+  // itself. Ops issued there run at once (nested), so they are complete;
+  // a pending isend/irecv is driven by calling `pump` (which polls them and
+  // returns whether any is still pending) until it completes; anything else
+  // (an op queued behind the running one) throws instead of deadlocking.
   void set_worker(const Worker* w) { worker_ = w; }
+  void set_pump(std::function<bool()> pump) { pump_ = std::move(pump); }
   // Called (with a reason) when wait() on the main thread is interrupted
   // by SIGINT before the op completed: the communicator aborts it.
   void set_on_interrupt(std::function<void(const std::string&)> f) { on_interrupt_ = std::move(f); }
@@ -83,6 +88,7 @@ class Work : public c10::intrusive_ptr_target {
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   const Worker* worker_ = nullptr;
+  std::function<bool()> pump_;
   std::function<void(const std::string&)> on_interrupt_;
   std::shared_ptr<std::atomic<bool>> reported_;
   bool waits_on_host_ = false;
