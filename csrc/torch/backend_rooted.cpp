@@ -53,6 +53,43 @@ void check_one_dtype(const std::vector<at::Tensor>& list, const char* arg, const
 }
 
 // Element counts of the tensors of `list`.
+// A coalesced op's lists: pairs of one dtype, the whole side (outputs for
+// the all-gathers, inputs for the reduce-scatter) world_size times the
+// other. Returns the op's device.
+c10::Device check_coalesced(const std::vector<at::Tensor>& outputs,
+                            const std::vector<at::Tensor>& inputs, bool outputs_whole, int size,
+                            const char* op) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), op, ": got ", outputs.size(), " outputs for ",
+                    inputs.size(), " inputs");
+  const c10::Device dev =
+      OpDevice(op).add_list(outputs, "outputs").add_list(inputs, "inputs").get();
+  check_one_dtype(inputs, "inputs", op);
+  const char* whole = outputs_whole ? "outputs" : "inputs";
+  const char* part = outputs_whole ? "inputs" : "outputs";
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_CHECK_TYPE(outputs[i].scalar_type() == inputs[i].scalar_type(), op, ": outputs[", i,
+                     "] has dtype ", outputs[i].scalar_type(), " but inputs[", i, "] has ",
+                     inputs[i].scalar_type());
+    const int64_t w = (outputs_whole ? outputs : inputs)[i].numel();
+    const int64_t p = (outputs_whole ? inputs : outputs)[i].numel();
+    TORCH_CHECK_VALUE(w == p * size, op, ": ", whole, "[", i, "] must have world_size * ", part,
+                      "[", i, "].numel() = ", p * size, " elements, got ", w);
+  }
+  return dev;
+}
+
+// gather's and scatter's arguments as torch passes them: one tensor in
+// `one`, and the list as [list] on the root, [] elsewhere. Checks them and
+// the root; returns the list (empty off the root).
+std::vector<at::Tensor> rooted_args(std::vector<at::Tensor>& one,
+                                    std::vector<std::vector<at::Tensor>>& lists,
+                                    const char* list_arg, int root, const char* root_arg, int rank,
+                                    int size, const char* op) {
+  check_one(one, op);
+  check_peer(root, root_arg, op, rank, size, /*allow_self=*/true);
+  return lists.empty() ? std::vector<at::Tensor>{} : one_list(lists, list_arg, op);
+}
+
 std::vector<int64_t> numels(const std::vector<at::Tensor>& list) {
   std::vector<int64_t> n;
   n.reserve(list.size());
@@ -86,12 +123,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
   constexpr const char* kOp = "gather";
-  check_one(inputs, kOp);
   const int dst = static_cast<int>(opts.rootRank);
-  check_peer(dst, "dst", kOp, rank_, size_, /*allow_self=*/true);
-  // torch passes [gather_list] on the root and [] elsewhere.
-  std::vector<at::Tensor> outs;
-  if (!outputs.empty()) outs = one_list(outputs, "output", kOp);
+  const std::vector<at::Tensor> outs =
+      rooted_args(inputs, outputs, "output", dst, "dst", rank_, size_, kOp);
   const at::Tensor in = inputs[0];
   const c10::Device dev = OpDevice(kOp).add(in, "input").add_list(outs, "gather_list").get();
   std::vector<at::Tensor> bufs = contiguous_buffers(outs);
@@ -106,12 +140,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
   constexpr const char* kOp = "scatter";
-  check_one(outputs, kOp);
   const int src = static_cast<int>(opts.rootRank);
-  check_peer(src, "src", kOp, rank_, size_, /*allow_self=*/true);
-  // torch passes [scatter_list] on the root and [] elsewhere.
-  std::vector<at::Tensor> ins;
-  if (!inputs.empty()) ins = one_list(inputs, "input", kOp);
+  const std::vector<at::Tensor> ins =
+      rooted_args(outputs, inputs, "input", src, "src", rank_, size_, kOp);
   const at::Tensor out = outputs[0];
   const c10::Device dev = OpDevice(kOp).add(out, "output").add_list(ins, "scatter_list").get();
   at::Tensor buf = contiguous_buffer(out);
@@ -158,20 +189,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesc
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   constexpr const char* kOp = "allgather_into_tensor_coalesced";
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), kOp, ": got ", outputs.size(), " outputs for ",
-                    inputs.size(), " inputs");
-  const c10::Device dev =
-      OpDevice(kOp).add_list(outputs, "outputs").add_list(inputs, "inputs").get();
-  check_one_dtype(inputs, "inputs", kOp);
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    TORCH_CHECK_TYPE(outputs[i].scalar_type() == inputs[i].scalar_type(), kOp, ": outputs[", i,
-                     "] has dtype ", outputs[i].scalar_type(), " but inputs[", i, "] has ",
-                     inputs[i].scalar_type());
-    TORCH_CHECK_VALUE(outputs[i].numel() == inputs[i].numel() * size_, kOp, ": outputs[", i,
-                      "] must have world_size * inputs[", i,
-                      "].numel() = ", inputs[i].numel() * size_, " elements, got ",
-                      outputs[i].numel());
-  }
+  const c10::Device dev = check_coalesced(outputs, inputs, /*outputs_whole=*/true, size_, kOp);
   at::Tensor flat_in = flatten(inputs);
   at::Tensor gathered = at::empty({size_, flat_in.numel()}, flat_in.options());
   const std::vector<int64_t> n = numels(inputs);
@@ -233,20 +251,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesc
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   constexpr const char* kOp = "reduce_scatter_tensor_coalesced";
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), kOp, ": got ", outputs.size(), " outputs for ",
-                    inputs.size(), " inputs");
-  const c10::Device dev =
-      OpDevice(kOp).add_list(outputs, "outputs").add_list(inputs, "inputs").get();
-  check_one_dtype(inputs, "inputs", kOp);
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    TORCH_CHECK_TYPE(outputs[i].scalar_type() == inputs[i].scalar_type(), kOp, ": outputs[", i,
-                     "] has dtype ", outputs[i].scalar_type(), " but inputs[", i, "] has ",
-                     inputs[i].scalar_type());
-    TORCH_CHECK_VALUE(inputs[i].numel() == outputs[i].numel() * size_, kOp, ": inputs[", i,
-                      "] must have world_size * outputs[", i,
-                      "].numel() = ", outputs[i].numel() * size_, " elements, got ",
-                      inputs[i].numel());
-  }
+  const c10::Device dev = check_coalesced(outputs, inputs, /*outputs_whole=*/false, size_, kOp);
   const int rop = reduce_op(opts.reduceOp, kOp);
   // Regrouped so that block r of the flat input is rank r's block of every
   // input, one after another: [world_size, sum of the outputs' sizes].
