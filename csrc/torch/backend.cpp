@@ -339,9 +339,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(std::vector<at::Tensor>& tensors,
                                                              const c10d::BroadcastOptions& opts) {
   constexpr const char* kOp = "broadcast";
-  check_one(tensors, kOp);
-  TORCH_CHECK_VALUE(opts.rootTensor == 0, kOp, ": rootTensor must be 0, got ", opts.rootTensor);
-  const at::Tensor t = tensors[0];
+  const at::Tensor t = root_tensor(tensors, opts.rootTensor, kOp);
   const c10::Device dev = OpDevice(kOp).add(t, "tensor").get();
   at::Tensor buf = contiguous_buffer(t);
   Finish finish = copy_back_when_staged(t, buf);

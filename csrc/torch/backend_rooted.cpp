@@ -13,6 +13,7 @@
 //
 // Staging is backend.cpp's: non-contiguous tensors go through contiguous
 // buffers that are copied back when the op completes.
+#include <cstring>
 #include "backend.h"
 #include "backend_util.h"
 
@@ -79,15 +80,22 @@ c10::Device check_coalesced(const std::vector<at::Tensor>& outputs,
 }
 
 // gather's and scatter's arguments as torch passes them: one tensor in
-// `one`, and the list as [list] on the root, [] elsewhere. Checks them and
-// the root; returns the list (empty off the root).
+// `one` (named `one_arg`), and the list as [list] on the root, [] elsewhere.
+// Checks them and the root, sets `dev` to the op's device; returns the list
+// (empty off the root).
 std::vector<at::Tensor> rooted_args(std::vector<at::Tensor>& one,
                                     std::vector<std::vector<at::Tensor>>& lists,
-                                    const char* list_arg, int root, const char* root_arg, int rank,
-                                    int size, const char* op) {
+                                    const char* one_arg, const char* list_arg, int root,
+                                    const char* root_arg, int rank, int size, const char* op,
+                                    c10::Device* dev) {
   check_one(one, op);
   check_peer(root, root_arg, op, rank, size, /*allow_self=*/true);
-  return lists.empty() ? std::vector<at::Tensor>{} : one_list(lists, list_arg, op);
+  std::vector<at::Tensor> list;
+  // The list goes the other way: gather's outputs, scatter's inputs.
+  const char* lists_arg = std::strcmp(one_arg, "input") == 0 ? "output" : "input";
+  if (!lists.empty()) list = one_list(lists, lists_arg, op);
+  *dev = OpDevice(op).add(one[0], one_arg).add_list(list, list_arg).get();
+  return list;
 }
 
 std::vector<int64_t> numels(const std::vector<at::Tensor>& list) {
@@ -102,9 +110,7 @@ std::vector<int64_t> numels(const std::vector<at::Tensor>& list) {
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::ReduceOptions& opts) {
   constexpr const char* kOp = "reduce";
-  check_one(tensors, kOp);
-  TORCH_CHECK_VALUE(opts.rootTensor == 0, kOp, ": rootTensor must be 0, got ", opts.rootTensor);
-  const at::Tensor t = tensors[0];
+  const at::Tensor t = root_tensor(tensors, opts.rootTensor, kOp);
   const c10::Device dev = OpDevice(kOp).add(t, "tensor").get();
   const int rop = reduce_op(opts.reduceOp, kOp);
   const int dst = static_cast<int>(opts.rootRank);
@@ -124,10 +130,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(
     const c10d::GatherOptions& opts) {
   constexpr const char* kOp = "gather";
   const int dst = static_cast<int>(opts.rootRank);
+  c10::Device dev = c10::kCPU;
   const std::vector<at::Tensor> outs =
-      rooted_args(inputs, outputs, "output", dst, "dst", rank_, size_, kOp);
+      rooted_args(inputs, outputs, "input", "gather_list", dst, "dst", rank_, size_, kOp, &dev);
   const at::Tensor in = inputs[0];
-  const c10::Device dev = OpDevice(kOp).add(in, "input").add_list(outs, "gather_list").get();
   std::vector<at::Tensor> bufs = contiguous_buffers(outs);
   at::Tensor src = contiguous_buffer(in);
   return launch(
@@ -141,10 +147,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(
     const c10d::ScatterOptions& opts) {
   constexpr const char* kOp = "scatter";
   const int src = static_cast<int>(opts.rootRank);
+  c10::Device dev = c10::kCPU;
   const std::vector<at::Tensor> ins =
-      rooted_args(outputs, inputs, "input", src, "src", rank_, size_, kOp);
+      rooted_args(outputs, inputs, "output", "scatter_list", src, "src", rank_, size_, kOp, &dev);
   const at::Tensor out = outputs[0];
-  const c10::Device dev = OpDevice(kOp).add(out, "output").add_list(ins, "scatter_list").get();
   at::Tensor buf = contiguous_buffer(out);
   std::vector<at::Tensor> srcs = contiguous_buffers(ins);
   return launch(

@@ -79,6 +79,14 @@ inline void check_one(const std::vector<at::Tensor>& tensors, const char* op) {
                     tensors.size());
 }
 
+// A rooted op's one tensor (broadcast, reduce): c10d's rootTensor must be 0.
+inline at::Tensor root_tensor(const std::vector<at::Tensor>& tensors, int64_t root_tensor,
+                              const char* op) {
+  check_one(tensors, op);
+  TORCH_CHECK_VALUE(root_tensor == 0, op, ": rootTensor must be 0, got ", root_tensor);
+  return tensors[0];
+}
+
 // The one device all tensors of an op are on (the communicator it runs on).
 // Every tensor must be defined and on the same device as the first.
 class OpDevice {
