@@ -22,7 +22,8 @@ pycomm they are reported as skipped with that reason (on gloo they run).
 The default run is :data:`DEFAULT` (a few tests of each kind: collectives,
 p2p, groups, DDP); the rest are marked ``slow`` (``pytest -m slow
 tests/test_torch_suite.py`` or ``PYCOMM_SLOW=1`` runs the full list, ~70 s
-on 2 busy cores: the ranks are forked, see :data:`START_METHOD`).
+on 2 busy cores: the ranks are forked from a server, see
+:data:`START_METHOD`).
 """
 
 from __future__ import annotations
@@ -45,12 +46,14 @@ import torch.distributed as dist  # noqa: E402
 
 import pycomm  # noqa: E402,F401  (registers backend "pycomm" in every rank)
 
-#: How the ranks start (``PYCOMM_TORCH_SUITE_START``): "fork" (default) from
-#: this process, which has torch, the suite and pycomm imported already and
-#: never initializes a process group itself (torch's CI ran this suite forked
-#: for years, test_distributed_fork.py), or "spawn" as test_distributed_spawn
-#: does (each rank imports everything again: seconds per rank and test).
-START_METHOD = os.environ.get("PYCOMM_TORCH_SUITE_START", "fork")
+#: How the ranks start (``PYCOMM_TORCH_SUITE_START``): "forkserver"
+#: (default): forked from one server process that imported torch, the suite,
+#: pycomm and this module once and runs nothing else (fast, and safe however
+#: much the test process itself has run: forking a process that has used
+#: OpenMP or started threads is not); "spawn" as torch's
+#: test_distributed_spawn.py (each rank imports everything again: 20-40 s a
+#: test on a busy 2-core machine instead of about 1 s).
+START_METHOD = os.environ.get("PYCOMM_TORCH_SUITE_START", "forkserver")
 
 #: The backend the ranks really build when the suite asks for gloo.
 REAL_BACKEND = os.environ.get("PYCOMM_TORCH_SUITE_BACKEND", "pycomm")
@@ -139,15 +142,37 @@ def _mark(name: str, fn):
     return test
 
 
+_FORKSERVER = torch.multiprocessing.get_context("forkserver")
+
+
+class _ForkServerRank(_FORKSERVER.Process):  # type: ignore[name-defined,misc]
+    """A rank forked by the server, with this process's environment as of
+    its creation (the suite sets TEMP_DIR and INIT_METHOD anew for each test;
+    the server's own environment is the one it started with)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._environ = dict(os.environ)
+
+    def run(self):
+        os.environ.clear()
+        os.environ.update(self._environ)
+        super().run()
+
+
 class TestTorchSuiteOnPycomm(TestDistBackend, DistributedTest._DistTestBase):
     """Every ``test_*`` of the suite, each in ``WORLD_SIZE`` spawned ranks."""
 
     def setUp(self):
         super().setUp()
-        if START_METHOD == "fork":
-            self._start_processes(torch.multiprocessing.get_context("fork").Process)
-        else:
+        if START_METHOD == "spawn":
             self._spawn_processes()
+            return
+        if START_METHOD == "forkserver":
+            _FORKSERVER.set_forkserver_preload([__name__])  # before the server's first start
+            self._start_processes(_ForkServerRank)
+        else:
+            self._start_processes(torch.multiprocessing.get_context(START_METHOD).Process)
 
 
 _unknown = DEFAULT.union(EXCLUDED).difference(dir(DistributedTest._DistTestBase))
