@@ -79,7 +79,7 @@ def test_parse_args_defaults():
     ["allreduce", "-n", "0"],
     ["allreduce", "-b", "1M", "-e", "1K"],
     ["allreduce", "--nproc", "0"],
-    ["alltoall"],
+    ["alltoallv"],
 ])
 def test_parse_args_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
@@ -93,6 +93,8 @@ def test_parse_args_errors(argv, capsys):
 @pytest.mark.parametrize("coll,n,factor", [
     ("allreduce", 2, 1.0), ("allreduce", 4, 1.5), ("allreduce", 1, 0.0), ("allreduce", 8, 1.75),
     ("reducescatter", 4, 0.75), ("allgather", 2, 0.5), ("broadcast", 8, 1.0), ("sendrecv", 2, 1.0),
+    # nccl-tests: reduce 1 (as broadcast); gather, scatter, alltoall (n-1)/n
+    ("reduce", 4, 1.0), ("gather", 4, 0.75), ("scatter", 2, 0.5), ("alltoall", 8, 0.875),
 ])
 def test_busbw_factor(coll, n, factor):
     assert C.busbw_factor(coll, n) == pytest.approx(factor)
@@ -100,7 +102,7 @@ def test_busbw_factor(coll, n, factor):
 
 def test_busbw_factor_unknown():
     with pytest.raises(ValueError):
-        C.busbw_factor("alltoall", 2)
+        C.busbw_factor("alltoallv", 2)
 
 
 def test_counts_like_nccl_tests():
@@ -174,17 +176,38 @@ def test_expected_other_collectives():
     assert torch.equal(C.expected_result("sendrecv", 0, n, m, torch.int32, "none"), C.rank_values(2, m))
 
 
+def test_expected_rooted_and_alltoall():
+    n, m = 3, 5
+    full = C.expected_result("allreduce", 0, n, m, torch.float32, "max")
+    assert torch.equal(C.expected_result("reduce", 1, n, m, torch.float32, "max", root=1), full)
+    assert C.expected_result("reduce", 0, n, m, torch.float32, "max", root=1).numel() == 0
+    g = C.expected_result("gather", 2, n, m, torch.int32, "none", root=2)
+    assert torch.equal(g, torch.cat([C.rank_values(r, m) for r in range(n)]))
+    assert C.expected_result("gather", 0, n, m, torch.int32, "none", root=2).numel() == 0
+    # scatter: rank 1 gets block 1 of the root's n*m input
+    s = C.expected_result("scatter", 1, n, m, torch.int32, "none", root=2)
+    assert torch.equal(s, C.rank_values(2, n * m)[m:2 * m])
+    # alltoall: rank 1's block p is block 1 of rank p's input
+    a = C.expected_result("alltoall", 1, n, m, torch.int32, "none")
+    for p in range(n):
+        assert torch.equal(a[p * m:(p + 1) * m], C.rank_values(p, n * m)[m:2 * m])
+    assert C.counts("alltoall", 1024, 4, 4) == (64, 1024)
+
+
 def test_count_wrong_size_mismatch():
     with pytest.raises(ValueError):
         C.count_wrong(torch.zeros(3), torch.zeros(4))
 
 
 @pytest.mark.parametrize("coll,in_place", [("reducescatter", True), ("allgather", True),
-                                           ("allgather", False), ("allreduce", True)])
+                                           ("allgather", False), ("allreduce", True),
+                                           ("reduce", True), ("gather", False),
+                                           ("scatter", False), ("alltoall", False)])
 def test_buffers_reset_poisons_output(coll, in_place):
-    b = C.make_buffers(coll, in_place, 1, 2, 8, torch.float32, "sum", torch.device("cpu"))
+    # rank 0 = the root of the rooted ones (only the root's result is checked)
+    b = C.make_buffers(coll, in_place, 0, 2, 8, torch.float32, "sum", torch.device("cpu"))
     b.reset()
-    exp = C.expected_result(coll, 1, 2, 8, torch.float32, "sum")
+    exp = C.expected_result(coll, 0, 2, 8, torch.float32, "sum")
     # before the collective runs, the result must not already look right
     assert C.count_wrong(b.result, exp) > 0
 
@@ -329,6 +352,23 @@ def test_end_to_end_nproc2(tmp_path):
     m = _bench(["model", "r.json", "--worlds", "8", "--sizes", "1M"], tmp_path)
     assert m.returncode == 0, m.stderr
     assert "ring" in m.stdout and "torch" in m.stdout
+
+
+@pytest.mark.parametrize("coll", ["reduce", "gather", "scatter", "alltoall"])
+def test_end_to_end_new_collectives_nproc2(tmp_path, coll):
+    """pycomm and torch (gloo) side by side, root 1 for the rooted ones,
+    every result checked (#wrong 0), busbw with nccl-tests' factor."""
+    res = _bench([coll, "--nproc", "2", "-b", "8", "-e", "4K", "-f", "8", "-n", "2", "-w", "1",
+                  "-r", "1", "--json", "r.json"], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "# Out of bounds values : 0 OK" in res.stdout
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert {r["algo"] for r in rows} == {"ring", "torch"}
+    factor = 1.0 if coll == "reduce" else 0.5
+    for r in rows:
+        assert r["wrong"] == 0 and r["collective"] == coll
+        assert r["busbw"] == pytest.approx(r["algbw"] * factor)
+        assert r["root"] == (-1 if coll == "alltoall" else 1)
 
 
 def test_end_to_end_child_traceback_reaches_user(tmp_path):

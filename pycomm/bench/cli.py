@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "algos alike (1: each algo's iterations in one block, like nccl-tests)")
     p.add_argument("-d", "--datatype", default="float", help="element type: " + ", ".join(sorted(DTYPES)))
     p.add_argument("-o", "--op", default="sum", help="reduction: sum, prod, max, min, avg")
-    p.add_argument("-r", "--root", type=_nonneg_int, default=0, help="root rank of broadcast")
+    p.add_argument("-r", "--root", type=_nonneg_int, default=0,
+                   help="root rank (broadcast, reduce, gather, scatter)")
     p.add_argument("-c", "--check", type=_zero_one, default=1,
                    help="1: count wrong elements against an independently computed result")
     p.add_argument("--algo", type=_algo_list, default=["ring", "torch"],

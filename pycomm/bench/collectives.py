@@ -399,9 +399,144 @@ class SendRecv(Collective):
         return torch_sendrecv
 
 
+def _root_only(c: Call, result: torch.Tensor) -> torch.Tensor:
+    """What a rooted collective's non-root ranks check: nothing (an empty
+    view), as nccl-tests checks only the root's buffer."""
+    return result if c.rank == c.root else result[:0]
+
+
+def _nothing() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
+class Reduce(_InPlace):
+    """In place, as pycomm's reduce; only the root's result is checked."""
+
+    name = "reduce"
+    title = "Reduce"
+    reduces = True
+    rooted = True
+
+    def bus_factor(self, world_size: int) -> float:
+        return 1.0
+
+    def expected(self, c: Call, count: int) -> torch.Tensor:
+        if c.rank != c.root:
+            return _nothing()
+        return c.exact(c.op, [self.inputs(c, count, r) for r in range(c.world_size)])
+
+    def buffers(self, c: Call, count: int, in_place: bool) -> Buffers:
+        b = _in_place(self._values(c, count))
+        return Buffers(b.tensors, _root_only(c, b.result), b.reset)
+
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
+        _no_algo(self, algo)
+        return lambda: comm.reduce(t["tensor"], c.root, c.op)
+
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
+        op = c.torch_op()
+        return lambda: dist.reduce(t["tensor"], dst=c.root, op=op)
+
+
+def _no_algo(coll: Collective, algo: str) -> None:
+    if algo not in ("ring", "auto"):
+        raise ValueError(f"{coll.name} has no algo {algo!r} in pycomm (one algorithm)")
+
+
+def _blocks(buf: torch.Tensor, n: int) -> list[torch.Tensor]:
+    return list(buf.chunk(n)) if buf.numel() else [buf] * n
+
+
+class Gather(_Chunked):
+    """The root receives every rank's ``count`` elements into one buffer of
+    world_size blocks (a list of views, torch's API)."""
+
+    name = "gather"
+    title = "Gather"
+    placements = (False,)
+    rooted = True
+
+    def expected(self, c: Call, count: int) -> torch.Tensor:
+        if c.rank != c.root:
+            return _nothing()
+        return torch.cat([self.inputs(c, count, r) for r in range(c.world_size)])
+
+    def buffers(self, c: Call, count: int, in_place: bool) -> Buffers:
+        inp = self._values(c, count)
+        out = torch.empty(c.world_size * count, dtype=c.dtype, device=c.device)
+        b = _poisoned({"input": inp, "output": out}, "output")
+        return Buffers(b.tensors, _root_only(c, out), b.reset)
+
+    def _outs(self, t: Tensors, c: Call) -> list[torch.Tensor] | None:
+        return _blocks(t["output"], c.world_size) if c.rank == c.root else None
+
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
+        _no_algo(self, algo)
+        outs = self._outs(t, c)
+        return lambda: comm.gather(outs, t["input"], c.root)
+
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
+        outs = self._outs(t, c)
+        return lambda: dist.gather(t["input"], gather_list=outs, dst=c.root)
+
+
+class Scatter(_Chunked):
+    """Rank r receives block r (``count`` elements) of the root's buffer."""
+
+    name = "scatter"
+    title = "Scatter"
+    placements = (False,)
+    rooted = True
+
+    def expected(self, c: Call, count: int) -> torch.Tensor:
+        return self.inputs(c, count, c.root, offset=c.rank * count)
+
+    def buffers(self, c: Call, count: int, in_place: bool) -> Buffers:
+        inp = self.inputs(c, c.world_size * count).to(c.dtype).to(c.device)
+        out = torch.empty(count, dtype=c.dtype, device=c.device)
+        return _poisoned({"input": inp, "output": out}, "output")
+
+    def _ins(self, t: Tensors, c: Call) -> list[torch.Tensor] | None:
+        return _blocks(t["input"], c.world_size) if c.rank == c.root else None
+
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
+        _no_algo(self, algo)
+        ins = self._ins(t, c)
+        return lambda: comm.scatter(t["output"], ins, c.root)
+
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
+        ins = self._ins(t, c)
+        return lambda: dist.scatter(t["output"], scatter_list=ins, src=c.root)
+
+
+class AllToAll(_Chunked):
+    """Block p (``count`` elements) of each rank's input goes to rank p;
+    ``count`` is per block, ``size`` a rank's whole buffer."""
+
+    name = "alltoall"
+    title = "AlltoAll"
+    placements = (False,)
+
+    def expected(self, c: Call, count: int) -> torch.Tensor:
+        return torch.cat([self.inputs(c, count, p, offset=c.rank * count)
+                          for p in range(c.world_size)])
+
+    def buffers(self, c: Call, count: int, in_place: bool) -> Buffers:
+        inp = self._values(c, c.world_size * count)
+        return _poisoned({"input": inp, "output": torch.empty_like(inp)}, "output")
+
+    def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
+        _no_algo(self, algo)
+        return lambda: comm.all_to_all_single(t["output"], t["input"])
+
+    def torch_runner(self, t: Tensors, c: Call) -> Run:
+        return lambda: dist.all_to_all_single(t["output"], t["input"])
+
+
 #: Every measured collective by sub-command name, in the order of the help.
 SPECS: dict[str, Collective] = {
-    c.name: c for c in (AllReduce(), ReduceScatter(), AllGather(), Broadcast(), SendRecv())
+    c.name: c for c in (AllReduce(), ReduceScatter(), AllGather(), Broadcast(), SendRecv(),
+                        Reduce(), Gather(), Scatter(), AllToAll())
 }
 
 
@@ -420,8 +555,8 @@ def busbw_factor(collective: str, world_size: int) -> float:
     of the data each rank's link must carry, so that busbw is comparable to
     the hardware's bandwidth whatever the world size.
 
-    all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n, broadcast and
-    send/recv 1.
+    all-reduce 2(n-1)/n; reduce-scatter, all-gather, gather, scatter and
+    all-to-all (n-1)/n; broadcast, reduce and send/recv 1.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
