@@ -98,6 +98,22 @@ EXCLUDED: dict[str, str] = {
                                   "backend_name 'custom', and the test expects get_backend()"),
 }
 
+_TAGS = "pycomm's p2p matches messages in posting order on one channel: tags other than 0 are not implemented yet"
+
+#: Tests that pass on gloo and fail on pycomm because pycomm lacks the
+#: feature (open work, not torch's doing): reported as skipped with the gap.
+NOT_YET: dict[str, str] = {
+    "test_send_recv_with_tag": _TAGS,
+    "test_batch_isend_irecv_gloo_tags": _TAGS,
+    "test_send_recv_with_tag_autograd_profiler": _TAGS,
+    "test_send_recv_with_tag_torch_profiler": _TAGS,
+    "test_send_recv_any_source": "recv from any source (recvAnysource) is not implemented yet",
+    "test_send_recv_any_source_autograd_profiler": "recvAnysource is not implemented yet",
+    "test_send_recv_any_source_torch_profiler": "recvAnysource is not implemented yet",
+    "test_sparse_all_reduce_sum": ("pycomm reduces dense tensors only and raises a TypeError "
+                                   "naming the sparse tensor; gloo reduces sparse ones"),
+}
+
 #: The default (not slow) subset: a few tests of each kind, ~30 s forked.
 #: (The suite skips its all_to_all tests unless BACKEND is mpi or nccl.)
 DEFAULT: frozenset[str] = frozenset({
@@ -134,6 +150,8 @@ def _mark(name: str, fn):
 
     if name in EXCLUDED and REAL_BACKEND != "gloo":
         return unittest.skip(f"excluded: {EXCLUDED[name]}")(test)
+    if name in NOT_YET and REAL_BACKEND != "gloo":
+        return unittest.skip(f"not in pycomm yet: {NOT_YET[name]}")(test)
     cuda = _cuda_skip(fn)
     if cuda:
         return unittest.skip(cuda)(test)
@@ -175,7 +193,7 @@ class TestTorchSuiteOnPycomm(TestDistBackend, DistributedTest._DistTestBase):
             self._start_processes(torch.multiprocessing.get_context(START_METHOD).Process)
 
 
-_unknown = DEFAULT.union(EXCLUDED).difference(dir(DistributedTest._DistTestBase))
+_unknown = DEFAULT.union(EXCLUDED, NOT_YET).difference(dir(DistributedTest._DistTestBase))
 assert not _unknown, f"not tests of this torch's suite: {sorted(_unknown)}"
 for _name in dir(DistributedTest._DistTestBase):
     if _name.startswith("test_"):

@@ -156,7 +156,8 @@ void ShmTransport::check_health(const char* what, int64_t deadline_ns) {
   }
   if (now >= deadline_ns) {
     fail(std::string("shm transport: ") + what + " on rank " + std::to_string(rank_) +
-         " timed out after " + std::to_string(timeout_.count()) + " ms; " + pending_desc());
+         " timed out after " + std::to_string(timeout_.count()) +
+         " ms, the timeout of this communicator; " + pending_desc());
   }
 }
 

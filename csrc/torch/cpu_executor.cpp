@@ -210,8 +210,8 @@ class CpuExecutor final : public Executor {
         done = transport_->test(it->handle);
         if (!done && std::chrono::steady_clock::now() > it->deadline) {
           std::ostringstream msg;
-          msg << "timed out after " << timeout_.count() << " ms (" << it->peers
-              << "); is the peer alive and did it post the matching operation?";
+          msg << "timed out after " << timeout_.count() << " ms, the timeout of this communicator ("
+              << it->peers << "); is the peer alive and did it post the matching operation?";
           throw CommError(msg.str());
         }
       } catch (const std::exception& e) {

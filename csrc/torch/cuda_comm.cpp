@@ -628,7 +628,8 @@ class CudaExecutor final : public Executor {
           if (Clock::now() - f.start > timeout_) {
             std::ostringstream msg;
             msg << "timed out after " << timeout_.count()
-                << " ms waiting for the GPU (a peer may be dead or not calling the same "
+                << " ms, the timeout of this communicator, waiting for the GPU (a peer may be "
+                   "dead or not calling the same "
                    "operation); the communicator was aborted";
             err = msg.str();
             abort(f.work->op() + " #" + std::to_string(f.work->seq()) + ": " + err);
