@@ -30,25 +30,17 @@ struct BFloat16 {
   uint16_t bits;
 };
 
-PYCOMM_HD uint32_t float_bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-#endif
+// The same 32 bits read as another type. memcpy is the defined way in C++17
+// (no std::bit_cast yet); on both host and device it compiles to a register move.
+template <typename To, typename From>
+PYCOMM_HD To same_bits(From v) {
+  static_assert(sizeof(To) == sizeof(From), "same_bits needs equal sizes");
+  To out;
+  memcpy(&out, &v, sizeof(out));
+  return out;
 }
-
-PYCOMM_HD float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-#endif
-}
+PYCOMM_HD uint32_t float_bits(float f) { return same_bits<uint32_t>(f); }
+PYCOMM_HD float bits_float(uint32_t u) { return same_bits<float>(u); }
 
 // bf16 is the top half of an fp32.
 PYCOMM_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
