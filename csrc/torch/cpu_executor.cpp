@@ -28,7 +28,8 @@ namespace {
 class CpuExecutor final : public Executor {
  public:
   CpuExecutor(std::unique_ptr<Transport> transport, const CommOptions& options)
-      : transport_(std::move(transport)),
+      : Executor(transport->rank(), transport->world_size(), transport->name()),
+        transport_(std::move(transport)),
         timeout_(options.timeout_ms),
         slice_bytes_(static_cast<size_t>(options.slice_bytes)),
         scratch_(scratch_bytes(slice_bytes_, transport_->world_size())) {
@@ -40,9 +41,6 @@ class CpuExecutor final : public Executor {
                            [this] { transport_->interrupt(); });
   }
 
-  int rank() const override { return transport_->rank(); }
-  int world_size() const override { return transport_->world_size(); }
-  std::string transport_name() const override { return transport_->name(); }
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   bool shared_buffers() const override { return transport_->shared_buffers() != nullptr; }
   uint64_t symmetric_domain() const override {

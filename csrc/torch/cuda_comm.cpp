@@ -238,8 +238,7 @@ class CudaExecutor final : public Executor {
   // Over the collectives' NCCL communicator `nccl` (from a unique id, or split
   // from another communicator's); splits the p2p lanes off it.
   CudaExecutor(std::unique_ptr<cuda::NcclComm> nccl, const CommOptions& options)
-      : rank_(nccl->rank()),
-        size_(nccl->world_size()),
+      : Executor(nccl->rank(), nccl->world_size(), "nccl"),
         device_(nccl->device()),
         timeout_(options.timeout_ms),
         slice_bytes_(static_cast<size_t>(options.slice_bytes)),
@@ -261,7 +260,7 @@ class CudaExecutor final : public Executor {
       // user there is still pending, and our non-blocking streams would not
       // be ordered after it.
       c10::cuda::CUDAStreamGuard g(reduction_stream(kLaneCollective));
-      scratch_ = at::empty({static_cast<int64_t>(scratch_bytes(slice_bytes_, size_))},
+      scratch_ = at::empty({static_cast<int64_t>(scratch_bytes(slice_bytes_, world_size()))},
                            at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
     }
     record_on_streams(scratch_, *lanes_[kLaneCollective].streams);
@@ -275,9 +274,6 @@ class CudaExecutor final : public Executor {
     }
   }
 
-  int rank() const override { return rank_; }
-  int world_size() const override { return size_; }
-  std::string transport_name() const override { return "nccl"; }
   c10::Device device() const override {
     return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
   }
@@ -403,7 +399,7 @@ class CudaExecutor final : public Executor {
   // per direction, so isend(x, p); irecv(y, p) on both ranks never queues a
   // receive behind a send that waits for the peer's receive.
   LaneId lane_of(const P2POp& op) const {
-    return (op.kind == P2POp::kSend) == (op.peer > rank_) ? kLaneUp : kLaneDown;
+    return (op.kind == P2POp::kSend) == (op.peer > rank()) ? kLaneUp : kLaneDown;
   }
 
   // NCCL connects a pair of ranks lazily, on the first transfer between them,
@@ -416,17 +412,17 @@ class CudaExecutor final : public Executor {
   // the caller has queued does not count against the timeout.
   void connect_p2p_lanes() {
     constexpr size_t kBytes = 64 << 10;
-    if (size_ < 2) return;
-    at::Tensor buf = at::empty({static_cast<int64_t>(kBytes * size_)},
+    if (world_size() < 2) return;
+    at::Tensor buf = at::empty({static_cast<int64_t>(kBytes * world_size())},
                                at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device_));
     char* base = static_cast<char*>(buf.data_ptr());
     for (LaneId l : {kLaneUp, kLaneDown}) {
       std::vector<P2POp> ops;
-      for (int p = 0; p < size_; ++p) {
-        if (p == rank_) continue;
+      for (int p = 0; p < world_size(); ++p) {
+        if (p == rank()) continue;
         for (P2POp::Kind kind : {P2POp::kSend, P2POp::kRecv}) {
           P2POp op{kind, base + p * kBytes, kBytes, p, kUser};
-          if (kind == P2POp::kSend) op.buf = base + rank_ * kBytes;
+          if (kind == P2POp::kSend) op.buf = base + rank() * kBytes;
           if (lane_of(op) == l) ops.push_back(op);
         }
       }
@@ -498,13 +494,13 @@ class CudaExecutor final : public Executor {
         destroy_events(joins);
         // Checked mode: every rank found the mismatch before any payload moved;
         // the communicator stays usable.
-        const UsageError err = usage_failure(*work, rank_, e);
+        const UsageError err = usage_failure(*work, rank(), e);
         work->fail(std::make_exception_ptr(err));
         throw err;
       } catch (const std::exception& e) {
         destroy_events(joins);
         const std::string msg =
-            failure_message(*work, rank_, "nccl", size_, device().str(), e.what());
+            failure_message(*work, rank(), "nccl", world_size(), device().str(), e.what());
         abort(msg);
         work->fail(std::make_exception_ptr(CommError(msg)));
         throw CommError(msg);
@@ -572,7 +568,7 @@ class CudaExecutor final : public Executor {
     }
     for (auto& p : failed) {
       std::ostringstream msg;
-      msg << p.work->op() << " #" << p.work->seq() << " on rank " << rank_ << " failed: " << why;
+      msg << p.work->op() << " #" << p.work->seq() << " on rank " << rank() << " failed: " << why;
       p.work->fail(std::make_exception_ptr(CommError(msg.str())));
     }
   }
@@ -658,7 +654,7 @@ class CudaExecutor final : public Executor {
     }
   }
 
-  int rank_, size_, device_;
+  int device_;
   std::chrono::milliseconds timeout_;
   size_t slice_bytes_;
   Lane lanes_[kNumLanes];  // indexed by LaneId

@@ -52,11 +52,14 @@ inline Wait wait_of(bool async_op) { return async_op ? Wait::kAsync : Wait::kSyn
 // from the executor's own thread, for ops issued by Future callbacks).
 class Executor {
  public:
+  // Who the executor is, fixed for its life: its transport's rank, size and name.
+  Executor(int rank, int world_size, std::string transport_name)
+      : rank_(rank), size_(world_size), transport_name_(std::move(transport_name)) {}
   virtual ~Executor() = default;
 
-  virtual int rank() const = 0;
-  virtual int world_size() const = 0;
-  virtual std::string transport_name() const = 0;
+  int rank() const { return rank_; }
+  int world_size() const { return size_; }
+  const std::string& transport_name() const { return transport_name_; }
   virtual c10::Device device() const = 0;
   // Capabilities of the collectives' transport: shared memory (the direct
   // algorithms) and native collectives (algo="nccl").
@@ -104,6 +107,11 @@ class Executor {
   virtual void abort(const std::string& why) = 0;
   virtual bool aborted() const = 0;
   virtual std::string abort_reason() const = 0;
+
+ private:
+  const int rank_;
+  const int size_;
+  const std::string transport_name_;
 };
 
 // The CPU executor: the transport's ops run on a worker thread in submission
