@@ -18,6 +18,11 @@ Two ways, both with pycomm's DistributedDataParallel:
   local ranks that way (pycomm.bench.launch.run_script):
       python examples/elastic_train.py --spawn 3 --shrink --kill-rank 1 --kill-step 3
 
+``--torch`` does the same with torch's own DDP over ``backend="pycomm"``:
+the restart as above, and the shrink through torch's API,
+``dist.shrink_group(pycomm.backend.lost_ranks())`` and a new DDP over the
+shrunk default group.
+
 ``--kill-rank R --kill-step S`` makes rank R SIGKILL itself in the middle of
 step S's backward (first attempt only), to try it. Every rank's data at step
 s depends on (its rank at launch, s) only, so a resumed run sees what an
@@ -34,9 +39,11 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import pycomm
+from pycomm.backend import Options, get_communicator, lost_ranks
 from pycomm.parallel import DistributedDataParallel
 
 
@@ -89,6 +96,24 @@ def spawn(nproc: int, victim: int) -> None:
             sys.exit(f"rank {r} failed ({p.returncode}):\n{p.stderr[-3000:]}")
 
 
+def make_ddp(model: nn.Module, comm: pycomm.Communicator, torch_ddp: bool) -> nn.Module:
+    """pycomm's DDP over ``comm``, or torch's over the default process group."""
+    if torch_ddp:
+        return torch.nn.parallel.DistributedDataParallel(model)
+    return DistributedDataParallel(model, comm)
+
+
+def shrink(comm: pycomm.Communicator, ddp: nn.Module, model: nn.Module,
+           torch_ddp: bool) -> tuple[pycomm.Communicator, nn.Module]:
+    """Continues on the survivors: (their communicator, the DDP over it)."""
+    if torch_ddp:
+        dist.shrink_group(lost_ranks())  # the default group shrinks in place
+        return get_communicator(), make_ddp(model, comm, torch_ddp)
+    comm = comm.shrink()
+    ddp.rebind(comm)
+    return comm, ddp
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -97,6 +122,8 @@ def main() -> None:
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-step", type=int, default=-1)
     ap.add_argument("--transport", default="auto", help="pycomm.init's transport")
+    ap.add_argument("--torch", action="store_true",
+                    help='torch DDP over backend "pycomm" instead of pycomm\'s DDP')
     ap.add_argument("--out", default="", help="rank 0 saves the final parameters here")
     ap.add_argument("--events", default="", help="append timing events (JSON lines) here")
     ap.add_argument("--spawn", type=int, default=0,
@@ -107,7 +134,11 @@ def main() -> None:
         spawn(args.spawn, args.kill_rank)
         return
 
-    comm = pycomm.init(transport=args.transport)
+    if args.torch:
+        dist.init_process_group("pycomm", pg_options=Options(transport=args.transport))
+        comm = get_communicator()
+    else:
+        comm = pycomm.init(transport=args.transport)
     launch_rank = comm.rank  # the data shard: a rank keeps its shard after a shrink
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     model = make_model()
@@ -119,7 +150,7 @@ def main() -> None:
         opt.load_state_dict(state["opt"])
         start = state["step"] + 1
         print(f"rank {comm.rank}: attempt {attempt} resumes at step {start}", flush=True)
-    ddp = DistributedDataParallel(model, comm)
+    ddp = make_ddp(model, comm, args.torch)
 
     step, resumed = start, start > 0
     while step < args.steps:
@@ -129,12 +160,11 @@ def main() -> None:
         opt.zero_grad()
         try:
             nn.functional.mse_loss(ddp(x), y).backward()  # the all-reduces run here
-        except pycomm.CommError as e:
+        except RuntimeError as e:  # pycomm.CommError, or torch's error over backend "pycomm"
             if not args.shrink:
                 raise  # torchrun restarts the job; the checkpoint has the last step
             log_event(args.events, "detected", launch_rank)
-            comm, resumed = comm.shrink(), True
-            ddp.rebind(comm)
+            (comm, ddp), resumed = shrink(comm, ddp, model, args.torch), True
             print(f"rank {launch_rank}: step {step} lost a peer ({e}); continuing as rank "
                   f"{comm.rank} of {comm.world_size}", flush=True)
             continue  # redo the step on the survivors
@@ -149,7 +179,10 @@ def main() -> None:
         print(f"trained {args.steps} steps on {comm.world_size} ranks", flush=True)
         if args.out:
             torch.save([p.detach() for p in model.parameters()], args.out)
-    comm.close()
+    if args.torch:
+        dist.destroy_process_group()
+    else:
+        comm.close()
 
 
 if __name__ == "__main__":

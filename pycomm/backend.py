@@ -48,6 +48,10 @@ variants and non-contiguous tensors go through a contiguous staging buffer and
 one copy each way (on CUDA: ordered on the streams, as the op). The tensors of
 one call must be on one device (else ``ValueError``).
 
+``torch.distributed.shrink_group`` works (the backend supports shrinking):
+after a peer died, the survivors call it and go on over a group without the
+ranks they name, on the same transport (see ``_shrink_backend``).
+
 Options (:class:`Options`, passed as ``pg_options=``, or the environment):
 ``transport`` (``PYCOMM_BACKEND_TRANSPORT``, CPU), ``algo``
 (``PYCOMM_BACKEND_ALGO``, CPU), ``cuda_algo`` (``PYCOMM_BACKEND_CUDA_ALGO``),
@@ -71,7 +75,7 @@ from ._ext import _C
 from ._setup import ENV
 from .comm import Communicator, init
 
-__all__ = ["BACKEND_NAME", "Options", "get_communicator", "register"]
+__all__ = ["BACKEND_NAME", "Options", "get_communicator", "lost_ranks", "register"]
 
 #: The name to pass to ``init_process_group(backend=...)``.
 BACKEND_NAME = "pycomm"
@@ -82,6 +86,8 @@ _CUDA_ALGOS = ("auto", "ring", "nccl")
 #: Where a group's CUDA communicator keeps its rendezvous keys in the group's
 #: store (the CPU one uses "pycomm").
 _CUDA_KEY_PREFIX = "pycomm-cuda"
+# torch.distributed.distributed_c10d.SHRINK_ABORT (torch >= 2.10 names it).
+_SHRINK_ABORT = getattr(dist.distributed_c10d, "SHRINK_ABORT", 1)
 
 
 @dataclass(frozen=True)
@@ -198,16 +204,46 @@ def _create_backend(dist_opts: Any, pg_options: Any) -> Any:
         raise ValueError(
             f"pycomm backend: algo='direct' needs the shm transport, this group uses "
             f"{comm.transport!r}")
-    comm._impl.adopt_symmetric = bool(opts.symmetric) and comm.transport == "shm"
     if not dist.is_initialized():
         # Creating the default group: its options become new groups' default.
         _world_options = opts
+    return _make_backend(comm, dist_opts.store, timeout, opts)
+
+
+def _make_backend(comm: Communicator, store: Any, timeout: timedelta | float,
+                  opts: Options) -> Any:
+    """The C++ ``ProcessGroupPycomm`` over the group's CPU communicator
+    ``comm``, with a factory for its CUDA one (over ``store``) and a shrinker
+    for ``torch.distributed.shrink_group``."""
+    comm._impl.adopt_symmetric = bool(opts.symmetric) and comm.transport == "shm"
     for key in [k for k, c in _communicators.items() if c.closed]:
         del _communicators[key]  # groups destroyed since (shutdown closed them)
     _communicators[id(comm._impl)] = comm
-    cuda_factory = functools.partial(_create_cuda_communicator, dist_opts.store,
-                                     dist_opts.group_rank, dist_opts.group_size, timeout, opts)
-    return _C.make_backend(comm._impl, opts.algo, cuda_factory, opts.cuda_algo)
+    cuda_factory = functools.partial(_create_cuda_communicator, store, comm.rank,
+                                     comm.world_size, timeout, opts)
+    shrinker = functools.partial(_shrink_backend, comm, timeout, opts)
+    return _C.make_backend(comm._impl, opts.algo, cuda_factory, opts.cuda_algo, shrinker)
+
+
+def _shrink_backend(comm: Communicator, timeout: timedelta | float, opts: Options,
+                    ranks_to_exclude: list[int], flags: int, timeout_ms: int) -> Any:
+    """The survivors' backend for ``torch.distributed.shrink_group``: the C++
+    backend calls it with the GIL on every rank that stays.
+
+    The CPU communicator shrinks (:meth:`Communicator.shrink` with
+    ``exclude=ranks_to_exclude``, on its transport: shm gets a new segment,
+    gloo a new group) and the old one is aborted, with either flag: an op
+    still pending on the old group fails (``SHRINK_ABORT`` aborts before the
+    survivors agree, ``SHRINK_DEFAULT`` once they have). The new group's CUDA
+    communicator is made at its first CUDA op, over the new communicator's
+    store. A ``pg_options`` given to ``shrink_group`` sets only the timeout.
+    """
+    if flags & _SHRINK_ABORT:
+        comm.abort("torch.distributed.shrink_group(shrink_flags=SHRINK_ABORT)")
+    if timeout_ms >= 0:
+        timeout = timedelta(milliseconds=timeout_ms)
+    new = comm.shrink(exclude=ranks_to_exclude, timeout=timeout)
+    return _make_backend(new, new._store, timeout, opts)
 
 
 def _create_cuda_communicator(store: Any, rank: int, world_size: int,
@@ -260,6 +296,23 @@ def register() -> None:
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True,
                                   devices=["cpu", "cuda"])
     _registered = True
+
+
+def lost_ranks(group: Any = None) -> list[int]:
+    """The ranks of ``group`` (default: the default group) that have left it,
+    as its survivors agree: what to pass to ``torch.distributed.shrink_group``
+    after an operation failed because peers died. A collective of the
+    survivors (:meth:`Communicator.lost_ranks` of the group's CPU
+    communicator), the same list on every one.
+
+    Example::
+        >>> try:
+        ...     loss.backward()        # torch DDP: a peer died, RuntimeError
+        ... except RuntimeError:
+        ...     dist.shrink_group(pycomm.backend.lost_ranks())
+        ...     ddp = DistributedDataParallel(model)   # over the shrunk group
+    """
+    return get_communicator(group).lost_ranks()
 
 
 def get_communicator(group: Any = None, device: str | torch.device = "cpu") -> Communicator:

@@ -592,15 +592,8 @@ class Communicator:
         """
         if os.getpid() != self._pid:
             raise RuntimeError("shrink: this communicator belongs to another process")
-        self._shrinks += 1
-        base = f"shrink/{self._shrinks}"
         settings = replace(self._group_settings(timeout), require_check=self._settings.check)
-        dead, unknown = (set(), set()) if exclude is not None else \
-            _setup.liveness(self._store, self.world_size)
-        members = _shrink.agree_on_survivors(
-            self._store, base, self.rank, self.world_size, exclude=exclude, dead=dead,
-            unknown=unknown, grace=_setup.ENV.shrink_grace(),
-            timeout=settings.timeout.total_seconds())
+        base, members = self._agree_on_survivors(exclude, settings.timeout)
         rank, was_default = self.rank, _setup.default.holds(self)
         self._impl.abort(f"rank {rank} shrank the communicator to ranks {members}")
         try:
@@ -612,6 +605,31 @@ class Communicator:
         if was_default:
             _setup.default.set(new)
         return new
+
+    def lost_ranks(self, *, timeout: timedelta | float | None = None) -> list[int]:
+        """The ranks that have left, as the survivors agree: :meth:`shrink`'s
+        agreement without the new communicator. A collective of the
+        survivors, the same list on every one, for an API that takes the
+        ranks to exclude (``torch.distributed.shrink_group``; see
+        :func:`pycomm.backend.lost_ranks`).
+
+        Raises:
+            RuntimeError: this rank called it after the survivors were
+                decided without it.
+        """
+        return [q for q in range(self.world_size)
+                if q not in self._agree_on_survivors(None, self._group_settings(timeout).timeout)[1]]
+
+    def _agree_on_survivors(self, exclude: Sequence[int] | None,
+                            timeout: timedelta) -> tuple[str, list[int]]:
+        """(store key base of this agreement, the old ranks that continue)."""
+        self._shrinks += 1
+        base = f"shrink/{self._shrinks}"
+        dead, unknown = (set(), set()) if exclude is not None else \
+            _setup.liveness(self._store, self.world_size)
+        return base, _shrink.agree_on_survivors(
+            self._store, base, self.rank, self.world_size, exclude=exclude, dead=dead,
+            unknown=unknown, grace=_setup.ENV.shrink_grace(), timeout=timeout.total_seconds())
 
     # -- lifetime ---------------------------------------------------------
     def close(self) -> None:

@@ -52,13 +52,15 @@ def _reference(world: int, steps: int, survivors: list[int] | None = None,
     return [p.detach() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("world, transport", [
-    (2, "shm"), (2, "gloo"), (3, "shm"),
-    pytest.param(3, "gloo", marks=pytest.mark.slow),
+# "--torch": torch's DDP over backend "pycomm" instead of pycomm's DDP.
+@pytest.mark.parametrize("world, transport, flags", [
+    (2, "shm", []), (2, "gloo", []), (3, "shm", []), (2, "shm", ["--torch"]),
+    pytest.param(3, "gloo", [], marks=pytest.mark.slow),
 ])
-def test_torchrun_restart_after_a_worker_is_killed_mid_backward(tmp_path, world, transport):
+def test_torchrun_restart_after_a_worker_is_killed_mid_backward(tmp_path, world, transport,
+                                                                flags):
     before = _shm_names()
-    common = ["--steps", STEPS, "--transport", transport]
+    common = ["--steps", STEPS, "--transport", transport, *flags]
     plain = run_torchrun(EXAMPLE, world, *common, "--out", str(tmp_path / "plain.pt"),
                          timeout=240)
     assert plain.returncode == 0, plain.stderr[-4000:]
@@ -79,16 +81,19 @@ def test_torchrun_restart_after_a_worker_is_killed_mid_backward(tmp_path, world,
     assert _shm_names() <= before
 
 
-@pytest.mark.parametrize("world, transport", [(2, "shm"), (3, "shm"), (3, "gloo"),
-                                              pytest.param(2, "gloo", marks=pytest.mark.slow)])
-def test_shrink_continues_on_the_survivors(tmp_path, world, transport):
+@pytest.mark.parametrize("world, transport, flags", [
+    (2, "shm", []), (3, "shm", []), (3, "gloo", []), (3, "shm", ["--torch"]),
+    pytest.param(2, "gloo", [], marks=pytest.mark.slow),
+    pytest.param(3, "gloo", ["--torch"], marks=pytest.mark.slow),
+])
+def test_shrink_continues_on_the_survivors(tmp_path, world, transport, flags):
     """Shrink mode: ranks started without an elastic agent (a dead worker
     does not stop the others); the survivors shrink, rebind the DDP model
-    and finish equal to a reference trained on their data from the failure
-    step on."""
+    (--torch: torch.distributed.shrink_group and a new torch DDP) and finish
+    equal to a reference trained on their data from the failure step on."""
     before = _shm_names()
     victim, kill_step = 0 if world == 3 else 1, 3
-    procs = run_script_ranks(EXAMPLE, world, "--steps", STEPS, "--transport", transport, "--shrink",
+    procs = run_script_ranks(EXAMPLE, world, "--steps", STEPS, "--transport", transport, *flags, "--shrink",
                              "--kill-rank", str(victim), "--kill-step", str(kill_step),
                              "--out", str(tmp_path / "shrunk.pt"), timeout=240)
     survivors = [r for r in range(world) if r != victim]

@@ -87,3 +87,67 @@ def test_shrink_rejects_bad_exclude():
     for rank, errors in enumerate(spawn_ranks(_bad_exclude, 2)):
         assert "out of range" in errors[0]
         assert f"rank {rank} excludes itself" in errors[1]
+
+
+def _c10d_die_then_shrink(rank, world_size, port, transport, victims, flags):
+    import torch.distributed as dist
+
+    import pycomm.backend
+
+    dist.init_process_group("pycomm", store=client_store(port, world_size), rank=rank,
+                            world_size=world_size, timeout=COMM_TIMEOUT,
+                            pg_options=pycomm.backend.Options(transport=transport))
+    supports = dist.group.WORLD._get_backend(torch.device("cpu")).supports_shrinking
+    t = torch.ones(1 << 16)
+    dist.all_reduce(t)  # everyone is up
+    if rank in victims:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        dist.all_reduce(t)
+        raise AssertionError("the all-reduce with a dead peer succeeded")
+    except RuntimeError as e:
+        error = str(e)
+    lost = pycomm.backend.lost_ranks()  # the survivors' agreement
+    group = dist.shrink_group(lost, shrink_flags=flags)
+    x = torch.full((1021,), float(rank + 1), dtype=torch.float64)
+    dist.all_reduce(x)
+    # torch DDP over the shrunk default group: its gradient is the float64
+    # mean of every survivor's own gradient (all-gathered, summed here).
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    inp = torch.randn(5, 8) * (rank + 1)
+    model(inp).square().sum().backward()
+    own = model.weight.grad.detach().double()
+    model.weight.grad = None
+    grads = [torch.empty_like(own) for _ in range(dist.get_world_size())]
+    dist.all_gather(grads, own)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp(inp).square().sum().backward()
+    err = (model.weight.grad.double() - sum(grads) / len(grads)).abs().max().item()
+    out = (dist.get_rank(), dist.get_world_size(), supports, x[0].item(),
+           group == dist.group.WORLD, pycomm.backend.get_communicator().transport, err, error,
+           lost)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+@pytest.mark.parametrize("world_size, victims, flags", [(3, [1], 0), (3, [0], 1)])
+def test_torch_shrink_group_after_a_death(transport, world_size, victims, flags):
+    """torch.distributed.shrink_group(pycomm.backend.lost_ranks()) over
+    backend "pycomm": the survivors agree on the dead, and their default group runs collectives and torch DDP on the same transport
+    (flags 1: SHRINK_ABORT, the old group aborted before the survivors agree)."""
+    before = _shm_names()
+    results = spawn_ranks(_c10d_die_then_shrink, world_size, transport, victims, flags,
+                          timeout=120)
+    survivors = [r for r in range(world_size) if r not in victims]
+    for new_rank, old in enumerate(survivors):
+        rank, n, supports, total, is_world, tr, err, error, lost = results[old]
+        assert lost == victims
+        assert (rank, n, supports, is_world, tr) == (new_rank, len(survivors), True, True,
+                                                     transport)
+        assert total == sum(q + 1 for q in survivors)
+        assert err < 1e-5 and error
+    for v in victims:
+        assert results[v][0] == "died"
+    assert _shm_names() <= before

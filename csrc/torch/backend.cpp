@@ -47,43 +47,63 @@ bool python_finalizing() {
 #endif
 }
 
-// pycomm/backend.py's Python callable (device string, op name) -> _C.Comm as
-// a CommFactory. It is called with the GIL taken here (c10d's bindings
-// release it around every op); its Python exception becomes ValueError /
-// TypeError / RuntimeError with the same message, raised without the GIL. The
-// callable is released under the GIL: the backend may die on any thread.
-CommFactory factory_from_python(py::object fn) {
-  if (fn.is_none()) return {};
-  std::shared_ptr<py::object> holder(new py::object(std::move(fn)), [](py::object* p) {
+// A Python callable that C++ keeps: released under the GIL (the backend may
+// die on any thread), leaked once the interpreter is gone.
+std::shared_ptr<py::object> hold_python(py::object fn) {
+  return std::shared_ptr<py::object>(new py::object(std::move(fn)), [](py::object* p) {
     if (!Py_IsInitialized() || python_finalizing()) return;  // the interpreter is gone: leak
     py::gil_scoped_acquire gil;
     delete p;
   });
-  return [holder](const c10::Device& device, const std::string& op) -> std::shared_ptr<Comm> {
-    std::string what;
-    PyObject* kind = PyExc_RuntimeError;
-    {
-      py::gil_scoped_acquire gil;
-      try {
-        return (*holder)(device.str(), op).cast<std::shared_ptr<Comm>>();
-      } catch (py::error_already_set& e) {
-        if (e.matches(PyExc_ValueError)) {
-          kind = PyExc_ValueError;
-        } else if (e.matches(PyExc_TypeError)) {
-          kind = PyExc_TypeError;
-        }
-        what = py::str(e.value());
-      } catch (const py::cast_error& e) {
+}
+
+// Calls pycomm/backend.py's callable `fn(args...)` with the GIL taken here
+// (c10d's bindings release it around every op) and casts its result to R.
+// Its Python exception becomes ValueError / TypeError / RuntimeError with the
+// same message, raised without the GIL; a result of another type is a
+// TypeError naming `returns` (what it should have returned) and `op`.
+template <class R, class... Args>
+R call_python(const py::object& fn, const std::string& op, const char* returns, Args&&... args) {
+  std::string what;
+  PyObject* kind = PyExc_RuntimeError;
+  {
+    py::gil_scoped_acquire gil;
+    try {
+      return fn(std::forward<Args>(args)...).template cast<R>();
+    } catch (py::error_already_set& e) {
+      if (e.matches(PyExc_ValueError)) {
+        kind = PyExc_ValueError;
+      } else if (e.matches(PyExc_TypeError)) {
         kind = PyExc_TypeError;
-        what = op +
-               ": the pycomm backend's communicator factory did not return a pycomm._C.Comm (" +
-               e.what() + ")";
       }
+      what = py::str(e.value());
+    } catch (const py::cast_error& e) {
+      kind = PyExc_TypeError;
+      what = op + ": the pycomm backend's Python callable did not return " + returns + " (" +
+             e.what() + ")";
     }
-    TORCH_CHECK_VALUE(kind != PyExc_ValueError, what);
-    TORCH_CHECK_TYPE(kind != PyExc_TypeError, what);
-    TORCH_CHECK(false, what);
-    return nullptr;  // not reached: the check above throws
+  }
+  TORCH_CHECK_VALUE(kind != PyExc_ValueError, what);
+  TORCH_CHECK_TYPE(kind != PyExc_TypeError, what);
+  TORCH_CHECK(false, what);
+}
+
+// pycomm/backend.py's callable (device string, op name) -> _C.Comm.
+CommFactory factory_from_python(py::object fn) {
+  if (fn.is_none()) return {};
+  return [holder = hold_python(std::move(fn))](const c10::Device& device, const std::string& op) {
+    return call_python<std::shared_ptr<Comm>>(*holder, op, "a pycomm._C.Comm", device.str(), op);
+  };
+}
+
+// pycomm/backend.py's callable (ranks_to_exclude, flags, timeout_ms) -> the
+// survivors' backend.
+Shrinker shrinker_from_python(py::object fn) {
+  if (fn.is_none()) return {};
+  return [holder = hold_python(std::move(fn))](const std::vector<int64_t>& exclude, int flags,
+                                               int64_t timeout_ms) {
+    return call_python<c10::intrusive_ptr<c10d::Backend>>(*holder, "shrink", "a c10d Backend",
+                                                          exclude, flags, timeout_ms);
   };
 }
 
@@ -532,6 +552,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::endCoalescing() {
                                           std::move(future), std::move(outputs));
 }
 
+c10::intrusive_ptr<c10d::Backend> ProcessGroupPycomm::shrink(
+    const std::vector<int64_t>& ranks_to_exclude, int shrink_flags,
+    const c10::intrusive_ptr<Options>& opts_override) {
+  TORCH_CHECK_NOT_IMPLEMENTED(static_cast<bool>(shrinker_),
+                              "this pycomm backend was made without a shrinker "
+                              "(_C.make_backend(shrinker=None))");
+  std::shared_ptr<Comm> cuda;
+  {
+    std::lock_guard<std::mutex> lk(cuda_mu_);
+    cuda = cuda_comm_;
+  }
+  // The survivors' CUDA communicator is made anew at their first CUDA op;
+  // this one may wait on the ranks that left.
+  if (cuda) cuda->abort("the process group was shrunk (torch.distributed.shrink_group)");
+  const int64_t timeout_ms = opts_override ? opts_override->timeout.count() : -1;
+  return shrinker_(ranks_to_exclude, shrink_flags, timeout_ms);
+}
+
 void ProcessGroupPycomm::shutdown() {
   std::shared_ptr<Comm> cuda;
   {
@@ -580,17 +618,21 @@ void bind_backend(py::module_& m) {
   m.def(
       "make_backend",
       [](std::shared_ptr<Comm> comm, const std::string& algo, py::object cuda_factory,
-         const std::string& cuda_algo) -> c10::intrusive_ptr<c10d::Backend> {
+         const std::string& cuda_algo, py::object shrinker) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(comm, "make_backend: comm is None");
-        return c10::make_intrusive<ProcessGroupPycomm>(
+        auto pg = c10::make_intrusive<ProcessGroupPycomm>(
             std::move(comm), algo, factory_from_python(std::move(cuda_factory)), cuda_algo);
+        pg->set_shrinker(shrinker_from_python(std::move(shrinker)));
+        return pg;
       },
       py::arg("comm"), py::arg("algo"), py::arg("cuda_factory") = py::none(),
-      py::arg("cuda_algo") = "auto",
+      py::arg("cuda_algo") = "auto", py::arg("shrinker") = py::none(),
       "A c10d Backend (torch._C._distributed_c10d.Backend) over the CPU communicator `comm`, "
       "for torch.distributed.Backend.register_backend (pycomm/backend.py). "
       "cuda_factory(device: str, op: str) -> Comm builds the CUDA communicator at the first "
-      "CUDA operation (None: CPU tensors only).");
+      "CUDA operation (None: CPU tensors only). shrinker(ranks_to_exclude: list[int], flags: int, "
+      "timeout_ms: int) -> Backend makes the survivors' backend for torch.distributed.shrink_group "
+      "(None: the backend does not support shrinking).");
   m.def(
       "backend_comm",
       [](const c10::intrusive_ptr<c10d::Backend>& backend,

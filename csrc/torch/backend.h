@@ -81,6 +81,12 @@ class BackendWork final : public c10d::Work {
 using CommFactory =
     std::function<std::shared_ptr<Comm>(const c10::Device& device, const std::string& op)>;
 
+// Builds the backend of the ranks that remain once `ranks_to_exclude` leave
+// (torch.distributed.shrink_group; a collective of the remaining ranks).
+// `flags`: c10d's SHRINK_* flags; `timeout_ms` < 0: the group's timeout.
+using Shrinker = std::function<c10::intrusive_ptr<c10d::Backend>(
+    const std::vector<int64_t>& ranks_to_exclude, int flags, int64_t timeout_ms)>;
+
 class ProcessGroupPycomm final : public c10d::Backend {
  public:
   // `cpu_comm`: the group's CPU communicator; `cuda_factory` (may be empty:
@@ -94,6 +100,13 @@ class ProcessGroupPycomm final : public c10d::Backend {
 
   const std::string getBackendName() const override { return "pycomm"; }
   bool supportsCoalescing() const override { return true; }
+  bool supportsShrinking() const override { return static_cast<bool>(shrinker_); }
+  // The survivors' backend, made by the shrinker (pycomm/backend.py: the CPU
+  // communicator's Communicator.shrink); aborts this group's CUDA communicator.
+  c10::intrusive_ptr<c10d::Backend> shrink(
+      const std::vector<int64_t>& ranks_to_exclude, int shrink_flags = 0,
+      const c10::intrusive_ptr<Options>& opts_override = nullptr) override;
+  void set_shrinker(Shrinker shrinker) { shrinker_ = std::move(shrinker); }
   // The communicator for tensors on `device` ("cpu", or CUDA: created now if
   // this is the group's first CUDA use, collectively); `op` names the caller
   // in errors (ValueError for a device this group cannot serve).
@@ -194,6 +207,7 @@ class ProcessGroupPycomm final : public c10d::Backend {
   std::shared_ptr<Comm> cpu_comm_;
   std::string cpu_algo_;
   CommFactory cuda_factory_;
+  Shrinker shrinker_;  // empty: supportsShrinking() is false
   std::string cuda_algo_;
   std::mutex create_mu_;             // one creation of cuda_comm_ at a time
   std::exception_ptr cuda_failure_;  // why it failed (guarded by create_mu_)
