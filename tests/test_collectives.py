@@ -363,3 +363,51 @@ def _float_special_values(comm):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_nan_propagates_in_max_min(transport, world_size):
     run_ranks(_float_special_values, world_size, transport)
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``addr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"),
+                    reason=f"transparent huge pages are '{_thp_mode()}' here")
+def test_filled_outputs_ask_for_huge_pages():
+    """A fresh CPU output that all_gather / gather / all_to_all_single fill
+    whole is advised MADV_HUGEPAGE (VmFlags "hg"), so that it faults in 2 MiB
+    at a time; a small one, and an all_reduce's in-place tensor, are not."""
+    import pycomm
+
+    n = 8 << 20  # 32 MiB of float32: torch maps each such tensor anew
+    with pycomm.init(rank=0, world_size=1, store=torch.distributed.HashStore()) as comm:
+        src = torch.randn(n)
+        outs = {"all_gather": torch.empty(n), "gather": torch.empty(n),
+                "all_to_all_single": torch.empty(n), "all_reduce": torch.zeros(n)}
+        comm.all_gather(outs["all_gather"], src)
+        comm.gather([outs["gather"]], src, dst=0)
+        comm.all_to_all_single(outs["all_to_all_single"], src)
+        comm.all_reduce(outs["all_reduce"])
+        small = torch.empty(1 << 10)
+        comm.all_gather(small, src[: 1 << 10])
+        for name, out in outs.items():
+            flags = _vm_flags(out.data_ptr() + (4 << 20))
+            assert ("hg" in flags) == (name != "all_reduce"), (name, flags)
+            torch.testing.assert_close(out, src if name != "all_reduce" else torch.zeros(n))
+        assert torch.equal(small, src[: 1 << 10])

@@ -6,10 +6,12 @@
 //                                    their tensor is left as it was, as gloo)
 //   gather / scatter                 Comm::gather / Comm::scatter
 //   alltoall / alltoall_base         Comm::all_to_all / all_to_all_single
-//   allgather_into_tensor_coalesced  one Comm::all_gather of the inputs
+//   allgather_into_tensor_coalesced  one Comm::all_gather of the inputs (one
+//                                    tensor: _allgather_base, unpacked)
 //   allgather_coalesced              concatenated, copied out per tensor
 //   reduce_scatter_tensor_coalesced  one Comm::reduce_scatter of the inputs'
 //                                    rank blocks regrouped, split per tensor
+//                                    (one tensor: _reduce_scatter_base)
 //
 // Staging is backend.cpp's: non-contiguous tensors go through contiguous
 // buffers that are copied back when the op completes.
@@ -196,6 +198,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesc
     const c10d::AllgatherOptions& opts) {
   constexpr const char* kOp = "allgather_into_tensor_coalesced";
   const c10::Device dev = check_coalesced(outputs, inputs, /*outputs_whole=*/true, size_, kOp);
+  // One tensor (DTensor's full_tensor, FSDP2's flat buffer): the op itself,
+  // with no packing (each extra buffer is fresh memory to fault in).
+  if (inputs.size() == 1) return _allgather_base(outputs[0], inputs[0], opts);
   at::Tensor flat_in = flatten(inputs);
   at::Tensor gathered = at::empty({size_, flat_in.numel()}, flat_in.options());
   const std::vector<int64_t> n = numels(inputs);
@@ -258,6 +263,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesc
     const c10d::ReduceScatterOptions& opts) {
   constexpr const char* kOp = "reduce_scatter_tensor_coalesced";
   const c10::Device dev = check_coalesced(outputs, inputs, /*outputs_whole=*/false, size_, kOp);
+  if (inputs.size() == 1) return _reduce_scatter_base(outputs[0], inputs[0], opts);
   const int rop = reduce_op(opts.reduceOp, kOp);
   // Regrouped so that block r of the flat input is rank r's block of every
   // input, one after another: [world_size, sum of the outputs' sizes].

@@ -8,6 +8,8 @@
 #include <optional>
 #include <sstream>
 
+#include "../core/huge_pages.h"
+
 namespace pycomm {
 
 // ---------------------------------------------------------------- Comm
@@ -264,6 +266,12 @@ c10::intrusive_ptr<Work> Comm::launch(const char* op, std::vector<at::Tensor> ou
   });
 }
 
+void Comm::advise_filled(const std::vector<at::Tensor>& outputs) {
+  for (const auto& t : outputs) {
+    if (t.is_cpu()) advise_huge_pages(t.data_ptr(), t.nbytes());
+  }
+}
+
 c10::intrusive_ptr<Work> Comm::launch_p2p(const char* op, std::vector<at::Tensor> tensors,
                                           std::vector<P2POp> ops, Wait wait) {
   for (auto& o : ops) o.channel = kUser;
@@ -363,6 +371,7 @@ c10::intrusive_ptr<Work> Comm::all_gather(const at::Tensor& out, const at::Tenso
   const size_t m = in.numel();
   const void* src = in.data_ptr();
   void* dst = out.data_ptr();
+  advise_filled({out});
   return launch(kOp, {out},
                 collective(OpHeader::of(CollKind::kAllGather, m, int32_t(dt), -1, -1, kind),
                            [=](const Context& ctx) {

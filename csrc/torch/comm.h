@@ -152,6 +152,9 @@ class Comm {
                                   Wait wait, std::vector<at::Tensor> keep = {});
   c10::intrusive_ptr<Work> launch_p2p(const char* op, std::vector<at::Tensor> tensors,
                                       std::vector<P2POp> ops, Wait wait);
+  // Outputs an op fills whole without reading them (all_gather, gather,
+  // all_to_all): on CPU, huge pages where they are fresh (core/huge_pages.h).
+  static void advise_filled(const std::vector<at::Tensor>& outputs);
   // send / recv: checks, then one p2p op of `kind` with `peer` (`peer_arg`).
   c10::intrusive_ptr<Work> point_to_point(const char* op, P2POp::Kind kind, const at::Tensor& t,
                                           const char* peer_arg, int peer, bool async_op);

@@ -153,6 +153,7 @@ c10::intrusive_ptr<Work> Comm::gather(const std::vector<at::Tensor>& outs, const
   const DType dt = check_rooted(in, outs, "gather_list", "dst", dst, kOp, &out_ptrs);
   const void* src = in.data_ptr();
   const size_t m = in.numel(), es = in.element_size();
+  advise_filled(outs);
   return launch(
       kOp, outs,
       collective(
@@ -220,6 +221,7 @@ c10::intrusive_ptr<Work> Comm::all_to_all(const std::vector<at::Tensor>& outs,
   }
   const DType dt = to_dtype(st, "input_tensor_list[0]");
   const size_t es = ins[0].element_size();
+  advise_filled(outs);
   return launch(
       kOp, outs,
       collective(OpHeader::of(CollKind::kAllToAll, 0, int32_t(dt), -1, -1, AlgoKind::kNone),
@@ -274,6 +276,7 @@ c10::intrusive_ptr<Work> Comm::all_to_all_single(const at::Tensor& out, const at
     ro += recv_count[p];
   }
   const DType dt = to_dtype(in.scalar_type(), "input");
+  advise_filled({out});
   return launch(
       kOp, {out},
       collective(OpHeader::of(CollKind::kAllToAll, 0, int32_t(dt), -1, -1, AlgoKind::kNone),
