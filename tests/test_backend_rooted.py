@@ -109,25 +109,27 @@ def _check_all_to_all(rank: int, n: int) -> None:
 def _check_coalesced(rank: int, n: int) -> None:
     import torch.distributed as dist
 
+    # Several tensors (one packed op), and one (the _base op, unpacked).
+    for sizes in ([1, 7, 0, 4], [5]):
+        ins = [torch.full((s,), 10.0 * rank + i) for i, s in enumerate(sizes)]
+        outs = [torch.zeros(n * s) for s in sizes]
+        with dist._coalescing_manager():
+            for o, i in zip(outs, ins):
+                dist.all_gather_into_tensor(o, i)
+        for k, s in enumerate(sizes):
+            want = torch.cat([torch.full((s,), 10.0 * r + k) for r in range(n)])
+            assert torch.equal(outs[k], want), ("allgather_into_tensor_coalesced", k)
+        # reduce_scatter_tensor_coalesced: rank r's block j of input k is r + j + k.
+        big = [torch.cat([torch.full((s,), float(rank + j + k)) for j in range(n)])
+               for k, s in enumerate(sizes)]
+        outs = [torch.zeros(s) for s in sizes]
+        with dist._coalescing_manager():
+            for o, i in zip(outs, big):
+                dist.reduce_scatter_tensor(o, i)
+        for k, s in enumerate(sizes):
+            want = torch.full((s,), float(sum(r + rank + k for r in range(n))))
+            assert torch.equal(outs[k], want), ("reduce_scatter_tensor_coalesced", k)
     sizes = [1, 7, 0, 4]
-    ins = [torch.full((s,), 10.0 * rank + i) for i, s in enumerate(sizes)]
-    outs = [torch.zeros(n * s) for s in sizes]
-    with dist._coalescing_manager():
-        for o, i in zip(outs, ins):
-            dist.all_gather_into_tensor(o, i)
-    for k, s in enumerate(sizes):
-        want = torch.cat([torch.full((s,), 10.0 * r + k) for r in range(n)])
-        assert torch.equal(outs[k], want), ("allgather_into_tensor_coalesced", k)
-    # reduce_scatter_tensor_coalesced: rank r's block j of input k is r + j + k.
-    big = [torch.cat([torch.full((s,), float(rank + j + k)) for j in range(n)])
-           for k, s in enumerate(sizes)]
-    outs = [torch.zeros(s) for s in sizes]
-    with dist._coalescing_manager():
-        for o, i in zip(outs, big):
-            dist.reduce_scatter_tensor(o, i)
-    for k, s in enumerate(sizes):
-        want = torch.full((s,), float(sum(r + rank + k for r in range(n))))
-        assert torch.equal(outs[k], want), ("reduce_scatter_tensor_coalesced", k)
     # all_gather_coalesced (deprecated API): output_lists[r][k] = rank r's input k.
     ins = [torch.full((s,), 100.0 * rank + k) for k, s in enumerate(sizes)]
     output_lists = [[torch.zeros(s) for s in sizes] for _ in range(n)]
