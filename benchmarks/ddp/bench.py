@@ -195,9 +195,9 @@ variant("torch-gloo-view", default=False, exact=True)(
     lambda model, env: _torch_ddp(model, env, gradient_as_bucket_view=True))
 variant("hook-allreduce-view", default=False, exact=True)(
     _torch_ddp_with(hooks.allreduce_hook, gradient_as_bucket_view=True))
-variant("pycomm-ddp-view", default=False, exact=True)(
+variant("pycomm-ddp-copy", default=False, exact=True)(  # pycomm-ddp with grads of their own
     lambda model, env: PycommDDP(model, env.comm, bucket_cap_mb=env.bucket_cap_mb,
-                                 gradient_as_bucket_view=True))
+                                 gradient_as_bucket_view=False))
 
 
 # ---------------------------------------------------------------- one rank

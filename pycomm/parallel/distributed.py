@@ -114,7 +114,14 @@ class DistributedDataParallel(nn.Module):
             parameters that get no gradient on any rank keep their ``.grad``.
             Without it, a parameter without a gradient raises on every rank.
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket's
-            flat buffer (saves the copy back and the memory of the grads).
+            flat buffer (default ``True``; torch's default is ``False``). It
+            saves the copy into the bucket, the copy back and the memory of
+            the grads: backward accumulates straight into the bucket, which
+            is all-reduced in place. Pass ``False`` where code needs the
+            ``.grad`` tensors to be their own: it calls ``p.grad.detach_()``
+            or ``requires_grad_()`` on them (an error on a view, as in torch),
+            or keeps a reference to a ``.grad`` across steps and expects it
+            unchanged (the bucket is reused by the next step).
         static_graph: the set of used parameters never changes: the first
             iteration detects unused parameters (as find_unused_parameters
             does); later iterations skip the graph walk and the used-flags
@@ -165,7 +172,7 @@ class DistributedDataParallel(nn.Module):
         first_bucket_mb: float = 1,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
     ) -> None:
         super().__init__()
