@@ -20,6 +20,20 @@ def _shm_names() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("pycomm")}
 
 
+def _victims_die(rank, victims, all_reduce, error_type) -> str:
+    """Every rank all-reduces once, then the victims SIGKILL themselves; the
+    survivors' next all-reduce must raise ``error_type``: its message."""
+    t = torch.ones(1 << 16)
+    all_reduce(t)  # everyone is up
+    if rank in victims:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        all_reduce(t)
+    except error_type as e:
+        return str(e)
+    raise AssertionError("the all-reduce with a dead peer succeeded")
+
+
 def _die_then_shrink(rank, world_size, port, transport, victims, explicit):
     import time
 
@@ -27,15 +41,7 @@ def _die_then_shrink(rank, world_size, port, transport, victims, explicit):
 
     comm = pycomm.init(rank=rank, world_size=world_size, store=client_store(port, world_size),
                        transport=transport, timeout=COMM_TIMEOUT)
-    t = torch.ones(1 << 16)
-    comm.all_reduce(t)  # everyone is up
-    if rank in victims:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        comm.all_reduce(t)
-        raise AssertionError("the all-reduce with a dead peer succeeded")
-    except pycomm.CommError as e:
-        error = str(e)
+    error = _victims_die(rank, victims, comm.all_reduce, pycomm.CommError)
     start = time.monotonic()
     new = comm.shrink(exclude=victims if explicit else None)
     took = time.monotonic() - start
@@ -98,15 +104,7 @@ def _c10d_die_then_shrink(rank, world_size, port, transport, victims, flags):
                             world_size=world_size, timeout=COMM_TIMEOUT,
                             pg_options=pycomm.backend.Options(transport=transport))
     supports = dist.group.WORLD._get_backend(torch.device("cpu")).supports_shrinking
-    t = torch.ones(1 << 16)
-    dist.all_reduce(t)  # everyone is up
-    if rank in victims:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        dist.all_reduce(t)
-        raise AssertionError("the all-reduce with a dead peer succeeded")
-    except RuntimeError as e:
-        error = str(e)
+    error = _victims_die(rank, victims, dist.all_reduce, RuntimeError)
     lost = pycomm.backend.lost_ranks()  # the survivors' agreement
     group = dist.shrink_group(lost, shrink_flags=flags)
     x = torch.full((1021,), float(rank + 1), dtype=torch.float64)
@@ -135,8 +133,9 @@ def _c10d_die_then_shrink(rank, world_size, port, transport, victims, flags):
 @pytest.mark.parametrize("world_size, victims, flags", [(3, [1], 0), (3, [0], 1)])
 def test_torch_shrink_group_after_a_death(transport, world_size, victims, flags):
     """torch.distributed.shrink_group(pycomm.backend.lost_ranks()) over
-    backend "pycomm": the survivors agree on the dead, and their default group runs collectives and torch DDP on the same transport
-    (flags 1: SHRINK_ABORT, the old group aborted before the survivors agree)."""
+    backend "pycomm": the survivors agree on the dead, and their default
+    group runs collectives and torch DDP on the same transport (flags 1:
+    SHRINK_ABORT, the old group aborted before the survivors agree)."""
     before = _shm_names()
     results = spawn_ranks(_c10d_die_then_shrink, world_size, transport, victims, flags,
                           timeout=120)
