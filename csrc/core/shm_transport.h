@@ -13,7 +13,8 @@
 //                 Ctrl { head  (written by src: slots published),
 //                        tail  (written by dst: slots consumed),
 //                        meta[slots] { bytes in the slot, bytes of its
-//                                      message, sender's op header } }
+//                                      message, sender's op header,
+//                                      user tag } }
 //                 data[slots][slot_bytes]
 //   Direct      per rank direct_buffers buffers of direct_bytes (SharedBuffers)
 //   BufferOp    per direct buffer: the op header of the piece in it, and the
@@ -37,6 +38,8 @@
 // both sides post their ops in the same order, messages match in order, and
 // meta lets the receiver detect a size mismatch and, on the collective
 // channel, a different op (count, dtype, reduce op, root, algo, sequence).
+// On the user channel a receive matches by tag and may name any source
+// (P2POp): the receive side there is shm_match.cc's.
 //
 // Progress: post() queues its ops per peer and pushes as much as fits at once;
 // wait() keeps making progress on *every* pending op (all groups, all peers,
