@@ -265,3 +265,69 @@ def _communicator(rank: int, world_size: int, port: int, transport: str) -> list
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_communicator_tags_and_any_source(transport):
     assert spawn_ranks(_communicator, 3, transport, timeout=240) == [["ok"]] * 3
+
+
+def _shuffled(rank: int, world_size: int, port: int, transport: str) -> list:
+    """Every rank but 0 sends rank 0 a random stream of tagged messages (size
+    and content a function of sender, tag and ordinal); rank 0 posts its
+    receives in a random interleaving of the streams, then receives from any
+    source with one tag: each sender's messages must arrive in order."""
+    import random
+
+    import torch.distributed as dist
+
+    _init(rank, world_size, port, transport)
+    try:
+        tags = [0, 1, 2, 3, 1 << 30]
+        sizes = [0, 1, 13, 1031, 70_001]
+
+        def size(s: int, t: int, k: int) -> int:
+            return sizes[(s + 3 * t + 7 * k) % len(sizes)]
+
+        def message(s: int, t: int, k: int) -> torch.Tensor:
+            return torch.arange(size(s, t, k), dtype=torch.float32) + 1e6 * s + 1e3 * (t % 97) + k
+
+        streams = {s: random.Random(s).choices(tags, k=24) for s in range(1, world_size)}
+        if rank == 0:
+            tokens = [(s, t) for s, ts in streams.items() for t in ts]
+            random.Random(7).shuffle(tokens)
+            counts: dict[tuple[int, int], int] = {}
+            posted = []
+            for s, t in tokens:
+                k = counts[s, t] = counts.get((s, t), 0) + 1
+                got = torch.full((size(s, t, k),), -1.0)
+                posted.append((s, t, k, got, dist.irecv(got, s, tag=t)))
+            for s, t, k, got, w in posted:
+                w.wait()
+                assert torch.equal(got, message(s, t, k)), (s, t, k)
+            # From any source, tag 5: each sender's ordinals must increase.
+            last = dict.fromkeys(streams, 0)
+            works = []
+            for _ in range(6 * len(streams)):
+                got = torch.empty(2)
+                works.append((got, dist.irecv(got, tag=5)))
+            for got, w in works:
+                w.wait()
+                s = w._source_rank()
+                k = int(got[1].item())
+                assert got[0].item() == s and k == last[s] + 1, (s, k, last)
+                last[s] = k
+        else:
+            seen: dict[int, int] = {}
+            works = []
+            for t in streams[rank]:
+                k = seen[t] = seen.get(t, 0) + 1
+                works.append(dist.isend(message(rank, t, k), 0, tag=t))
+            for k in range(1, 7):
+                works.append(dist.isend(torch.tensor([float(rank), float(k)]), 0, tag=5))
+            for w in works:
+                w.wait()
+        dist.barrier()
+        return ["ok"]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_random_interleavings_of_tagged_streams(transport):
+    assert spawn_ranks(_shuffled, 4, transport, timeout=240) == [["ok"]] * 4
