@@ -124,24 +124,24 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
                                            input_split_sizes, async_op=async_op)
 
 
-def send(tensor: torch.Tensor, dst: int) -> None:
+def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
     """:meth:`Communicator.send` on the default communicator."""
-    get_default().send(tensor, dst)
+    get_default().send(tensor, dst, tag)
 
 
-def recv(tensor: torch.Tensor, src: int) -> None:
+def recv(tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
     """:meth:`Communicator.recv` on the default communicator."""
-    get_default().recv(tensor, src)
+    return get_default().recv(tensor, src, tag)
 
 
-def isend(tensor: torch.Tensor, dst: int) -> Work:
+def isend(tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
     """:meth:`Communicator.isend` on the default communicator."""
-    return get_default().isend(tensor, dst)
+    return get_default().isend(tensor, dst, tag)
 
 
-def irecv(tensor: torch.Tensor, src: int) -> Work:
+def irecv(tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
     """:meth:`Communicator.irecv` on the default communicator."""
-    return get_default().irecv(tensor, src)
+    return get_default().irecv(tensor, src, tag)
 
 
 def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:

@@ -84,11 +84,14 @@ class P2POp:
             as with ``torch.distributed.P2POp(dist.isend, t, peer)``).
         tensor: the tensor to send from or receive into (contiguous).
         peer: the other rank.
+        tag: a receive matches the send with the same tag (CPU transports;
+            0 on CUDA).
     """
 
     op: Union[str, Callable[..., Any]]
     tensor: torch.Tensor
     peer: int
+    tag: int = 0
 
     def is_send(self) -> bool:
         name = self.op if isinstance(self.op, str) else getattr(self.op, "__name__", "")

@@ -31,7 +31,9 @@ gets its, unused, CPU communicator).
 
 Supported: ``all_reduce`` (SUM, AVG, MAX, MIN, PRODUCT), ``broadcast``,
 ``all_gather`` (list), ``all_gather_into_tensor``, ``reduce_scatter`` (list),
-``reduce_scatter_tensor``, ``send``/``recv``/``isend``/``irecv`` (tag 0),
+``reduce_scatter_tensor``, ``send``/``recv``/``isend``/``irecv`` (any tag;
+``recv`` from any source, ``src=None``: CPU tensors only, NCCL pairs in
+posting order),
 ``batch_isend_irecv`` (posted together), ``barrier`` (on the CUDA communicator
 when torch names a CUDA device: ``device_ids=`` or a group bound with
 ``device_id=``), ``all_reduce_coalesced``, ``reduce``, ``gather``,

@@ -39,6 +39,8 @@ from ._types import (  # noqa: F401 - _to_op stays importable from pycomm.comm
     _to_wire,
 )
 
+_ANY_SOURCE = -1  # the core's kAnySource (csrc/core/transport.h)
+
 __all__ = [
     "CommError",
     "Communicator",
@@ -378,26 +380,41 @@ class Communicator:
         return self._impl.symmetric_all_reduces
 
     # -- point to point --------------------------------------------------
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
+    # Matching is torch.distributed's: a recv takes the first message sent to
+    # it with its ``tag`` from ``src`` (or, with ``src=None``, from any rank),
+    # whatever other tags are in flight; one sender's messages with one tag
+    # arrive in order. Tags other than 0 and src=None: CPU transports only.
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Sends ``tensor`` to rank ``dst`` (blocks until it is delivered to
         the transport)."""
         _need_tensors("send", tensor=tensor)
-        self._impl.send(tensor, dst, False)
+        self._impl.send(tensor, dst, False, tag)
 
-    def recv(self, tensor: torch.Tensor, src: int) -> None:
-        """Receives into ``tensor`` from rank ``src``."""
+    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
+        """Receives into ``tensor`` from rank ``src`` (None: from whichever
+        rank sends first) and returns the sender's rank.
+
+        Raises:
+            NotImplementedError: ``src=None`` or a tag other than 0 on CUDA
+                tensors (NCCL pairs messages in posting order)."""
         _need_tensors("recv", tensor=tensor)
-        self._impl.recv(tensor, src, False)
+        if src is not None:
+            self._impl.recv(tensor, src, False, tag)
+            return src
+        work = self._impl.recv(tensor, _ANY_SOURCE, True, tag)
+        work.wait()
+        return int(work.source_rank())
 
-    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Asynchronous :meth:`send`."""
         _need_tensors("isend", tensor=tensor)
-        return self._impl.send(tensor, dst, True)
+        return self._impl.send(tensor, dst, True, tag)
 
-    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
-        """Asynchronous :meth:`recv`."""
+    def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
+        """Asynchronous :meth:`recv`; ``work.source_rank()`` is the sender
+        once the work is complete."""
         _need_tensors("irecv", tensor=tensor)
-        return self._impl.recv(tensor, src, True)
+        return self._impl.recv(tensor, _ANY_SOURCE if src is None else src, True, tag)
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
         """Posts all ``ops`` together (so a send and a recv between the same
@@ -411,7 +428,7 @@ class Communicator:
                 raise TypeError(f"batch_isend_irecv takes pycomm.P2POp items, got {type(o).__name__}")
         for o in ops:
             _need_tensors("batch_isend_irecv", tensor=o.tensor)
-        work = self._impl.batch_p2p([(o.is_send(), o.tensor, o.peer) for o in ops])
+        work = self._impl.batch_p2p([(o.is_send(), o.tensor, o.peer, o.tag) for o in ops])
         return [work] * len(ops)
 
     # -- groups -----------------------------------------------------------

@@ -525,6 +525,11 @@ def _argument_errors(comm, store):
         comm.reduce_scatter(torch.empty(3, device="cuda"), torch.ones(4, device="cuda"))
     with pytest.raises(ValueError, match="direct"):
         comm.all_reduce(x, algo="direct")
+    # NCCL pairs user p2p in posting order: no tags, no receive from any source.
+    with pytest.raises(NotImplementedError, match="tag=3 .*NCCL"):
+        comm.isend(x, 1 - comm.rank, tag=3)
+    with pytest.raises(NotImplementedError, match="any source .*NCCL"):
+        comm.irecv(x)
     assert not comm._impl.aborted  # usage errors leave the communicator usable
     assert comm.transport == "nccl" and comm.device == torch.device("cuda:0")
     comm.all_reduce(x)

@@ -98,18 +98,9 @@ EXCLUDED: dict[str, str] = {
                                   "backend_name 'custom', and the test expects get_backend()"),
 }
 
-_TAGS = "pycomm's p2p matches messages in posting order on one channel: tags other than 0 are not implemented yet"
-
 #: Tests that pass on gloo and fail on pycomm because pycomm lacks the
 #: feature (open work, not torch's doing): reported as skipped with the gap.
 NOT_YET: dict[str, str] = {
-    "test_send_recv_with_tag": _TAGS,
-    "test_batch_isend_irecv_gloo_tags": _TAGS,
-    "test_send_recv_with_tag_autograd_profiler": _TAGS,
-    "test_send_recv_with_tag_torch_profiler": _TAGS,
-    "test_send_recv_any_source": "recv from any source (recvAnysource) is not implemented yet",
-    "test_send_recv_any_source_autograd_profiler": "recvAnysource is not implemented yet",
-    "test_send_recv_any_source_torch_profiler": "recvAnysource is not implemented yet",
     "test_sparse_all_reduce_sum": ("pycomm reduces dense tensors only and raises a TypeError "
                                    "naming the sparse tensor; gloo reduces sparse ones"),
 }

@@ -27,7 +27,7 @@ namespace pycomm {
 namespace shm {
 
 constexpr uint64_t kMagic = 0x316d68735f6d6370ULL;  // "pcm_shm1"
-constexpr uint32_t kVersion = 4;
+constexpr uint32_t kVersion = 5;
 constexpr size_t kLine = 64;
 constexpr size_t kPage = 4096;
 constexpr int64_t kHealthEveryNs = 1000000;      // liveness check period while waiting: 1 ms
@@ -40,7 +40,7 @@ constexpr int64_t kSlowYieldNs = 200000;    // a yield this long gave the core a
 constexpr int64_t kNoYieldNs = 100000000;   // then no yields for 100 ms
 constexpr int kNumChannels = 2;             // kCollective, kUser (transport.h)
 // Per ring slot: {bytes in slot, bytes of its message, op seq, op count, op
-// packed} (OpHeader), padded to one cache line.
+// packed} (OpHeader), the user tag (kUser), padded to one cache line.
 constexpr size_t kMetaWords = 8;
 constexpr size_t kReasonBytes = 1024;  // Header::reason: why the first rank aborted
 

@@ -229,6 +229,7 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int world_size, bo
   recvq_.resize(n * kNumChannels);
   send_head_.assign(n * kNumChannels, 0);
   recv_tail_.assign(n * kNumChannels, 0);
+  rx_.resize(n);
   pidfds_.assign(n, -1);
   pidfd_ok_.assign(n, true);
   stop_watch_ = watch_stop(&ShmTransport::on_stop_signal, this);

@@ -63,6 +63,7 @@ size_t ShmTransport::put_slot(int peer, int ch, const Op& op, size_t slot) {
   sm[2].store(op.hdr.seq, std::memory_order_relaxed);
   sm[3].store(op.hdr.count, std::memory_order_relaxed);
   sm[4].store(op.packed, std::memory_order_relaxed);
+  sm[5].store(static_cast<uint32_t>(op.tag), std::memory_order_relaxed);
   return m;
 }
 
@@ -77,13 +78,7 @@ size_t ShmTransport::take_slot(int peer, int ch, const Op& op, size_t slot) {
   if (ch == kCollective && theirs != op.hdr) {
     fail("shm transport: " + mismatch_message(rank_, op.hdr, peer, theirs));
   }
-  if (m != want || total != op.bytes) {
-    fail("shm transport: rank " + std::to_string(rank_) + " expected a message of " +
-         std::to_string(op.bytes) + " bytes from rank " + std::to_string(peer) + " but it sent " +
-         std::to_string(total) + " bytes" +
-         (ch == kUser ? " (point-to-point: the send and the recv tensors differ in size)"
-                      : " (mismatched collective calls across ranks?)"));
-  }
+  if (m != want || total != op.bytes) fail_size(peer, op.bytes, total, ch, op.tag);
   std::memcpy(op.buf + op.done, seg_->data(peer, rank_, ch) + slot * slot_bytes, m);
   return m;
 }
@@ -95,7 +90,7 @@ bool ShmTransport::progress_all() {
     if (p == rank_) continue;
     for (int ch = 0; ch < kNumChannels; ++ch) {
       // Receive first: it frees the peer's ring (and our data may be waiting).
-      moved |= progress(p, ch, /*send=*/false);
+      moved |= ch == kUser ? progress_user_recv(p) : progress(p, ch, /*send=*/false);
       moved |= progress(p, ch, /*send=*/true);
     }
   }
@@ -109,7 +104,8 @@ Handle ShmTransport::post(const P2POp* ops, size_t n) {
   size_t cnt = 0;
   for (size_t i = 0; i < n; ++i) {
     const P2POp& op = ops[i];
-    if (op.peer < 0 || op.peer >= size_ || op.peer == rank_) {
+    const bool any = op.peer == kAnySource && op.kind == P2POp::kRecv && op.channel == kUser;
+    if (!any && (op.peer < 0 || op.peer >= size_ || op.peer == rank_)) {
       throw CommError("shm transport: rank " + std::to_string(rank_) + " cannot " +
                       (op.kind == P2POp::kSend ? "send to" : "recv from") + " rank " +
                       std::to_string(op.peer));
@@ -121,11 +117,15 @@ Handle ShmTransport::post(const P2POp* ops, size_t n) {
     // user message takes a slot even when empty, so that 0 elements sent
     // against 3 expected is a size error, not a wait for the timeout.
     if (op.bytes == 0 && op.channel == kCollective) continue;
+    if (op.channel == kUser && op.kind == P2POp::kRecv) {
+      cnt += post_user_recv(op, h) ? 1 : 0;
+      continue;
+    }
     const int qi = op.peer * kNumChannels + op.channel;
     auto& q = op.kind == P2POp::kSend ? sendq_[qi] : recvq_[qi];
     // User p2p carries no op header (seq 0): only its size is checked.
     const OpHeader hdr = op.channel == kCollective ? op_ : OpHeader{};
-    q.push_back(Op{static_cast<char*>(op.buf), op.bytes, 0, true, h, hdr, hdr.packed()});
+    q.push_back(Op{static_cast<char*>(op.buf), op.bytes, 0, true, h, hdr, hdr.packed(), op.tag});
     ++cnt;
   }
   if (cnt == 0) return h;

@@ -13,7 +13,8 @@
 //                 Ctrl { head  (written by src: slots published),
 //                        tail  (written by dst: slots consumed),
 //                        meta[slots] { bytes in the slot, bytes of its
-//                                      message, sender's op header } }
+//                                      message, sender's op header,
+//                                      user tag } }
 //                 data[slots][slot_bytes]
 //   Direct      per rank direct_buffers buffers of direct_bytes (SharedBuffers)
 //   BufferOp    per direct buffer: the op header of the piece in it, and the
@@ -37,6 +38,8 @@
 // both sides post their ops in the same order, messages match in order, and
 // meta lets the receiver detect a size mismatch and, on the collective
 // channel, a different op (count, dtype, reduce op, root, algo, sequence).
+// On the user channel a receive matches by tag and may name any source
+// (P2POp): the receive side there is shm_match.cc's.
 //
 // Progress: post() queues its ops per peer and pushes as much as fits at once;
 // wait() keeps making progress on *every* pending op (all groups, all peers,
@@ -66,6 +69,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <list>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -156,9 +160,41 @@ class ShmTransport final : public Transport, public SharedBuffers {
     Handle group;
     OpHeader hdr;     // the collective it belongs to (seq 0: user p2p)
     uint64_t packed;  // hdr.packed(), computed once
+    int tag = 0;      // user p2p (P2POp::tag)
+    int* source = nullptr;
+    uint64_t order = 0;  // user receives: posting order (matching picks the earliest)
+  };
+  // A user message that arrived before a receive matching it was posted,
+  // set aside so that the receives waiting for later messages of its sender
+  // get theirs (shm_match.cc). A receive posted while it is still arriving
+  // claims it and gets the bytes once they are all here.
+  struct Unexpected {
+    int peer;
+    int tag;
+    std::vector<char> data;
+    bool complete = false;
+    bool claimed = false;
+    Op claimant{};
+  };
+  // The user message being taken from a peer: into a receive, or set aside.
+  struct Rx {
+    bool busy = false;
+    Op op{};
+    Unexpected* into = nullptr;  // set aside into this entry of unexpected_
   };
   // Moves what fits of the queue to (send) or from `peer` on `channel`.
   bool progress(int peer, int channel, bool send);
+  // User p2p receives (shm_match.cc): posts one (matching what was set aside
+  // first; returns false when it completed at once), and takes what `peer`
+  // sent on the kUser channel into the receives it matches.
+  bool post_user_recv(const P2POp& op, Handle group);
+  bool progress_user_recv(int peer);
+  // Binds the message of `bytes` with `tag` that `peer` starts to send to
+  // the earliest matching receive, or sets it aside when receives wait for
+  // other messages; false: leave it in the ring for now.
+  bool start_user_message(int peer, int tag, size_t bytes);
+  void finish_user_message(int peer);
+  [[noreturn]] void fail_size(int peer, size_t expected, size_t sent, int channel, int tag);
   // One slot of op's next bytes into / out of the ring; returns the bytes.
   size_t put_slot(int peer, int channel, const Op& op, size_t slot);
   size_t take_slot(int peer, int channel, const Op& op, size_t slot);
@@ -201,6 +237,13 @@ class ShmTransport final : public Transport, public SharedBuffers {
 
   // Indexed by peer * channels + channel; FIFO per queue.
   std::vector<std::deque<Op>> sendq_, recvq_;
+  // User p2p matching (shm_match.cc): receives from kAnySource (posting
+  // order), messages set aside (arrival order; std::list: Rx points into
+  // it), the message now arriving from each peer, receives posted so far.
+  std::deque<Op> any_recvq_;
+  std::list<Unexpected> unexpected_;
+  std::vector<Rx> rx_;
+  uint64_t user_recvs_ = 0;
   std::vector<uint64_t> send_head_, recv_tail_;   // our own counters, per queue
   std::unordered_map<Handle, size_t> remaining_;  // ops left per group
   Handle next_ = 1;

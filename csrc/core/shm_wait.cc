@@ -174,8 +174,23 @@ std::string ShmTransport::pending_desc() const {
       any = true;
     }
     if (!recvq_[qi].empty()) {
-      s << " recv from rank " << r << ch << " (" << recvq_[qi].front().done << "/"
-        << recvq_[qi].front().bytes << " bytes)";
+      const Op& o = recvq_[qi].front();
+      s << " recv from rank " << r << ch;
+      if (o.tag != 0) s << " tag " << o.tag;
+      s << " (" << o.done << "/" << o.bytes << " bytes)";
+      any = true;
+    }
+  }
+  for (const Op& o : any_recvq_) {
+    s << " recv from any rank [user p2p]";
+    if (o.tag != 0) s << " tag " << o.tag;
+    s << " (" << o.bytes << " bytes)";
+    any = true;
+  }
+  for (int r = 0; r < size_; ++r) {
+    if (rx_[r].busy) {
+      s << " recv from rank " << r << " [user p2p] under way (" << rx_[r].op.done << "/"
+        << rx_[r].op.bytes << " bytes)";
       any = true;
     }
   }

@@ -37,13 +37,25 @@ namespace pycomm {
 // communicator and streams of its own (nccl_transport.h, cuda_comm.cpp).
 enum Channel : int { kCollective = 0, kUser = 1 };
 
+// A receive's peer that matches a send from any rank (kUser channel only).
+constexpr int kAnySource = -1;
+
+// User p2p matching (kUser channel), torch.distributed's (and MPI's): a
+// receive matches the first message sent to it with its tag, from its peer
+// or, for kAnySource, from any rank; messages of one sender with one tag are
+// received in the order they were sent, and messages of other tags in between
+// do not block them. With tag 0 from a given rank only, that is plain
+// posting order. `source`, when set, receives the sender's rank once the
+// receive is matched (kAnySource). Collectives ignore both fields.
 struct P2POp {
   enum Kind : int { kSend = 0, kRecv = 1 };
   Kind kind;
   void* buf;  // const for sends
   size_t bytes;
-  int peer;
+  int peer;  // or kAnySource (a kUser receive)
   int channel = kCollective;
+  int tag = 0;
+  int* source = nullptr;
 };
 
 // Identifies a posted group until it is waited for.
@@ -160,7 +172,8 @@ class Transport {
 
   // Posts ops[0..n) as one group (all in flight together). Zero-byte ops are
   // allowed and complete at once. Ordering: messages between one pair of ranks
-  // on one channel are matched in posting order. A posted group must make
+  // on one channel are matched in posting order (kUser: per tag, and
+  // receives may name kAnySource; see P2POp). A posted group must make
   // progress while the caller waits for *other* groups (user isend/irecv stay
   // posted while later collectives run): wait() and test() progress every
   // pending op, not just their own.

@@ -66,6 +66,13 @@ class UsageTypeError : public std::invalid_argument {
   explicit UsageTypeError(const std::string& what) : std::invalid_argument(what) {}
 };
 
+// An operation that this transport cannot do (user p2p tags other than 0 on
+// NCCL). Maps to NotImplementedError.
+class NotSupported : public std::logic_error {
+ public:
+  explicit NotSupported(const std::string& what) : std::logic_error(what) {}
+};
+
 // These are plain C++ exceptions, safe to throw without the GIL (the binding
 // releases it around every call that can block). The binding translates them
 // into Python exceptions in one place, with the GIL held (bindings.cpp).

@@ -141,6 +141,11 @@ std::exception_ptr BackendWork::exception() const {
 
 std::vector<at::Tensor> BackendWork::result() { return outputs_; }
 
+int BackendWork::sourceRank() const {
+  if (op_ && op_->source_rank() >= 0) return op_->source_rank();
+  return c10d::Work::sourceRank();  // raises: not a recv
+}
+
 void BackendWork::synchronize() {
   if (future_->devices().empty()) return;  // CPU: nothing is stream-ordered
   if (op_) op_->wait();
@@ -288,7 +293,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::launch(c10d::OpType type, con
                                                           const Issue& issue, Finish finish) {
   check_not_coalescing(op);
   const std::shared_ptr<Comm> comm = comm_for(device, op);
-  if (type != c10d::OpType::SEND && type != c10d::OpType::RECV) ++seq_;
+  if (type != c10d::OpType::SEND && type != c10d::OpType::RECV &&
+      type != c10d::OpType::RECVANYSOURCE)
+    ++seq_;
   if (!async_op) {
     // Synchronous. CPU: Comm runs the op on this thread when its worker is
     // idle (no hand-off), waits, and throws on failure. CUDA: the current
@@ -467,17 +474,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::p2p(c10d::OpType type, const 
   const bool is_send = type == c10d::OpType::SEND;
   const at::Tensor t = tensors[0];
   const c10::Device dev = OpDevice(op).add(t, "tensor").get();
-  // pycomm pairs the messages between two ranks in posting order; a tag
-  // could only be ignored, which would pair the wrong messages.
-  TORCH_CHECK_NOT_IMPLEMENTED(tag == 0, op, ": tag=", tag,
-                              " is not supported by the pycomm backend (messages between two "
-                              "ranks pair in posting order); use tag=0");
   at::Tensor buf = contiguous_buffer(t);
   if (coalescing_) {
     // Validated now, posted with the batch by endCoalescing.
+    TORCH_CHECK_VALUE(peer != kAnySource, op,
+                      ": a receive from any source cannot be part of batch_isend_irecv");
     check_peer(peer, is_send ? "dst" : "src", op, rank_, size_, /*allow_self=*/false);
     auto future = pending_future(dev);
-    coalesced_.push_back({TensorP2P{is_send, buf, peer}, is_send ? at::Tensor() : t, future});
+    coalesced_.push_back({TensorP2P{is_send, buf, peer, tag}, is_send ? at::Tensor() : t, future});
     return c10::make_intrusive<BackendWork>(rank_, type, nullptr, future,
                                             std::vector<at::Tensor>{t});
   }
@@ -485,8 +489,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::p2p(c10d::OpType type, const 
   // Always asynchronous: the send/recv of c10d returns a Work to wait on.
   return launch(
       type, op, dev, /*async_op=*/true, {t},
-      [buf, peer, is_send](Comm& c, bool async_op) {
-        return is_send ? c.send(buf, peer, async_op) : c.recv(buf, peer, async_op);
+      [buf, peer, is_send, tag](Comm& c, bool async_op) {
+        return is_send ? c.send(buf, peer, async_op, tag) : c.recv(buf, peer, async_op, tag);
       },
       std::move(finish));
 }
@@ -499,6 +503,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::send(std::vector<at::Tensor>&
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::recv(std::vector<at::Tensor>& tensors, int src,
                                                         int tag) {
   return p2p(c10d::OpType::RECV, "recv", tensors, src, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                                 int tag) {
+  return p2p(c10d::OpType::RECVANYSOURCE, "recv_anysource", tensors, kAnySource, tag);
 }
 
 void ProcessGroupPycomm::startCoalescing() {

@@ -58,6 +58,8 @@ class BackendWork final : public c10d::Work {
   bool isCompleted() override;
   bool isSuccess() const override;
   std::exception_ptr exception() const override;
+  // A recv's sender (recvAnysource: the rank matched, once complete).
+  int sourceRank() const override;
   std::vector<at::Tensor> result() override;
   // CUDA: the caller's current stream waits for the op (as wait()).
   void synchronize() override;
@@ -163,6 +165,8 @@ class ProcessGroupPycomm final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  // Receives from whichever rank sends first with `tag` (CPU; Work.sourceRank).
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
   // batch_isend_irecv: between the two, send/recv only collect; the batch is

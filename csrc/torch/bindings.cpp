@@ -101,7 +101,9 @@ void bind_comm(py::module_& m) {
       .def("get_future",
            [](const Work& w) { return torch::jit::toPyObject(c10::IValue(w.future())); })
       .def_property_readonly("op", &Work::op)
-      .def_property_readonly("seq", &Work::seq);
+      .def_property_readonly("seq", &Work::seq)
+      .def("source_rank", &Work::source_rank,
+           "a recv's sender (from any source: the rank matched, once complete); -1 otherwise");
 
   // smart_holder: the torch.distributed backend shares the communicator
   // (std::shared_ptr) with the Python object that created it.
@@ -144,14 +146,15 @@ void bind_comm(py::module_& m) {
            py::arg("output_split_sizes"), py::arg("input_split_sizes"), py::arg("async_op"),
            py::call_guard<py::gil_scoped_release>())
       .def("send", &Comm::send, py::arg("tensor"), py::arg("dst"), py::arg("async_op"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("tag") = 0, py::call_guard<py::gil_scoped_release>())
       .def("recv", &Comm::recv, py::arg("tensor"), py::arg("src"), py::arg("async_op"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("tag") = 0, py::call_guard<py::gil_scoped_release>(),
+           "src=-1: from any rank (Work.source_rank() says which, once complete)")
       .def(
           "batch_p2p",
-          [](Comm& c, const std::vector<std::tuple<bool, at::Tensor, int>>& reqs) {
+          [](Comm& c, const std::vector<std::tuple<bool, at::Tensor, int, int>>& reqs) {
             std::vector<pycomm::TensorP2P> ops;
-            for (const auto& [is_send, t, peer] : reqs) ops.push_back({is_send, t, peer});
+            for (const auto& [is_send, t, peer, tag] : reqs) ops.push_back({is_send, t, peer, tag});
             py::gil_scoped_release nogil;
             return c.batch_p2p(ops);
           },
@@ -186,6 +189,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::set_error(PyExc_ValueError, e.what());
     } catch (const pycomm::UsageTypeError& e) {
       py::set_error(PyExc_TypeError, e.what());
+    } catch (const pycomm::NotSupported& e) {
+      py::set_error(PyExc_NotImplementedError, e.what());
     }
   });
 

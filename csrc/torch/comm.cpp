@@ -276,6 +276,11 @@ c10::intrusive_ptr<Work> Comm::launch_p2p(const char* op, std::vector<at::Tensor
                                           std::vector<P2POp> ops, Wait wait) {
   for (auto& o : ops) o.channel = kUser;
   return start(op, tensors, wait, [&](const c10::intrusive_ptr<Work>& work) {
+    // A single receive's sender: known, or set by the transport once matched.
+    if (ops.size() == 1 && ops[0].kind == P2POp::kRecv) {
+      work->set_source_rank(ops[0].peer);
+      if (ops[0].peer == kAnySource) ops[0].source = work->source_rank_slot();
+    }
     exec_->run_p2p(work, std::move(ops), wait, std::move(tensors));
   });
 }
@@ -409,21 +414,33 @@ c10::intrusive_ptr<Work> Comm::broadcast(const at::Tensor& t, int src, const std
       wait_of(async_op));
 }
 
-c10::intrusive_ptr<Work> Comm::send(const at::Tensor& t, int dst, bool async_op) {
-  return point_to_point("send", P2POp::kSend, t, "dst", dst, async_op);
+c10::intrusive_ptr<Work> Comm::send(const at::Tensor& t, int dst, bool async_op, int tag) {
+  return point_to_point("send", P2POp::kSend, t, "dst", dst, async_op, tag);
 }
 
-c10::intrusive_ptr<Work> Comm::recv(const at::Tensor& t, int src, bool async_op) {
-  return point_to_point("recv", P2POp::kRecv, t, "src", src, async_op);
+c10::intrusive_ptr<Work> Comm::recv(const at::Tensor& t, int src, bool async_op, int tag) {
+  return point_to_point("recv", P2POp::kRecv, t, "src", src, async_op, tag);
+}
+
+void Comm::check_matching(const char* op, int tag, bool any_source) const {
+  if ((tag == 0 && !any_source) || !device_.is_cuda()) return;
+  throw NotSupported(
+      join_msg({op, ": ", any_source ? "a receive from any source" : "tag=" + std::to_string(tag),
+                " is not supported on CUDA tensors: NCCL pairs the messages between two ranks in "
+                "posting order (use tag 0 and a known peer, or CPU tensors)"}));
 }
 
 c10::intrusive_ptr<Work> Comm::point_to_point(const char* op, P2POp::Kind kind, const at::Tensor& t,
-                                              const char* peer_arg, int peer, bool async_op) {
+                                              const char* peer_arg, int peer, bool async_op,
+                                              int tag) {
   check_open(op);
   check_tensor(t, "tensor", op);
-  check_peer(peer, peer_arg, op, rank_, size_, /*allow_self=*/false);
-  return launch_p2p(op, {t}, {P2POp{kind, t.data_ptr(), size_t(t.nbytes()), peer}},
-                    wait_of(async_op));
+  const bool any = kind == P2POp::kRecv && peer == kAnySource;
+  if (!any) check_peer(peer, peer_arg, op, rank_, size_, /*allow_self=*/false);
+  check_matching(op, tag, any);
+  P2POp p{kind, t.data_ptr(), size_t(t.nbytes()), peer};
+  p.tag = tag;
+  return launch_p2p(op, {t}, {p}, wait_of(async_op));
 }
 
 c10::intrusive_ptr<Work> Comm::batch_p2p(const std::vector<TensorP2P>& reqs) {
@@ -434,8 +451,10 @@ c10::intrusive_ptr<Work> Comm::batch_p2p(const std::vector<TensorP2P>& reqs) {
   for (const auto& q : reqs) {
     check_tensor(q.tensor, "tensor", kOp);
     check_peer(q.peer, "peer", kOp, rank_, size_, /*allow_self=*/false);
+    check_matching(kOp, q.tag, false);
     ops.push_back({q.send ? P2POp::kSend : P2POp::kRecv, q.tensor.data_ptr(),
                    static_cast<size_t>(q.tensor.nbytes()), q.peer});
+    ops.back().tag = q.tag;
     tensors.push_back(q.tensor);
   }
   return launch_p2p(kOp, tensors, ops, Wait::kAsync);

@@ -48,6 +48,7 @@ struct TensorP2P {
   bool send;
   at::Tensor tensor;
   int peer;
+  int tag = 0;
 };
 
 class Comm {
@@ -101,8 +102,12 @@ class Comm {
   c10::intrusive_ptr<Work> all_to_all_single(const at::Tensor& out, const at::Tensor& in,
                                              const std::vector<int64_t>& out_splits,
                                              const std::vector<int64_t>& in_splits, bool async_op);
-  c10::intrusive_ptr<Work> send(const at::Tensor& t, int dst, bool async_op);
-  c10::intrusive_ptr<Work> recv(const at::Tensor& t, int src, bool async_op);
+  // User p2p (channel kUser, P2POp's matching): a recv matches the send to it
+  // with the same tag; src kAnySource (-1) receives from whichever rank sends
+  // first (Work::source_rank). CPU transports only for tag != 0 and
+  // kAnySource (NotSupported on NCCL, which pairs in posting order).
+  c10::intrusive_ptr<Work> send(const at::Tensor& t, int dst, bool async_op, int tag = 0);
+  c10::intrusive_ptr<Work> recv(const at::Tensor& t, int src, bool async_op, int tag = 0);
   c10::intrusive_ptr<Work> batch_p2p(const std::vector<TensorP2P>& ops);
   // A collective: moves the storage of `t` into symmetric memory (every
   // rank maps every rank's copy; SharedBuffers::allocate_symmetric), in
@@ -157,7 +162,10 @@ class Comm {
   static void advise_filled(const std::vector<at::Tensor>& outputs);
   // send / recv: checks, then one p2p op of `kind` with `peer` (`peer_arg`).
   c10::intrusive_ptr<Work> point_to_point(const char* op, P2POp::Kind kind, const at::Tensor& t,
-                                          const char* peer_arg, int peer, bool async_op);
+                                          const char* peer_arg, int peer, bool async_op, int tag);
+  // NotSupported for a tag other than 0 or kAnySource where the transport
+  // pairs messages in posting order (NCCL).
+  void check_matching(const char* op, int tag, bool any_source) const;
   // What both share: the call guard, check_open, a numbered Work, `submit`
   // to the executor, and noting a CommError raised to the caller.
   c10::intrusive_ptr<Work> start(

@@ -113,8 +113,13 @@ class CpuExecutor final : public Executor {
     }
     std::ostringstream peers;
     for (size_t i = 0; i < ops.size(); ++i) {
-      peers << (i ? ", " : "")
-            << (ops[i].kind == P2POp::kSend ? "send to rank " : "recv from rank ") << ops[i].peer;
+      peers << (i ? ", " : "") << (ops[i].kind == P2POp::kSend ? "send to " : "recv from ");
+      if (ops[i].peer == kAnySource) {
+        peers << "any rank";
+      } else {
+        peers << "rank " << ops[i].peer;
+      }
+      if (ops[i].tag != 0) peers << " with tag " << ops[i].tag;
     }
     std::function<void()> post = [this, work, ops, peers = peers.str(), keep = std::move(keep)] {
       if (fail_if_aborted(work)) return;

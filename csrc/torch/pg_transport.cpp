@@ -9,11 +9,12 @@
 namespace pycomm {
 
 namespace {
-constexpr int kTagBase =
-    0x7c0;  // header tag = base + channel; gloo matches per (peer, tag) in order
-constexpr int kPayloadTagBase = 0x10000;  // + (index mod 2^20) * channels + channel
+constexpr int kTagBase = 0x7c0;  // header tag = base + lane; gloo matches per (peer, tag) in order
+constexpr int kPayloadTagBase = 0x10000;  // + (index mod 2^20) * lanes + lane
 constexpr uint32_t kPayloadIndices = 1u << 20;
-constexpr int kChannels = 2;
+// Lanes: kCollective, kUser (user p2p with tag 0), kTagged (other tags).
+constexpr int kTagged = 2;
+constexpr int kLanes = 3;
 constexpr uint64_t kAbortSeq = ~uint64_t{0};  // an abort header: its inline bytes are the reason
 // Every message starts with a frame of this fixed size: the header, then the
 // payload itself when it fits (one message, its receive posted in advance,
@@ -26,16 +27,20 @@ at::Tensor bytes_of(void* p, size_t n) {
   return at::from_blob(p, {static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte));
 }
 
-std::string describe(int kind, int peer) {
-  return std::string(kind == P2POp::kSend ? "send to" : "recv from") + " rank " +
-         std::to_string(peer);
+std::string describe(int kind, int peer, int tag = 0) {
+  return std::string(kind == P2POp::kSend ? "send to" : "recv from") +
+         (peer == kAnySource ? std::string(" any rank") : " rank " + std::to_string(peer)) +
+         (tag != 0 ? " with tag " + std::to_string(tag) : std::string());
+}
+
+at::Tensor new_frame() {
+  return at::empty({static_cast<int64_t>(kFrameBytes)}, at::TensorOptions().dtype(at::kByte));
 }
 }  // namespace
 
 ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> backend)
     : backend_(std::move(backend)), rank_(backend_->getRank()), size_(backend_->getSize()) {
-  sent_.assign(static_cast<size_t>(size_) * kChannels, 0);
-  received_.assign(static_cast<size_t>(size_) * kChannels, 0);
+  sent_.assign(static_cast<size_t>(size_) * kLanes, 0);
 }
 
 ProcessGroupTransport::~ProcessGroupTransport() {
@@ -48,8 +53,8 @@ ProcessGroupTransport::~ProcessGroupTransport() {
   pending_.clear();
 }
 
-int ProcessGroupTransport::payload_tag(int channel, uint32_t index) const {
-  return kPayloadTagBase + static_cast<int>(index % kPayloadIndices) * kChannels + channel;
+int ProcessGroupTransport::payload_tag(int lane, uint32_t index) const {
+  return kPayloadTagBase + static_cast<int>(index % kPayloadIndices) * kLanes + lane;
 }
 
 Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
@@ -64,34 +69,48 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
     // Collectives post matching empty chunks on both sides; a user message
     // is sent even when empty, so that 0 elements against 3 is a size error.
     if (op.bytes == 0 && op.channel == kCollective) continue;
-    const size_t qi = static_cast<size_t>(op.peer) * kChannels + op.channel;
+    const bool user = op.channel == kUser;
     Message m;
     m.kind = op.kind;
     m.peer = op.peer;
     m.channel = op.channel;
+    m.lane = user && op.tag != 0 ? kTagged : op.channel;
     m.buf = op.buf;
     m.bytes = op.bytes;
-    m.hdr = op.channel == kCollective ? op_ : OpHeader{};
-    m.index = op.kind == P2POp::kSend ? sent_[qi]++ : received_[qi]++;
-    m.wire = at::empty({static_cast<int64_t>(kFrameBytes)}, at::TensorOptions().dtype(at::kByte));
+    m.hdr = user ? OpHeader{} : op_;
+    m.tag = user ? op.tag : 0;
+    m.source = user ? op.source : nullptr;
+    m.index = 0;
     try {
-      std::vector<at::Tensor> w{m.wire};
       if (op.kind == P2POp::kSend) {
+        m.index = sent_[static_cast<size_t>(op.peer) * kLanes + m.lane]++;
+        m.wire = new_frame();
         *reinterpret_cast<Wire*>(m.wire.data_ptr()) =
-            Wire{op.bytes, m.hdr.seq, m.hdr.count, m.hdr.packed()};
+            Wire{op.bytes, m.hdr.seq, m.hdr.count, m.hdr.packed(), m.index, m.tag};
         if (op.bytes <= kInline) {
           std::memcpy(static_cast<char*>(m.wire.data_ptr()) + sizeof(Wire), op.buf, op.bytes);
         }
-        m.header_work = backend_->send(w, op.peer, kTagBase + op.channel);
+        std::vector<at::Tensor> w{m.wire};
+        m.header_work = backend_->send(w, op.peer, kTagBase + m.lane);
         if (op.bytes > kInline) {
           std::vector<at::Tensor> t{bytes_of(op.buf, op.bytes)};
-          m.payload_work = backend_->send(t, op.peer, payload_tag(op.channel, m.index));
+          m.payload_work = backend_->send(t, op.peer, payload_tag(m.lane, m.index));
         }
+      } else if (m.lane == kTagged) {
+        // Matched by take_tagged, in this order among the waiting receives.
+        m.want = std::make_shared<Want>(Want{op.peer, op.tag});
+        std::lock_guard<std::mutex> match(match_mu_);
+        wants_.push_back(m.want);
+        match_locked();
       } else {
-        m.header_work = backend_->recv(w, op.peer, kTagBase + op.channel);
+        m.wire = new_frame();
+        std::vector<at::Tensor> w{m.wire};
+        m.header_work = op.peer == kAnySource ? backend_->recvAnysource(w, kTagBase + m.lane)
+                                              : backend_->recv(w, op.peer, kTagBase + m.lane);
       }
     } catch (const std::exception& e) {
-      throw CommError("gloo " + describe(op.kind, op.peer) + " failed to start: " + e.what());
+      throw CommError("gloo " + describe(op.kind, op.peer, m.tag) +
+                      " failed to start: " + e.what());
     }
     p.msgs.push_back(std::move(m));
   }
@@ -114,6 +133,7 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
 void ProcessGroupTransport::accept_header(Message& m) {
   const Wire w = *reinterpret_cast<const Wire*>(m.wire.data_ptr());
   const char* inline_bytes = static_cast<const char*>(m.wire.data_ptr()) + sizeof(Wire);
+  if (m.source) *m.source = m.peer;
   if (w.seq == kAbortSeq) {
     // The peer failed and says why (inline).
     const std::string reason(inline_bytes, std::min<uint64_t>(w.bytes, kInline));
@@ -130,7 +150,8 @@ void ProcessGroupTransport::accept_header(Message& m) {
       try {
         std::vector<at::Tensor> t{
             at::empty({static_cast<int64_t>(w.bytes)}, at::TensorOptions().dtype(at::kByte))};
-        backend_->recv(t, m.peer, payload_tag(m.channel, m.index))->wait(kAbortNotice);
+        backend_->recv(t, m.peer, payload_tag(m.lane, static_cast<uint32_t>(w.index)))
+            ->wait(kAbortNotice);
       } catch (const std::exception&) {
       }
     }
@@ -144,7 +165,9 @@ void ProcessGroupTransport::accept_header(Message& m) {
   if (w.bytes != m.bytes) {
     std::ostringstream msg;
     msg << "gloo transport: rank " << rank_ << " expected a message of " << m.bytes
-        << " bytes from rank " << m.peer << " but it sent " << w.bytes << " bytes"
+        << " bytes from rank " << m.peer
+        << (m.tag != 0 ? " with tag " + std::to_string(m.tag) : std::string()) << " but it sent "
+        << w.bytes << " bytes"
         << (m.channel == kUser ? " (point-to-point: the send and the recv tensors differ in size)"
                                : " (mismatched collective calls across ranks?)");
     reject(msg.str());
@@ -153,8 +176,79 @@ void ProcessGroupTransport::accept_header(Message& m) {
     std::memcpy(m.buf, inline_bytes, m.bytes);
   } else {
     std::vector<at::Tensor> t{bytes_of(m.buf, m.bytes)};
-    m.payload_work = backend_->recv(t, m.peer, payload_tag(m.channel, m.index));
+    m.payload_work = backend_->recv(t, m.peer, payload_tag(m.lane, static_cast<uint32_t>(w.index)));
   }
+}
+
+void ProcessGroupTransport::match_locked() {
+  for (auto it = wants_.begin(); it != wants_.end();) {
+    Want& w = **it;
+    auto a = std::find_if(arrivals_.begin(), arrivals_.end(), [&](const Arrival& x) {
+      return x.tag == w.tag && (w.peer == kAnySource || x.peer == w.peer);
+    });
+    if (a == arrivals_.end()) {
+      ++it;
+      continue;
+    }
+    w.got = true;
+    w.from = a->peer;
+    w.frame = std::move(a->frame);
+    arrivals_.erase(a);
+    it = wants_.erase(it);
+  }
+}
+
+void ProcessGroupTransport::take_tagged(Message& m,
+                                        std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lk(match_mu_);
+  Want& want = *m.want;
+  while (!want.got) {
+    if (aborted_) throw CommError("gloo transport was aborted while a tagged receive waited");
+    if (pulling_) {  // another thread takes the next frame; it wakes us
+      if (match_cv_.wait_until(lk, deadline) == std::cv_status::timeout && !want.got) {
+        throw CommError("gloo " + describe(P2POp::kRecv, m.peer, m.tag) + " timed out after " +
+                        std::to_string(timeout_.count()) +
+                        " ms, the timeout of this communicator (no message with its tag arrived)");
+      }
+      continue;
+    }
+    // Take the next frame of the tagged lane, from any rank.
+    pulling_ = true;
+    at::Tensor frame = new_frame();
+    std::vector<at::Tensor> w{frame};
+    std::exception_ptr err;
+    int from = -1;
+    try {
+      pull_work_ = backend_->recvAnysource(w, kTagBase + kTagged);
+      c10::intrusive_ptr<c10d::Work> work = pull_work_;
+      lk.unlock();
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      work->wait(std::max(left, std::chrono::milliseconds(1)));
+      from = work->sourceRank();
+    } catch (const std::exception& e) {
+      err = std::make_exception_ptr(
+          CommError("gloo " + describe(P2POp::kRecv, m.peer, m.tag) + " failed (header, timeout " +
+                    std::to_string(timeout_.count()) + " ms): " + e.what()));
+    }
+    if (!lk.owns_lock()) lk.lock();
+    pulling_ = false;
+    pull_work_.reset();
+    match_cv_.notify_all();
+    if (err) std::rethrow_exception(err);
+    const Wire hdr = *reinterpret_cast<const Wire*>(frame.data_ptr());
+    if (hdr.seq == kAbortSeq) {  // the sender failed: this receive reports it (accept_header)
+      want.got = true;
+      want.from = from;
+      want.frame = frame;
+      wants_.remove(m.want);
+      break;
+    }
+    arrivals_.push_back(Arrival{from, static_cast<int>(hdr.tag), frame});
+    match_locked();
+  }
+  m.peer = want.from;
+  m.wire = want.frame;
 }
 
 void ProcessGroupTransport::broadcast_abort(const std::string& reason) {
@@ -172,15 +266,15 @@ void ProcessGroupTransport::broadcast_abort(const std::string& reason) {
   try {
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
-      for (int ch = 0; ch < kChannels; ++ch) {
-        ++sent_[static_cast<size_t>(r) * kChannels + ch];
+      for (int lane = 0; lane < kLanes; ++lane) {
+        const uint32_t index = sent_[static_cast<size_t>(r) * kLanes + lane]++;
         at::Tensor wire =
             at::zeros({static_cast<int64_t>(kFrameBytes)}, at::TensorOptions().dtype(at::kByte));
         const size_t n = std::min(reason.size(), kInline);
-        *reinterpret_cast<Wire*>(wire.data_ptr()) = Wire{n, kAbortSeq, 0, 0};
+        *reinterpret_cast<Wire*>(wire.data_ptr()) = Wire{n, kAbortSeq, 0, 0, index, 0};
         std::memcpy(static_cast<char*>(wire.data_ptr()) + sizeof(Wire), reason.data(), n);
         std::vector<at::Tensor> w{wire};
-        works.push_back(backend_->send(w, r, kTagBase + ch));
+        works.push_back(backend_->send(w, r, kTagBase + lane));
         keep.push_back(wire);
       }
     }
@@ -214,7 +308,7 @@ void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeo
       w->wait(std::max(left, std::chrono::milliseconds(1)));
     } catch (const std::exception& e) {
       std::ostringstream msg;
-      msg << "gloo " << describe(m.kind, m.peer) << " failed (" << part << ", timeout "
+      msg << "gloo " << describe(m.kind, m.peer, m.tag) << " failed (" << part << ", timeout "
           << timeout.count() << " ms): " << e.what();
       if (m.kind == P2POp::kSend) {
         msg << " (a gloo send waits for the matching receive: did rank " << m.peer
@@ -234,7 +328,12 @@ void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeo
   // in this same step of its own wait.
   for (auto& m : p.msgs) {
     if (m.kind != P2POp::kRecv) continue;
-    wait_one(m, m.header_work, "header");
+    if (m.want) {
+      take_tagged(m, deadline);
+    } else {
+      wait_one(m, m.header_work, "header");
+      if (m.peer == kAnySource) m.peer = m.header_work->sourceRank();
+    }
     accept_header(m);
   }
   for (auto& m : p.msgs) {
@@ -293,6 +392,14 @@ void ProcessGroupTransport::abort() {
   // until their wait() or the destructor erases them.
   std::lock_guard<std::mutex> lk(mu_);
   aborted_ = true;
+  {
+    std::lock_guard<std::mutex> match(match_mu_);
+    try {
+      if (pull_work_) pull_work_->abort();
+    } catch (...) {
+    }
+  }
+  match_cv_.notify_all();
   for (auto& kv : pending_) {
     for (auto& m : kv.second.msgs) {
       for (auto* w : {&m.header_work, &m.payload_work}) {

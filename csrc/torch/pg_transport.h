@@ -2,12 +2,22 @@
 // (ProcessGroupGloo on CPU tensors). It needs c10d, so it lives in the binding
 // layer; the algorithms see only the core Transport interface.
 //
-// Every message is a fixed 4 KiB frame on the header tag of its channel: a
-// 32-byte header {bytes, op seq, op count, op packed} (op_header.h), then the
-// payload itself when it fits. A larger payload follows on a tag of its own
-// (k-th message between the pair on that channel), and the receiver posts
-// its receive only once the header says the sizes and (on the collective
-// channel) the op match. Small messages thus stay one message whose receive
+// Every message is a fixed 4 KiB frame on the header tag of its lane: a
+// 48-byte header {bytes, op seq, op count, op packed (op_header.h), index,
+// user tag}, then the payload itself when it fits. A larger payload follows
+// on a tag of its own (the sender's index: k-th message to that peer on that
+// lane), and the receiver posts its receive only once the header says the
+// sizes and (on the collective channel) the op match.
+//
+// Lanes: collectives; user p2p with tag 0; user p2p with other tags. On the
+// first two, gloo pairs the header frames per (peer, tag) in posting order,
+// a receive from any source (tag 0) posting gloo's recvAnysource among them:
+// that is P2POp's matching already. On the tagged lane the receiver matches:
+// while a tagged receive waits, one of the waiting threads takes the next
+// header frame from any rank (recvAnysource) and hands frames to the waiting
+// receives, the earliest posted first; a frame that none wants yet is set
+// aside (only its frame: a larger payload stays with its sender until a
+// receive claims it, gloo's own rendezvous). Small messages thus stay one message whose receive
 // is posted in advance; large ones pay one extra one-way latency. gloo aborts
 // the whole process when a message does not fit the posted receive (an
 // enforce in its I/O thread); posting only receives of the announced size
@@ -19,7 +29,11 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <atomic>
+#include <condition_variable>
+#include <deque>
 #include <future>
+#include <list>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -49,18 +63,32 @@ class ProcessGroupTransport final : public Transport {
     uint64_t seq;
     uint64_t count;
     uint64_t packed;
+    uint64_t index;  // the sender's message count on its lane to this peer
+    int64_t tag;     // user p2p
   };
   // Payload bytes that travel inside the fixed-size first frame.
   static constexpr size_t kInline = 4096 - sizeof(Wire);
+  // A tagged receive waiting for its header frame (the tagged lane).
+  struct Want {
+    int peer;  // or kAnySource
+    int tag;
+    bool got = false;
+    int from = -1;     // the sender, once got
+    at::Tensor frame;  // its header frame, once got
+  };
   struct Message {
     int kind;  // P2POp::Kind
-    int peer;
+    int peer;  // kAnySource until a receive from any source has its header
     int channel;
+    int lane;  // kCollective, kUser (tag 0), or the tagged lane
     void* buf;
     size_t bytes;
-    uint32_t index;   // k-th message of its kind between the pair on its channel
-    OpHeader hdr;     // of the op that posted it (seq 0: user p2p)
-    at::Tensor wire;  // the header (sent, or received into)
+    uint32_t index;              // sends: k-th message to the peer on its lane
+    OpHeader hdr;                // of the op that posted it (seq 0: user p2p)
+    int tag;                     // user p2p
+    int* source;                 // P2POp::source
+    at::Tensor wire;             // the header (sent, or received into)
+    std::shared_ptr<Want> want;  // tagged receives
     c10::intrusive_ptr<c10d::Work> header_work;
     c10::intrusive_ptr<c10d::Work> payload_work;  // receives: posted once the header checked out
   };
@@ -79,6 +107,11 @@ class ProcessGroupTransport final : public Transport {
   Pending* find(Handle h);
   // Checks a received header against the receive; posts its payload.
   void accept_header(Message& m);
+  // Blocks until the tagged receive `m` has its header frame (m.wire,
+  // m.peer), taking frames from the wire meanwhile if no other thread does.
+  void take_tagged(Message& m, std::chrono::steady_clock::time_point deadline);
+  // Hands frames set aside to the waiting tagged receives (match_mu_ held).
+  void match_locked();
   // Best effort: tells every peer why this rank fails (an abort header and
   // the reason as its payload), waiting at most a moment for each.
   void broadcast_abort(const std::string& reason);
@@ -95,9 +128,21 @@ class ProcessGroupTransport final : public Transport {
   std::mutex mu_;
   std::unordered_map<Handle, Pending> pending_;
   std::atomic<bool> aborted_{false};
-  // Messages posted so far per (peer, channel), to pair payload tags.
-  std::vector<uint32_t> sent_, received_;
+  // Messages sent so far per (peer, lane), to pair payload tags.
+  std::vector<uint32_t> sent_;
   int rank_of_abort_ = -1;
+  // The tagged lane's matching (take_tagged). Lock order: mu_, then match_mu_.
+  struct Arrival {
+    int peer;
+    int tag;
+    at::Tensor frame;
+  };
+  std::mutex match_mu_;
+  std::condition_variable match_cv_;
+  std::list<std::shared_ptr<Want>> wants_;  // waiting, in posting order
+  std::deque<Arrival> arrivals_;            // set aside, in arrival order
+  bool pulling_ = false;                    // a thread waits for the next frame
+  c10::intrusive_ptr<c10d::Work> pull_work_;
 };
 
 }  // namespace pycomm

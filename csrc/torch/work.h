@@ -72,6 +72,12 @@ class Work : public c10::intrusive_ptr_target {
   // it). Set by Comm before the op runs.
   bool waits_on_host() const { return waits_on_host_; }
   void set_waits_on_host(bool on) { waits_on_host_ = on; }
+  // A single recv's sender (torch's Work.source_rank): its peer, or for a
+  // receive from any source the rank matched, written by the executing thread
+  // before the op completes (-1 until then, and for other ops).
+  int source_rank() const { return source_rank_; }
+  void set_source_rank(int r) { source_rank_ = r; }
+  int* source_rank_slot() { return &source_rank_; }
 
  protected:
   const std::vector<at::Tensor>& outputs() const { return outputs_; }
@@ -92,6 +98,7 @@ class Work : public c10::intrusive_ptr_target {
   std::function<void(const std::string&)> on_interrupt_;
   std::shared_ptr<std::atomic<bool>> reported_;
   bool waits_on_host_ = false;
+  int source_rank_ = -1;
 };
 
 // A flag that a callback on `future` sets when it completes, for waits with a
