@@ -204,10 +204,13 @@ def _create_backend(dist_opts: Any, pg_options: Any) -> Any:
         _world_options = opts
     for key in [k for k, c in _communicators.items() if c.closed]:
         del _communicators[key]  # groups destroyed since (shutdown closed them)
-    _communicators[id(comm._impl)] = comm
+    # The C++ backend wraps one C++ communicator: across hosts ("shm+gloo"),
+    # the flat gloo ring that the hierarchical one keeps for its other ops.
+    impl = comm._impl.flat if comm.transport == "shm+gloo" else comm._impl
+    _communicators[id(impl)] = comm
     cuda_factory = functools.partial(_create_cuda_communicator, dist_opts.store,
                                      dist_opts.group_rank, dist_opts.group_size, timeout, opts)
-    return _C.make_backend(comm._impl, opts.algo, cuda_factory, opts.cuda_algo)
+    return _C.make_backend(impl, opts.algo, cuda_factory, opts.cuda_algo)
 
 
 def _create_cuda_communicator(store: Any, rank: int, world_size: int,

@@ -23,11 +23,16 @@ def check_collectives(comm: pycomm.Communicator) -> None:
     r, n = comm.rank, comm.world_size
     for count in SIZES:
         for dtype, op in [(torch.float32, "sum"), (torch.float64, "avg"), (torch.int32, "max"),
-                          (torch.bfloat16, "sum")]:
+                          (torch.bfloat16, "sum"), (torch.float64, "product"),
+                          (torch.int64, "min")]:
             inputs = [rank_input(q, count, dtype, op) for q in range(n)]
             t = inputs[r].clone()
             comm.all_reduce(t, op=op)
             assert_matches(t, reference(inputs, op), f"all_reduce {count} {dtype} {op}")
+            everyone = torch.empty(n * count, dtype=dtype)
+            comm.all_gather(everyone, t)
+            assert all(torch.equal(row, t) for row in everyone.view(n, count)), \
+                f"all_reduce {count} {dtype} {op}: ranks differ"
         inputs = [rank_input(q, count * n, torch.float32, "sum") for q in range(n)]
         out = torch.empty(count)
         comm.reduce_scatter(out, inputs[r])
@@ -42,6 +47,8 @@ def check_collectives(comm: pycomm.Communicator) -> None:
             t = want.clone() if r == src else torch.zeros(count, dtype=torch.float64)
             comm.broadcast(t, src=src)
             assert torch.equal(t, want), f"broadcast {count} from {src}"
+    check_rooted(comm)
+    check_async_and_groups(comm)
     # p2p both ways around the ring (crosses hosts at every host boundary)
     right, left = (r + 1) % n, (r - 1) % n
     for count in (1, 1021, 300_007):
@@ -53,6 +60,47 @@ def check_collectives(comm: pycomm.Communicator) -> None:
             w.wait()
         assert torch.equal(got, rank_input(left, count, torch.float32, "sum")), f"p2p {count}"
     comm.barrier()
+
+
+def check_rooted(comm: pycomm.Communicator) -> None:
+    """reduce, gather, scatter and all-to-all (the flat ring's, across hosts)."""
+    r, n = comm.rank, comm.world_size
+    for count in (1, 1021):
+        inputs = [rank_input(q, count, torch.float32, "sum") for q in range(n)]
+        for root in range(n):
+            t = inputs[r].clone()
+            comm.reduce(t, dst=root)
+            if r == root:
+                assert_matches(t, reference(inputs, "sum"), f"reduce {count} to {root}")
+            got = [torch.empty(count) for _ in range(n)] if r == root else None
+            comm.gather(got, inputs[r], dst=root)
+            if got is not None:
+                assert all(torch.equal(g, x) for g, x in zip(got, inputs)), f"gather {count}"
+            out = torch.empty(count)
+            comm.scatter(out, inputs if r == root else None, src=root)
+            assert torch.equal(out, inputs[r]), f"scatter {count} from {root}"
+        blocks = [rank_input(r * n + p, count, torch.float32, "sum") for p in range(n)]
+        outs = [torch.empty(count) for _ in range(n)]
+        comm.all_to_all(outs, blocks)
+        assert all(torch.equal(outs[p], rank_input(p * n + r, count, torch.float32, "sum"))
+                   for p in range(n)), f"all_to_all {count}"
+
+
+def check_async_and_groups(comm: pycomm.Communicator) -> None:
+    """async_op and its future, and a group split off the communicator."""
+    r, n = comm.rank, comm.world_size
+    inputs = [rank_input(q, 300_007, torch.float32, "sum") for q in range(n)]
+    t = inputs[r].clone()
+    work = comm.all_reduce(t, async_op=True)
+    (fut,) = work.get_future().wait()
+    work.wait()
+    assert_matches(fut, reference(inputs, "sum"), "async all_reduce")
+    half = comm.split(r % 2)
+    assert half is not None
+    t = inputs[r].clone()
+    half.all_reduce(t)
+    assert_matches(t, reference(inputs[r % 2::2], "sum"), f"split group {half.transport}")
+    half.close()
 
 
 def main() -> None:

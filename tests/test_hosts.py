@@ -21,9 +21,10 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(layout: list[int], transport: str) -> list[simhosts.RankResult]:
+def _run(layout: list[int], transport: str,
+         extra_env: dict[str, str] | None = None) -> list[simhosts.RankResult]:
     env = {"PYTHONPATH": _ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", **(extra_env or {})}
     with simhosts.SimulatedHosts(len(layout)) as hosts:
         results = hosts.launch(layout, [sys.executable, "-m", "tests._hosts_rank", transport],
                                env=env, timeout=240)
@@ -56,3 +57,35 @@ def test_flat_gloo_across_hosts(layout):
     assert [h for h, _ in _reported(results)] == [f"pycomm-host{h}" for h, k in enumerate(layout)
                                                   for _ in range(k)]
     assert {t for _, t in _reported(results)} == {"gloo"}
+
+
+#: transport="auto": shm+gloo where every host has the same number >= 2 of
+#: ranks, else the flat gloo ring (uneven hosts with a warning).
+_AUTO = {"2x2": ([2, 2], "shm+gloo"), "3+1": ([3, 1], "gloo"), "2x1": ([1, 1], "gloo")}
+
+
+@pytest.mark.parametrize("name", list(_AUTO))
+def test_auto_across_hosts(name):
+    layout, transport = _AUTO[name]
+    results = _run(layout, "auto")
+    assert {t for _, t in _reported(results)} == {transport}
+    warned = ["runs the flat gloo ring across hosts" in r.stderr for r in results]
+    assert all(warned) if name == "3+1" else not any(warned)
+
+
+def test_unresolvable_hostname_names_the_fix():
+    """Without GLOO_SOCKET_IFNAME, a hostname that resolves only to loopback
+    (here: each host's /etc/hosts maps its own name to 127.0.1.1) is a
+    clear error on every rank, not a hang."""
+    with simhosts.SimulatedHosts(2) as hosts:
+        for ns, name, addr in zip(hosts.namespaces, hosts.hostnames, hosts.addresses):
+            path = f"/etc/netns/{ns}/hosts"
+            with open(path) as f:
+                text = f.read()
+            with open(path, "w") as f:
+                f.write(text.replace(f"{addr} {name}", f"127.0.1.1 {name}"))
+        results = hosts.launch([1, 1], [sys.executable, "-m", "tests._hosts_rank", "auto"],
+                               env={"PYTHONPATH": _ROOT, "GLOO_SOCKET_IFNAME": ""}, timeout=120)
+    for res in results:
+        assert res.returncode != 0
+        assert "in /etc/hosts or DNS, or set GLOO_SOCKET_IFNAME" in res.stderr, res.stderr[-2000:]
