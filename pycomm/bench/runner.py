@@ -332,6 +332,8 @@ def _meta(s: _Session, active: list[str], skipped: dict[str, str], memcpy: float
         "dtype": a.dtype, "op": s.op, "root": s.root, "iters": a.iters, "warmup": a.warmup_iters,
         "rounds": a.rounds,
         "check": a.check, "algos": active, "skipped": skipped,
+        # torchrun's (and --hosts') layout: ranks a host, hosts (1: one host)
+        "ranks_per_host": _ranks_per_host(s), "hosts": s.call.world_size // _ranks_per_host(s),
         "transport": s.pycomm_transport, "torch_backend": s.torch_backend,
         "memcpy_GBps": memcpy, "memcpy_bytes": memcpy_bytes,
         "host": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
@@ -342,6 +344,11 @@ def _meta(s: _Session, active: list[str], skipped: dict[str, str], memcpy: float
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
     }
+
+
+def _ranks_per_host(s: _Session) -> int:
+    """LOCAL_WORLD_SIZE as torchrun (or --hosts) sets it, else every rank."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", s.call.world_size))
 
 
 def _report(s: _Session, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
