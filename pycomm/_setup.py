@@ -101,6 +101,10 @@ class Environment:
     ``PYCOMM_SHRINK_GRACE``     seconds a shrink waits for remote ranks (2)
     ``TORCHELASTIC_RESTART_``   torchrun's attempt number: scopes every store
     ``COUNT``                   key, so an attempt never reads an earlier one's
+    ``GLOO_SOCKET_IFNAME``      read by torch's gloo (the interface to use);
+                                unset across hosts, pycomm first checks that
+                                each hostname resolves to a non-loopback
+                                address (pycomm._hierarchy.check_addresses)
     ==========================  ===============================================
 
     Each is read when the setup needs it, not at import, so a variable that a
