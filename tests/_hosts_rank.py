@@ -103,7 +103,25 @@ def check_async_and_groups(comm: pycomm.Communicator) -> None:
     half.close()
 
 
+def check_backend() -> None:
+    """init_process_group("pycomm") across hosts: the flat gloo ring inside
+    the c10d backend."""
+    import torch.distributed as dist
+
+    dist.init_process_group("pycomm")
+    r, n = dist.get_rank(), dist.get_world_size()
+    inputs = [rank_input(q, 300_007, torch.float32, "sum") for q in range(n)]
+    t = inputs[r].clone()
+    dist.all_reduce(t)
+    assert_matches(t, reference(inputs, "sum"), "backend all_reduce")
+    comm = pycomm.backend.get_communicator()
+    print(f"OK {r} {socket.gethostname()} {comm.transport}", flush=True)
+    dist.destroy_process_group()
+
+
 def main() -> None:
+    if sys.argv[1:] == ["backend"]:
+        return check_backend()
     comm = pycomm.init(transport=sys.argv[1] if len(sys.argv) > 1 else "auto", timeout=60)
     check_collectives(comm)
     print(f"OK {comm.rank} {socket.gethostname()} {comm.transport}", flush=True)

@@ -92,3 +92,10 @@ def test_unresolvable_hostname_names_the_fix():
     for res in results:
         assert res.returncode != 0
         assert "in /etc/hosts or DNS, or set GLOO_SOCKET_IFNAME" in res.stderr, res.stderr[-2000:]
+
+
+def test_backend_across_hosts():
+    """The c10d backend wraps one C++ communicator: across hosts, the flat
+    gloo ring of the shm+gloo one."""
+    results = _run([2, 2], "backend")
+    assert {t for _, t in _reported(results)} == {"shm+gloo"}
