@@ -36,7 +36,8 @@ exactly as on ``transport="gloo"``.
 The rule for uneven hosts: the composition needs the same number L >= 2 of
 ranks on every host; otherwise (3 + 1 ranks, or one rank a host) "auto"
 takes the flat gloo ring, with a one-time warning naming why for uneven
-hosts (:func:`hierarchy_refusal`).
+hosts (:func:`hierarchy_refusal`). So does a job where some host cannot set
+up shared memory (decided together: :func:`build_hierarchical`).
 """
 
 from __future__ import annotations
@@ -109,15 +110,15 @@ def hierarchy_refusal(layout: Layout) -> str | None:
     return None
 
 
-_uneven_warned = False
+_flat_warned = False
 
 
-def warn_uneven_once(reason: str) -> None:
-    """transport="auto" over uneven hosts runs the flat gloo ring: say why,
-    once per process."""
-    global _uneven_warned
-    if not _uneven_warned:
-        _uneven_warned = True
+def warn_flat_once(reason: str) -> None:
+    """transport="auto" across hosts runs the flat gloo ring (uneven hosts,
+    or no shared memory on some host): say why, once per process."""
+    global _flat_warned
+    if not _flat_warned:
+        _flat_warned = True
         warnings.warn(f"pycomm: transport='auto' runs the flat gloo ring across hosts ({reason})",
                       RuntimeWarning, stacklevel=6)
 
@@ -296,7 +297,7 @@ class HierarchicalComm:
         if wire_dtype != -1 or not self._composable(t, algo, op):
             return self._on_flat("all_reduce", t, op, algo, async_op, wire_dtype, offer)
         flat = t.view(-1)
-        self.intra.all_reduce(flat, op, algo, False)  # 1.
+        self.intra.all_reduce(flat, op, algo, False, -1, offer)  # 1. (symmetric memory if offered)
         m = 0 if t.nbytes <= SMALL_BYTES else flat.numel() // self._n_local
         if m:
             mine = flat[self._local * m:(self._local + 1) * m]
@@ -396,16 +397,35 @@ class HierarchicalComm:
 Build = Callable[[Any, int, int, Any], tuple[Any, Any, list[Any]]]
 
 
-def build_hierarchical(st: Any, rank: int, layout: Layout, asked: Any,
-                       build: Build) -> tuple[HierarchicalComm, list[Any]]:
-    """The three communicators of ``rank`` (``build`` is _setup.build, each
-    under its own prefix of ``st``) and what they keep alive."""
+def build_hierarchical(st: Any, rank: int, layout: Layout, asked: Any, build: Build,
+                       wait_for: Callable[[Any, dict[int, str], str], None],
+                       ) -> tuple[str, Any, list[Any]]:
+    """(transport, communicator, what it keeps alive) of ``rank``: the three
+    communicators, each built by ``build`` (_setup.build) under its own
+    prefix of ``st``, composed as "shm+gloo"; or, when shared memory cannot
+    be set up on some host (e.g. a small ``/dev/shm``), the flat one alone
+    as "gloo" on every rank, with a one-time warning naming why."""
     host, local = layout.host[rank], layout.local[rank]
     n_local, n_hosts = layout.ranks_per_host()[0], layout.n_hosts
     flat, _, keep = build(dist.PrefixStore("flat", st), rank, len(layout.host),
                           replace(asked, transport="gloo"))
-    intra, _, keep_intra = build(dist.PrefixStore(f"intra/{host}", st), local, n_local,
-                                 replace(asked, transport="shm"))
+    intra, why = None, ""
+    try:
+        intra, _, keep_intra = build(dist.PrefixStore(f"intra/{host}", st), local, n_local,
+                                     replace(asked, transport="shm"))
+    except RuntimeError as e:  # CommError: every rank of that host sees it
+        why = f"host of rank {rank}: {e}"
+    # A collective decision: the other hosts must not wait for a missing group.
+    st.set(f"intra_ok/{rank}", "!" + why if why else "ok")
+    keys = {q: f"intra_ok/{q}" for q in range(len(layout.host))}
+    wait_for(st, keys, "setting up shared memory on every host")
+    failed = [v[1:] for v in (st.get(k).decode() for k in keys.values()) if v != "ok"]
+    if failed:
+        if intra is not None:
+            intra.close()
+        warn_flat_once(failed[0])
+        return "gloo", flat, keep
     inter, _, keep_inter = build(dist.PrefixStore(f"inter/{local}", st), host, n_hosts,
                                  replace(asked, transport="gloo"))
-    return HierarchicalComm(layout, rank, flat, intra, inter), keep + keep_intra + keep_inter
+    return ("shm+gloo", HierarchicalComm(layout, rank, flat, intra, inter),
+            keep + keep_intra + keep_inter)

@@ -597,7 +597,7 @@ def build(st: Any, r: int, n: int, asked: Settings) -> tuple[Any, Settings, list
     if transport == "nccl":
         impl = make_nccl(st, r, n, cuda_device(asked.device), asked.timeout,
                          slice_bytes_for(asked.slice_bytes, "nccl"))
-    elif transport == "gloo":
+    elif transport == "gloo" and impl is None:  # (across hosts: maybe built already)
         pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, asked.timeout)
         impl = _C.make_gloo_comm(pg, timeout_ms, slice_bytes_for(asked.slice_bytes, "gloo"))
         keepalive.append(pg)
@@ -618,7 +618,9 @@ def _across_hosts(st: Any, r: int, n: int, asked: Settings) -> tuple[str, Any, l
     """transport="auto" on CPU: ("shm", None, []) when every rank is on this
     host (the caller sets up shm); across hosts ("shm+gloo", the
     hierarchical communicator, its keepalive) when every host has the same
-    number >= 2 of ranks, else ("gloo", None, []) (pycomm._hierarchy)."""
+    number >= 2 of ranks and shared memory, else ("gloo", None, []) or
+    ("gloo", the flat gloo communicator already built, its keepalive)
+    (pycomm._hierarchy)."""
     ids = host_ids(st, "auto", r, n)
     if all(i == ids[0] for i in ids):
         return "shm", None, []
@@ -627,11 +629,10 @@ def _across_hosts(st: Any, r: int, n: int, asked: Settings) -> tuple[str, Any, l
     refusal = _hierarchy.hierarchy_refusal(layout)
     if refusal is not None:
         if len(set(layout.ranks_per_host())) > 1:
-            _hierarchy.warn_uneven_once(refusal)
+            _hierarchy.warn_flat_once(refusal)
         return "gloo", None, []
-    impl, keepalive = _hierarchy.build_hierarchical(
-        dist.PrefixStore("hier", st), r, layout, replace(asked, transport="auto"), build)
-    return "shm+gloo", impl, keepalive
+    return _hierarchy.build_hierarchical(dist.PrefixStore("hier", st), r, layout,
+                                         replace(asked, transport="auto"), build, wait_for)
 
 
 # ------------------------------------------------------------------ process-wide state

@@ -99,3 +99,11 @@ def test_backend_across_hosts():
     gloo ring of the shm+gloo one."""
     results = _run([2, 2], "backend")
     assert {t for _, t in _reported(results)} == {"shm+gloo"}
+
+
+def test_no_shared_memory_on_one_host_falls_back_together():
+    """Host 1 cannot set up shm: every rank (host 0's too) takes the flat
+    gloo ring, with the warning naming why, rather than waiting for host 1."""
+    results = _run([2, 2], "auto", {"PYCOMM_TEST_NO_SHM_ON_HOST": "1"})
+    assert {t for _, t in _reported(results)} == {"gloo"}
+    assert all("runs the flat gloo ring across hosts (host of rank" in r.stderr for r in results)
