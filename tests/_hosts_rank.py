@@ -50,6 +50,8 @@ def check_collectives(comm: pycomm.Communicator) -> None:
             assert torch.equal(t, want), f"broadcast {count} from {src}"
     check_rooted(comm)
     check_async_and_groups(comm)
+    if comm.transport == "shm+gloo":
+        check_interleaved(comm)
     # p2p both ways around the ring (crosses hosts at every host boundary)
     right, left = (r + 1) % n, (r - 1) % n
     for count in (1, 1021, 300_007):
@@ -61,6 +63,35 @@ def check_collectives(comm: pycomm.Communicator) -> None:
             w.wait()
         assert torch.equal(got, rank_input(left, count, torch.float32, "sum")), f"p2p {count}"
     comm.barrier()
+
+
+def check_interleaved(comm: pycomm.Communicator) -> None:
+    """A group whose ranks alternate between hosts (on 2x2: group ranks 0, 2
+    on host 0, 1, 3 on host 1), so that the blocks of reduce-scatter and
+    all-gather are reordered between rank order and (local, host) order."""
+    n = comm.world_size
+    group = comm.new_group(list(range(0, n, 2)) + list(range(1, n, 2)))
+    assert group is not None
+    r = group.rank
+    for count in (1, 1021, 70_001):
+        inputs = [rank_input(q, count * n, torch.float32, "sum") for q in range(n)]
+        out = torch.empty(count)
+        group.reduce_scatter(out, inputs[r])
+        assert_matches(out, reference(inputs, "sum")[r * count:(r + 1) * count],
+                       f"interleaved reduce_scatter {count}")
+        gathered = torch.empty(count * n)
+        group.all_gather(gathered, inputs[r][:count].contiguous())
+        assert torch.equal(gathered, torch.cat([x[:count] for x in inputs])), \
+            f"interleaved all_gather {count}"
+        t = inputs[r].clone()
+        group.all_reduce(t)
+        assert_matches(t, reference(inputs, "sum"), f"interleaved all_reduce {count}")
+        for src in range(n):
+            t = inputs[r].clone()
+            group.broadcast(t, src=src)
+            assert torch.equal(t, inputs[src]), f"interleaved broadcast {count} from {src}"
+    print(f"interleaved group: {group.transport}", flush=True)
+    group.close()
 
 
 def check_rooted(comm: pycomm.Communicator) -> None:

@@ -74,6 +74,15 @@ def test_auto_across_hosts(name):
     assert {t for _, t in _reported(results)} == {transport}
     warned = ["runs the flat gloo ring across hosts" in r.stderr for r in results]
     assert all(warned) if name == "3+1" else not any(warned)
+    if transport == "shm+gloo":  # the group with ranks alternating between hosts too
+        assert all("interleaved group: shm+gloo" in r.stdout for r in results)
+
+
+@pytest.mark.slow
+def test_auto_across_hosts_checked_mode():
+    """PYCOMM_CHECK=1: every sub-communicator of shm+gloo runs checked."""
+    results = _run([2, 2], "auto", {"PYCOMM_CHECK": "1"})
+    assert {t for _, t in _reported(results)} == {"shm+gloo"}
 
 
 def test_unresolvable_hostname_names_the_fix():
