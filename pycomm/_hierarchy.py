@@ -18,16 +18,16 @@ other, and :class:`HierarchicalComm` composes their existing algorithms
       2. inter all-reduce of shard l (B/L) with the l-th rank of every other host
       3. intra all-gather of the L shards
     Each rank sends 2(H-1)/H * B/L bytes between hosts, instead of the flat
-    ring's 2(n-1)/n * B (n = H*L ranks, of which 2(H-1) steps cross hosts).
+    ring's 2(n-1)/n * B (n = H*L ranks).
 
 Step 1 is an all-reduce rather than a reduce-scatter because shm's
 all-reduce works in place, while its reduce-scatter stages the whole input
 (measured on simulated hosts: faster by a few ms at 16 MiB). Messages up to
 :data:`SMALL_BYTES` skip step 3: after step 1 every column all-reduces the
 whole tensor between hosts at once (the columns hold the same bits, so every
-rank ends with the same result). broadcast, reduce_scatter and all_gather compose likewise (see
-their docstrings); send/recv use shm inside a host and the flat gloo
-communicator between hosts; reduce, gather, scatter, all-to-all and barrier
+rank ends with the same result). broadcast, reduce_scatter and all_gather
+compose likewise (see their docstrings); send/recv use shm inside a host and
+the flat gloo communicator between hosts; reduce, gather, scatter, all-to-all and barrier
 run on the flat communicator. Calls the composition does not cover
 (``wire_dtype``, ``algo`` other than "auto"/"ring", empty or non-contiguous
 tensors) go to the flat communicator as well, so they behave (and fail)
@@ -54,8 +54,9 @@ import torch.distributed as dist
 
 from ._types import ReduceOp
 
-#: Largest all-reduce (bytes) taken as intra all-reduce + inter all-reduce
-#: (2 latency steps) rather than reduce-scatter / all-reduce / all-gather.
+#: Largest all-reduce (bytes) taken as intra all-reduce + inter all-reduce of
+#: the whole tensor (2 latency steps) rather than steps 1-3 (an estimate: the
+#: simulated-hosts timings were too noisy to place the crossover).
 SMALL_BYTES = 256 * 1024
 
 #: Ops that run on the flat gloo communicator unchanged.
@@ -235,7 +236,6 @@ class HierarchicalComm:
         self._rank = rank
         self._host, self._local = layout.host[rank], layout.local[rank]
         self._n_local = layout.ranks_per_host()[0]
-        # Global rank -> row of the (local, host)-ordered blocks of step 2/3.
         # Global rank g is row _lh_rows[g] of the blocks ordered by (local,
         # host) that the intra ops see; _by_column lists the rows' ranks.
         self._lh_rows = torch.tensor([layout.local[g] * layout.n_hosts + layout.host[g]
