@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import queue
 import socket
+import threading
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -170,22 +172,35 @@ def check_addresses(st: Any, rank: int, world_size: int,
 
 # ------------------------------------------------------------------ the communicator
 
-class _DoneWork:
-    """The Work of a composed op that ran to completion in the caller's
-    thread: ``wait`` returns at once, the future holds the outputs."""
+class _QueuedWork:
+    """The Work of a composed op, which the communicator's worker thread runs
+    in submission order: ``wait`` returns once it ran (and raises its
+    error), the future holds the outputs."""
 
-    def __init__(self, outputs: list[torch.Tensor]) -> None:
+    def __init__(self) -> None:
         self._future: torch.futures.Future = torch.futures.Future()
-        self._future.set_result(outputs)
+        self._error: BaseException | None = None
+        self._ran = threading.Event()
+
+    def finish(self, outputs: list[torch.Tensor] | None, error: BaseException | None) -> None:
+        self._error = error
+        self._ran.set()  # before the future's callbacks run (they may wait())
+        if error is None:
+            self._future.set_result(outputs)
+        else:
+            self._future.set_exception(error)
 
     def wait(self, timeout: Any = None) -> bool:
+        self._ran.wait()
+        if self._error is not None:
+            raise self._error
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return self._ran.is_set()
 
     def is_success(self) -> bool:
-        return True
+        return self._ran.is_set() and self._error is None
 
     def get_future(self) -> torch.futures.Future:
         return self._future
@@ -214,19 +229,19 @@ class _BothWorks:
         return both.then(lambda f: [t for part in f.value() for t in part.value()])
 
 
-def _done(outputs: list[torch.Tensor], async_op: bool) -> _DoneWork | None:
-    return _DoneWork(outputs) if async_op else None
-
-
 class HierarchicalComm:
     """The C++ communicator's interface over three of them (module
     docstring): ``flat`` (gloo, every rank), ``intra`` (shm, this host's
     ranks), ``inter`` (gloo, the ranks with this local index).
 
-    Composed ops run in the caller's thread, one sub-op after the other,
-    and are complete when they return (``async_op=True`` gives a finished
-    Work); a composed op first waits for the flat collective issued before
-    it, so ops stay in submission order.
+    Ordering: composed ops (all_reduce, reduce_scatter, all_gather,
+    broadcast) run on a worker thread of this object, one after the other in
+    submission order, each sub-op to completion (so every rank issues the
+    sub-communicators' ops in the same order); ``async_op=True`` returns at
+    once. A composed op first waits for the flat collective issued before
+    it; an op on the flat or the shm communicator (the others, p2p) first
+    waits until the composed ops issued before it have run. A composed op
+    issued from a Future callback (on the worker) runs there at once.
     """
 
     transport = "shm+gloo"
@@ -242,6 +257,11 @@ class HierarchicalComm:
                                       for g in range(len(layout.host))])
         self._by_column = self._lh_rows.argsort()
         self._flat_work: Any = None  # the last async flat collective
+        self._pid = os.getpid()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None  # started by the first composed op
+        self._queued = 0  # composed ops submitted and not yet run
+        self._idle = threading.Condition()
 
     # -- what Communicator reads
     rank = property(lambda self: self._rank)
@@ -267,6 +287,7 @@ class HierarchicalComm:
         return getattr(self.flat, name)
 
     def _on_flat(self, name: str, *args: Any) -> Any:
+        self._drain()
         work = getattr(self.flat, name)(*args)
         if work is not None:
             self._flat_work = work
@@ -278,15 +299,54 @@ class HierarchicalComm:
         if not (t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0
                 and algo in ("auto", "ring")):
             return False
-        if op == int(ReduceOp.AVG) and not (t.is_floating_point()):
-            return False
-        self._wait_flat()
-        return True
+        return not (op == int(ReduceOp.AVG) and not t.is_floating_point())
 
-    def _wait_flat(self) -> None:
-        work, self._flat_work = self._flat_work, None
-        if work is not None and not work.is_completed():
+    def _on_worker(self) -> bool:
+        return threading.current_thread() is self._worker
+
+    def _submit(self, run: Callable[[], list[torch.Tensor]], async_op: bool) -> Any:
+        """Queues composed op ``run`` behind the earlier ones (runs it at once
+        on the worker itself); waits for it unless ``async_op``."""
+        work = _QueuedWork()
+        if self._on_worker():
+            work.finish(run(), None)
+            return work if async_op else None
+        if os.getpid() != self._pid:  # the worker thread stayed in the parent
+            raise RuntimeError(f"this communicator belongs to process {self._pid} and cannot "
+                               f"be used in a forked child (pid {os.getpid()})")
+        flat_before, self._flat_work = self._flat_work, None
+        with self._idle:
+            self._queued += 1
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run_queue, daemon=True,
+                                            name="pycomm-shm+gloo")
+            self._worker.start()
+        self._queue.put((run, work, flat_before))
+        if not async_op:
             work.wait()
+        return work if async_op else None
+
+    def _run_queue(self) -> None:
+        """The worker: runs the composed ops in order until close()."""
+        while (item := self._queue.get()) is not None:
+            run, work, flat_before = item
+            try:
+                if flat_before is not None:
+                    flat_before.wait()
+                outputs, error = run(), None
+            except BaseException as e:  # noqa: BLE001 - handed to the op's Work
+                outputs, error = None, e
+            with self._idle:
+                self._queued -= 1
+                self._idle.notify_all()
+            work.finish(outputs, error)
+
+    def _drain(self) -> None:
+        """Waits until the composed ops issued before have run."""
+        if self._on_worker():
+            return
+        with self._idle:
+            self._idle.wait_for(lambda: self._queued == 0)
 
     # -- collectives
     def all_reduce(self, t: torch.Tensor, op: int, algo: str, async_op: bool,
@@ -296,6 +356,13 @@ class HierarchicalComm:
         between hosts by every column alike."""
         if wire_dtype != -1 or not self._composable(t, algo, op):
             return self._on_flat("all_reduce", t, op, algo, async_op, wire_dtype, offer)
+        # register=True may move t's storage: decided before the call returns.
+        work = self._submit(lambda: self._all_reduce(t, op, algo, offer), async_op or offer)
+        if offer:
+            work.wait()
+        return work if async_op else None
+
+    def _all_reduce(self, t: torch.Tensor, op: int, algo: str, offer: bool) -> list[torch.Tensor]:
         flat = t.view(-1)
         self.intra.all_reduce(flat, op, algo, False, -1, offer)  # 1. (symmetric memory if offered)
         m = 0 if t.nbytes <= SMALL_BYTES else flat.numel() // self._n_local
@@ -306,7 +373,7 @@ class HierarchicalComm:
             self.inter.all_reduce(flat[m * self._n_local:], op, "ring", False)
         if m:
             self.intra.all_gather(flat[:m * self._n_local], mine.clone(), algo, False)  # 3.
-        return _done([t], async_op)
+        return [t]
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: int, algo: str,
                        async_op: bool) -> Any:
@@ -317,11 +384,15 @@ class HierarchicalComm:
         if (not self._composable(out, algo, op) or not inp.is_contiguous()
                 or inp.dtype != out.dtype or inp.numel() != n * out.numel()):
             return self._on_flat("reduce_scatter", out, inp, op, algo, async_op)
-        by_column = inp.view(n, -1).index_select(0, self._by_column)
-        mid = torch.empty(self.layout.n_hosts * out.numel(), dtype=out.dtype)
-        self.intra.reduce_scatter(mid, by_column.view(-1), op, algo, False)
-        self.inter.reduce_scatter(out, mid, op, "ring", False)
-        return _done([out], async_op)
+
+        def run() -> list[torch.Tensor]:
+            by_column = inp.view(n, -1).index_select(0, self._by_column)
+            mid = torch.empty(self.layout.n_hosts * out.numel(), dtype=out.dtype)
+            self.intra.reduce_scatter(mid, by_column.view(-1), op, algo, False)
+            self.inter.reduce_scatter(out, mid, op, "ring", False)
+            return [out]
+
+        return self._submit(run, async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, algo: str, async_op: bool) -> Any:
         """Inter all-gather (each rank's own block crosses hosts once), intra
@@ -330,12 +401,16 @@ class HierarchicalComm:
         if (not self._composable(inp, algo) or not out.is_contiguous()
                 or inp.dtype != out.dtype or out.numel() != n * m):
             return self._on_flat("all_gather", out, inp, algo, async_op)
-        mid = torch.empty(self.layout.n_hosts * m, dtype=inp.dtype)
-        self.inter.all_gather(mid, inp, "ring", False)
-        by_column = torch.empty(n * m, dtype=inp.dtype)
-        self.intra.all_gather(by_column, mid, algo, False)
-        torch.index_select(by_column.view(n, m), 0, self._lh_rows, out=out.view(n, m))
-        return _done([out], async_op)
+
+        def run() -> list[torch.Tensor]:
+            mid = torch.empty(self.layout.n_hosts * m, dtype=inp.dtype)
+            self.inter.all_gather(mid, inp, "ring", False)
+            by_column = torch.empty(n * m, dtype=inp.dtype)
+            self.intra.all_gather(by_column, mid, algo, False)
+            torch.index_select(by_column.view(n, m), 0, self._lh_rows, out=out.view(n, m))
+            return [out]
+
+        return self._submit(run, async_op)
 
     def broadcast(self, t: torch.Tensor, src: int, algo: str, async_op: bool) -> Any:
         """Inter broadcast among the ranks with ``src``'s local index, then
@@ -344,10 +419,14 @@ class HierarchicalComm:
                 not self._composable(t, algo):
             return self._on_flat("broadcast", t, src, algo, async_op)
         src_host, src_local = self.layout.host[src], self.layout.local[src]
-        if self._local == src_local:
-            self.inter.broadcast(t, src_host, "ring", False)
-        self.intra.broadcast(t, src_local, algo, False)
-        return _done([t], async_op)
+
+        def run() -> list[torch.Tensor]:
+            if self._local == src_local:
+                self.inter.broadcast(t, src_host, "ring", False)
+            self.intra.broadcast(t, src_local, algo, False)
+            return [t]
+
+        return self._submit(run, async_op)
 
     # -- point to point: shm inside a host, the flat gloo ring between
     def _route(self, peer: int) -> tuple[Any, int]:
@@ -357,16 +436,19 @@ class HierarchicalComm:
         return self.flat, peer
 
     def send(self, t: torch.Tensor, dst: int, async_op: bool) -> Any:
+        self._drain()
         comm, peer = self._route(dst)
         return comm.send(t, peer, async_op)
 
     def recv(self, t: torch.Tensor, src: int, async_op: bool) -> Any:
+        self._drain()
         comm, peer = self._route(src)
         return comm.recv(t, peer, async_op)
 
     def batch_p2p(self, ops: list[tuple[bool, torch.Tensor, int]]) -> Any:
         """One batch on each communicator that the peers need (both posted
         before either is waited for); one Work for all."""
+        self._drain()
         routed = [(self._route(peer), is_send, t) for is_send, t, peer in ops]
         works = []
         for comm in (self.intra, self.flat):
@@ -377,7 +459,12 @@ class HierarchicalComm:
 
     # -- lifetime
     def close(self) -> None:
-        """Closes the three; the first error, if any, is raised after."""
+        """Runs the queued composed ops, stops the worker, then closes the
+        three; the first error, if any, is raised after."""
+        if self._worker is not None and not self._on_worker():
+            self._queue.put(None)  # after the queued ops
+            self._worker.join()
+            self._worker = None
         errors = []
         for c in (self.inter, self.intra, self.flat):
             try:

@@ -127,6 +127,15 @@ def check_async_and_groups(comm: pycomm.Communicator) -> None:
     (fut,) = work.get_future().wait()
     work.wait()
     assert_matches(fut, reference(inputs, "sum"), "async all_reduce")
+    # several in flight at once, in order: each all-reduce sees the previous result
+    t = inputs[r].clone()
+    works = [comm.all_reduce(t, async_op=True) for _ in range(3)]
+    done = works[-1].get_future().then(lambda f: f.value()[0] * 2).wait()
+    for w in works:
+        w.wait()
+    want = reference(inputs, "sum") * n * n
+    assert_matches(t, want, "3 async all_reduces")
+    assert_matches(done, want * 2, "a callback on the last one")
     half = comm.split(r % 2)
     assert half is not None
     t = inputs[r].clone()
