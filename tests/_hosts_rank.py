@@ -52,6 +52,7 @@ def check_collectives(comm: pycomm.Communicator) -> None:
     check_async_and_groups(comm)
     if comm.transport == "shm+gloo":
         check_interleaved(comm)
+        check_ddp(comm)
     # p2p both ways around the ring (crosses hosts at every host boundary)
     right, left = (r + 1) % n, (r - 1) % n
     for count in (1, 1021, 300_007):
@@ -92,6 +93,27 @@ def check_interleaved(comm: pycomm.Communicator) -> None:
             assert torch.equal(t, inputs[src]), f"interleaved broadcast {count} from {src}"
     print(f"interleaved group: {group.transport}", flush=True)
     group.close()
+
+
+def check_ddp(comm: pycomm.Communicator) -> None:
+    """pycomm's DDP (async bucket all-reduces, small buckets) against the
+    full-batch gradient."""
+    from torch import nn
+
+    from pycomm.parallel import DistributedDataParallel
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+
+    n = comm.world_size
+    xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(q)) for q in range(n)]
+    ref = model()
+    (sum(ref(x).pow(2).mean() for x in xs) / n).backward()
+    ddp = DistributedDataParallel(model(), comm, bucket_cap_mb=0.01)
+    ddp(xs[comm.rank]).pow(2).mean().backward()
+    for got, want in zip(ddp.module.parameters(), ref.parameters()):
+        assert torch.allclose(got.grad, want.grad, atol=1e-5), "ddp gradient"
 
 
 def check_rooted(comm: pycomm.Communicator) -> None:
