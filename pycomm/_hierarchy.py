@@ -237,8 +237,8 @@ class HierarchicalComm:
     Ordering: composed ops (all_reduce, reduce_scatter, all_gather,
     broadcast) run on a worker thread of this object, one after the other in
     submission order, each sub-op to completion (so every rank issues the
-    sub-communicators' ops in the same order); ``async_op=True`` returns at
-    once. A composed op first waits for the flat collective issued before
+    sub-communicators' ops in the same order; a blocking call with nothing
+    queued runs in the caller's thread); ``async_op=True`` returns at once. A composed op first waits for the flat collective issued before
     it; an op on the flat or the shm communicator (the others, p2p) first
     waits until the composed ops issued before it have run. A composed op
     issued from a Future callback (on the worker) runs there at once.
@@ -305,8 +305,9 @@ class HierarchicalComm:
         return threading.current_thread() is self._worker
 
     def _submit(self, run: Callable[[], list[torch.Tensor]], async_op: bool) -> Any:
-        """Queues composed op ``run`` behind the earlier ones (runs it at once
-        on the worker itself); waits for it unless ``async_op``."""
+        """Queues composed op ``run`` behind the earlier ones and waits for it
+        unless ``async_op``; runs it at once in this thread when it is the
+        worker itself, or when the call waits and nothing is queued."""
         work = _QueuedWork()
         if self._on_worker():
             work.finish(run(), None)
@@ -315,6 +316,11 @@ class HierarchicalComm:
             raise RuntimeError(f"this communicator belongs to process {self._pid} and cannot "
                                f"be used in a forked child (pid {os.getpid()})")
         flat_before, self._flat_work = self._flat_work, None
+        if not async_op and self._queued == 0:  # nothing ahead: run here, no thread hop
+            if flat_before is not None:
+                flat_before.wait()
+            run()
+            return None
         with self._idle:
             self._queued += 1
         if self._worker is None:
