@@ -377,8 +377,8 @@ class HierarchicalComm:
             self.inter.all_reduce(mine, op, "ring", False)  # 2.
         if m * self._n_local < flat.numel():
             self.inter.all_reduce(flat[m * self._n_local:], op, "ring", False)
-        if m:
-            self.intra.all_gather(flat[:m * self._n_local], mine.clone(), algo, False)  # 3.
+        if m:  # 3. in place, as NCCL allows: the input is this rank's block of the output
+            self.intra.all_gather(flat[:m * self._n_local], mine, algo, False)
         return [t]
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: int, algo: str,
