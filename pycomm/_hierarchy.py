@@ -238,10 +238,11 @@ class HierarchicalComm:
     broadcast) run on a worker thread of this object, one after the other in
     submission order, each sub-op to completion (so every rank issues the
     sub-communicators' ops in the same order; a blocking call with nothing
-    queued runs in the caller's thread); ``async_op=True`` returns at once. A composed op first waits for the flat collective issued before
-    it; an op on the flat or the shm communicator (the others, p2p) first
-    waits until the composed ops issued before it have run. A composed op
-    issued from a Future callback (on the worker) runs there at once.
+    queued runs in the caller's thread); ``async_op=True`` returns at once.
+    A composed op first waits for the flat collective issued before it; an
+    op on the flat or the shm communicator (the others, p2p) first waits
+    until the composed ops issued before it have run. A composed op issued
+    from a Future callback (on the worker) runs there at once.
     """
 
     transport = "shm+gloo"
