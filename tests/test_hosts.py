@@ -85,10 +85,12 @@ def test_auto_across_hosts_checked_mode():
     assert {t for _, t in _reported(results)} == {"shm+gloo"}
 
 
-def test_unresolvable_hostname_names_the_fix():
-    """Without GLOO_SOCKET_IFNAME, a hostname that resolves only to loopback
-    (here: each host's /etc/hosts maps its own name to 127.0.1.1) is a
-    clear error on every rank, not a hang."""
+@pytest.mark.parametrize("ifname", ["", "eth0"], ids=["unset", "eth0"])
+def test_loopback_hostname(ifname):
+    """Each host's /etc/hosts maps every hostname to 127.0.1.1 (Debian's
+    trap). Without GLOO_SOCKET_IFNAME that is a clear error on every rank,
+    naming the fix, not a hang; with it, gloo binds to the interface and the
+    hostnames do not matter."""
     with simhosts.SimulatedHosts(2) as hosts:
         for ns, name, addr in zip(hosts.namespaces, hosts.hostnames, hosts.addresses):
             path = f"/etc/netns/{ns}/hosts"
@@ -97,10 +99,15 @@ def test_unresolvable_hostname_names_the_fix():
             with open(path, "w") as f:
                 f.write(text.replace(f"{addr} {name}", f"127.0.1.1 {name}"))
         results = hosts.launch([1, 1], [sys.executable, "-m", "tests._hosts_rank", "auto"],
-                               env={"PYTHONPATH": _ROOT, "GLOO_SOCKET_IFNAME": ""}, timeout=120)
+                               env={"PYTHONPATH": _ROOT, "GLOO_SOCKET_IFNAME": ifname},
+                               timeout=120)
     for res in results:
-        assert res.returncode != 0
-        assert "in /etc/hosts or DNS, or set GLOO_SOCKET_IFNAME" in res.stderr, res.stderr[-2000:]
+        if ifname:
+            assert res.returncode == 0, res.stderr[-2000:]
+        else:
+            assert res.returncode != 0
+            assert "in /etc/hosts or DNS, or set GLOO_SOCKET_IFNAME" in res.stderr, \
+                res.stderr[-2000:]
 
 
 def test_backend_across_hosts():
