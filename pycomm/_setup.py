@@ -24,13 +24,14 @@ import socket
 import threading
 import uuid
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from . import _hierarchy
 from ._ext import _C
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class Settings:
     resolved, ``check`` what the transport runs.
     """
 
-    transport: str  # "auto", "shm", "gloo" or "nccl"
+    transport: str  # "auto", "shm", "gloo", "nccl" or (built across hosts) "shm+gloo"
     device: torch.device | None
     timeout: timedelta
     slice_bytes: int | None
@@ -100,6 +101,10 @@ class Environment:
     ``PYCOMM_SHRINK_GRACE``     seconds a shrink waits for remote ranks (2)
     ``TORCHELASTIC_RESTART_``   torchrun's attempt number: scopes every store
     ``COUNT``                   key, so an attempt never reads an earlier one's
+    ``GLOO_SOCKET_IFNAME``      read by torch's gloo (the interface to use);
+                                unset across hosts, pycomm first checks that
+                                each hostname resolves to a non-loopback
+                                address (pycomm._hierarchy.check_addresses)
     ==========================  ===============================================
 
     Each is read when the setup needs it, not at import, so a variable that a
@@ -348,13 +353,12 @@ def host_id() -> str:
     return f"{socket.gethostname()}|{boot}"
 
 
-def same_host(store: Any, prefix: str, rank: int, world_size: int) -> bool:
-    """True when every rank runs on this host (hostname + boot id match)."""
-    me = host_id()
-    store.set(f"{prefix}/host/{rank}", me)
+def host_ids(store: Any, prefix: str, rank: int, world_size: int) -> list[str]:
+    """Every rank's :func:`host_id`, exchanged through the store."""
+    store.set(f"{prefix}/host/{rank}", host_id())
     keys = {r: f"{prefix}/host/{r}" for r in range(world_size)}
     wait_for(store, keys, "choosing the transport")
-    return all(store.get(k).decode() == me for k in keys.values())
+    return [store.get(k).decode() for k in keys.values()]
 
 
 def publish_process(store: Any, rank: int) -> None:
@@ -567,7 +571,10 @@ def build(st: Any, r: int, n: int, asked: Settings) -> tuple[Any, Settings, list
     init() and groups (Communicator._create_group) share it.
 
     ``asked.transport`` is "nccl", "shm", "gloo" or "auto" (CPU: shm when
-    every rank runs on this host and shared memory can be set up, else gloo).
+    every rank runs on this host and shared memory can be set up; across
+    hosts "shm+gloo", pycomm._hierarchy's composition, when every host has
+    the same number >= 2 of ranks; else gloo). "shm+gloo" asked (a group or
+    shrink of such a communicator) is decided as "auto" is.
 
     Returns:
         (the C++ communicator, the resolved settings, objects the
@@ -577,8 +584,8 @@ def build(st: Any, r: int, n: int, asked: Settings) -> tuple[Any, Settings, list
     transport, impl = asked.transport, None
     keepalive: list[Any] = []
     publish_process(st, r)
-    if transport == "auto":
-        transport = "shm" if same_host(st, "auto", r, n) else "gloo"
+    if transport in ("auto", "shm+gloo"):  # "shm+gloo": a group of a hierarchical one
+        transport, impl, keepalive = _across_hosts(st, r, n, asked)
         if transport == "shm":
             impl = init_shm(st, r, n, timeout_ms, slice_bytes_for(asked.slice_bytes, "shm"),
                             fallback_ok=True)
@@ -590,7 +597,7 @@ def build(st: Any, r: int, n: int, asked: Settings) -> tuple[Any, Settings, list
     if transport == "nccl":
         impl = make_nccl(st, r, n, cuda_device(asked.device), asked.timeout,
                          slice_bytes_for(asked.slice_bytes, "nccl"))
-    elif transport == "gloo":
+    elif transport == "gloo" and impl is None:  # (across hosts: maybe built already)
         pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, asked.timeout)
         impl = _C.make_gloo_comm(pg, timeout_ms, slice_bytes_for(asked.slice_bytes, "gloo"))
         keepalive.append(pg)
@@ -605,6 +612,27 @@ def build(st: Any, r: int, n: int, asked: Settings) -> tuple[Any, Settings, list
     built = Settings(transport=transport, device=torch.device(impl.device), timeout=asked.timeout,
                      slice_bytes=int(impl.slice_bytes), check=bool(getattr(impl, "check", False)))
     return impl, built, keepalive
+
+
+def _across_hosts(st: Any, r: int, n: int, asked: Settings) -> tuple[str, Any, list[Any]]:
+    """transport="auto" on CPU: ("shm", None, []) when every rank is on this
+    host (the caller sets up shm); across hosts ("shm+gloo", the
+    hierarchical communicator, its keepalive) when every host has the same
+    number >= 2 of ranks and shared memory, else ("gloo", None, []) or
+    ("gloo", the flat gloo communicator already built, its keepalive)
+    (pycomm._hierarchy)."""
+    ids = host_ids(st, "auto", r, n)
+    if all(i == ids[0] for i in ids):
+        return "shm", None, []
+    _hierarchy.check_addresses(dist.PrefixStore("auto", st), r, n, wait_for)
+    layout = _hierarchy.Layout.from_host_ids(ids)
+    refusal = _hierarchy.hierarchy_refusal(layout)
+    if refusal is not None:
+        if len(set(layout.ranks_per_host())) > 1:
+            _hierarchy.warn_flat_once(refusal)
+        return "gloo", None, []
+    return _hierarchy.build_hierarchical(dist.PrefixStore("hier", st), r, layout,
+                                         replace(asked, transport="auto"), build, wait_for)
 
 
 # ------------------------------------------------------------------ process-wide state

@@ -111,7 +111,8 @@ class Communicator:
 
     @property
     def transport(self) -> str:
-        """``"shm"``, ``"gloo"`` or ``"nccl"`` (what ``"auto"`` resolved to)."""
+        """``"shm"``, ``"gloo"``, ``"nccl"`` or, across hosts, ``"shm+gloo"``
+        (what ``"auto"`` resolved to)."""
         return self._impl.transport
 
     @property
@@ -717,7 +718,9 @@ def init(
             the device is CUDA, or when no device is given and this is a CUDA
             build that sees a GPU; on CPU "shm" when every rank runs on this
             host (hostname + boot id, exchanged through the store), falling
-            back to "gloo" if shared memory cannot be set up, else "gloo").
+            back to "gloo" if shared memory cannot be set up; across hosts
+            with the same number >= 2 of ranks on each, "shm+gloo": shm
+            inside a host, gloo between (pycomm/_hierarchy.py); else "gloo").
         device: "cpu" or a CUDA device. For the nccl transport, a device
             without an index ("cuda", or None) means ``cuda:LOCAL_RANK`` when
             ``LOCAL_RANK`` is set (torchrun sets it), else

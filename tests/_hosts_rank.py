@@ -8,6 +8,7 @@ transport to ask for ("auto", "gloo", ...).
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -23,11 +24,16 @@ def check_collectives(comm: pycomm.Communicator) -> None:
     r, n = comm.rank, comm.world_size
     for count in SIZES:
         for dtype, op in [(torch.float32, "sum"), (torch.float64, "avg"), (torch.int32, "max"),
-                          (torch.bfloat16, "sum")]:
+                          (torch.bfloat16, "sum"), (torch.float64, "product"),
+                          (torch.int64, "min")]:
             inputs = [rank_input(q, count, dtype, op) for q in range(n)]
             t = inputs[r].clone()
             comm.all_reduce(t, op=op)
             assert_matches(t, reference(inputs, op), f"all_reduce {count} {dtype} {op}")
+            everyone = torch.empty(n * count, dtype=dtype)
+            comm.all_gather(everyone, t)
+            assert all(torch.equal(row, t) for row in everyone.view(n, count)), \
+                f"all_reduce {count} {dtype} {op}: ranks differ"
         inputs = [rank_input(q, count * n, torch.float32, "sum") for q in range(n)]
         out = torch.empty(count)
         comm.reduce_scatter(out, inputs[r])
@@ -42,6 +48,11 @@ def check_collectives(comm: pycomm.Communicator) -> None:
             t = want.clone() if r == src else torch.zeros(count, dtype=torch.float64)
             comm.broadcast(t, src=src)
             assert torch.equal(t, want), f"broadcast {count} from {src}"
+    check_rooted(comm)
+    check_async_and_groups(comm)
+    if comm.transport == "shm+gloo":
+        check_interleaved(comm)
+        check_ddp(comm)
     # p2p both ways around the ring (crosses hosts at every host boundary)
     right, left = (r + 1) % n, (r - 1) % n
     for count in (1, 1021, 300_007):
@@ -55,7 +66,129 @@ def check_collectives(comm: pycomm.Communicator) -> None:
     comm.barrier()
 
 
+def check_interleaved(comm: pycomm.Communicator) -> None:
+    """A group whose ranks alternate between hosts (on 2x2: group ranks 0, 2
+    on host 0, 1, 3 on host 1), so that the blocks of reduce-scatter and
+    all-gather are reordered between rank order and (local, host) order."""
+    n = comm.world_size
+    group = comm.new_group(list(range(0, n, 2)) + list(range(1, n, 2)))
+    assert group is not None
+    r = group.rank
+    for count in (1, 1021, 70_001):
+        inputs = [rank_input(q, count * n, torch.float32, "sum") for q in range(n)]
+        out = torch.empty(count)
+        group.reduce_scatter(out, inputs[r])
+        assert_matches(out, reference(inputs, "sum")[r * count:(r + 1) * count],
+                       f"interleaved reduce_scatter {count}")
+        gathered = torch.empty(count * n)
+        group.all_gather(gathered, inputs[r][:count].contiguous())
+        assert torch.equal(gathered, torch.cat([x[:count] for x in inputs])), \
+            f"interleaved all_gather {count}"
+        t = inputs[r].clone()
+        group.all_reduce(t)
+        assert_matches(t, reference(inputs, "sum"), f"interleaved all_reduce {count}")
+        for src in range(n):
+            t = inputs[r].clone()
+            group.broadcast(t, src=src)
+            assert torch.equal(t, inputs[src]), f"interleaved broadcast {count} from {src}"
+    print(f"interleaved group: {group.transport}", flush=True)
+    group.close()
+
+
+def check_ddp(comm: pycomm.Communicator) -> None:
+    """pycomm's DDP (async bucket all-reduces, small buckets) against the
+    full-batch gradient."""
+    from torch import nn
+
+    from pycomm.parallel import DistributedDataParallel
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+
+    n = comm.world_size
+    xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(q)) for q in range(n)]
+    ref = model()
+    (sum(ref(x).pow(2).mean() for x in xs) / n).backward()
+    ddp = DistributedDataParallel(model(), comm, bucket_cap_mb=0.01)
+    ddp(xs[comm.rank]).pow(2).mean().backward()
+    for got, want in zip(ddp.module.parameters(), ref.parameters()):
+        assert torch.allclose(got.grad, want.grad, atol=1e-5), "ddp gradient"
+
+
+def check_rooted(comm: pycomm.Communicator) -> None:
+    """reduce, gather, scatter and all-to-all (the flat ring's, across hosts)."""
+    r, n = comm.rank, comm.world_size
+    for count in (1, 1021):
+        inputs = [rank_input(q, count, torch.float32, "sum") for q in range(n)]
+        for root in range(n):
+            t = inputs[r].clone()
+            comm.reduce(t, dst=root)
+            if r == root:
+                assert_matches(t, reference(inputs, "sum"), f"reduce {count} to {root}")
+            got = [torch.empty(count) for _ in range(n)] if r == root else None
+            comm.gather(got, inputs[r], dst=root)
+            if got is not None:
+                assert all(torch.equal(g, x) for g, x in zip(got, inputs)), f"gather {count}"
+            out = torch.empty(count)
+            comm.scatter(out, inputs if r == root else None, src=root)
+            assert torch.equal(out, inputs[r]), f"scatter {count} from {root}"
+        blocks = [rank_input(r * n + p, count, torch.float32, "sum") for p in range(n)]
+        outs = [torch.empty(count) for _ in range(n)]
+        comm.all_to_all(outs, blocks)
+        assert all(torch.equal(outs[p], rank_input(p * n + r, count, torch.float32, "sum"))
+                   for p in range(n)), f"all_to_all {count}"
+
+
+def check_async_and_groups(comm: pycomm.Communicator) -> None:
+    """async_op and its future, and a group split off the communicator."""
+    r, n = comm.rank, comm.world_size
+    inputs = [rank_input(q, 300_007, torch.float32, "sum") for q in range(n)]
+    t = inputs[r].clone()
+    work = comm.all_reduce(t, async_op=True)
+    (fut,) = work.get_future().wait()
+    work.wait()
+    assert_matches(fut, reference(inputs, "sum"), "async all_reduce")
+    # several in flight at once, in order: each all-reduce sees the previous result
+    t = inputs[r].clone()
+    works = [comm.all_reduce(t, async_op=True) for _ in range(3)]
+    done = works[-1].get_future().then(lambda f: f.value()[0] * 2).wait()
+    for w in works:
+        w.wait()
+    want = reference(inputs, "sum") * n * n
+    assert_matches(t, want, "3 async all_reduces")
+    assert_matches(done, want * 2, "a callback on the last one")
+    half = comm.split(r % 2)
+    assert half is not None
+    t = inputs[r].clone()
+    half.all_reduce(t)
+    assert_matches(t, reference(inputs[r % 2::2], "sum"), f"split group {half.transport}")
+    half.close()
+
+
+def check_backend() -> None:
+    """init_process_group("pycomm") across hosts: the flat gloo ring inside
+    the c10d backend."""
+    import torch.distributed as dist
+
+    dist.init_process_group("pycomm")
+    r, n = dist.get_rank(), dist.get_world_size()
+    inputs = [rank_input(q, 300_007, torch.float32, "sum") for q in range(n)]
+    t = inputs[r].clone()
+    dist.all_reduce(t)
+    assert_matches(t, reference(inputs, "sum"), "backend all_reduce")
+    comm = pycomm.backend.get_communicator()
+    print(f"OK {r} {socket.gethostname()} {comm.transport}", flush=True)
+    dist.destroy_process_group()
+
+
 def main() -> None:
+    bad = os.environ.get("PYCOMM_TEST_NO_SHM_ON_HOST")
+    if bad is not None and bad == os.environ.get("GROUP_RANK"):
+        # a segment far larger than /dev/shm: shm cannot be set up on this host
+        os.environ["PYCOMM_SHM_SLOT_BYTES"] = str(1 << 40)
+    if sys.argv[1:] == ["backend"]:
+        return check_backend()
     comm = pycomm.init(transport=sys.argv[1] if len(sys.argv) > 1 else "auto", timeout=60)
     check_collectives(comm)
     print(f"OK {comm.rank} {socket.gethostname()} {comm.transport}", flush=True)

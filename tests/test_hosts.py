@@ -21,9 +21,10 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(layout: list[int], transport: str) -> list[simhosts.RankResult]:
+def _run(layout: list[int], transport: str,
+         extra_env: dict[str, str] | None = None) -> list[simhosts.RankResult]:
     env = {"PYTHONPATH": _ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", **(extra_env or {})}
     with simhosts.SimulatedHosts(len(layout)) as hosts:
         results = hosts.launch(layout, [sys.executable, "-m", "tests._hosts_rank", transport],
                                env=env, timeout=240)
@@ -50,9 +51,75 @@ def test_hosts_are_separate_and_torn_down():
     assert not any(os.path.exists(f"/etc/netns/{n}") for n in names)
 
 
-@pytest.mark.parametrize("layout", [[2, 2], [3, 1], [1, 1]], ids=["2x2", "3+1", "2x1"])
+# transport="auto" runs the flat ring on 3+1 and 2x1 too: those are slow variants here.
+@pytest.mark.parametrize("layout", [[2, 2], pytest.param([3, 1], marks=pytest.mark.slow),
+                                    pytest.param([1, 1], marks=pytest.mark.slow)],
+                         ids=["2x2", "3+1", "2x1"])
 def test_flat_gloo_across_hosts(layout):
     results = _run(layout, "gloo")
     assert [h for h, _ in _reported(results)] == [f"pycomm-host{h}" for h, k in enumerate(layout)
                                                   for _ in range(k)]
     assert {t for _, t in _reported(results)} == {"gloo"}
+
+
+#: transport="auto": shm+gloo where every host has the same number >= 2 of
+#: ranks, else the flat gloo ring (uneven hosts with a warning).
+_AUTO = {"2x2": ([2, 2], "shm+gloo"), "3+1": ([3, 1], "gloo"), "2x1": ([1, 1], "gloo")}
+
+
+@pytest.mark.parametrize("name", list(_AUTO))
+def test_auto_across_hosts(name):
+    layout, transport = _AUTO[name]
+    results = _run(layout, "auto")
+    assert {t for _, t in _reported(results)} == {transport}
+    warned = ["runs the flat gloo ring across hosts" in r.stderr for r in results]
+    assert all(warned) if name == "3+1" else not any(warned)
+    if transport == "shm+gloo":  # the group with ranks alternating between hosts too
+        assert all("interleaved group: shm+gloo" in r.stdout for r in results)
+
+
+@pytest.mark.slow
+def test_auto_across_hosts_checked_mode():
+    """PYCOMM_CHECK=1: every sub-communicator of shm+gloo runs checked."""
+    results = _run([2, 2], "auto", {"PYCOMM_CHECK": "1"})
+    assert {t for _, t in _reported(results)} == {"shm+gloo"}
+
+
+@pytest.mark.parametrize("ifname", ["", "eth0"], ids=["unset", "eth0"])
+def test_loopback_hostname(ifname):
+    """Each host's /etc/hosts maps every hostname to 127.0.1.1 (Debian's
+    trap). Without GLOO_SOCKET_IFNAME that is a clear error on every rank,
+    naming the fix, not a hang; with it, gloo binds to the interface and the
+    hostnames do not matter."""
+    with simhosts.SimulatedHosts(2) as hosts:
+        for ns, name, addr in zip(hosts.namespaces, hosts.hostnames, hosts.addresses):
+            path = f"/etc/netns/{ns}/hosts"
+            with open(path) as f:
+                text = f.read()
+            with open(path, "w") as f:
+                f.write(text.replace(f"{addr} {name}", f"127.0.1.1 {name}"))
+        results = hosts.launch([1, 1], [sys.executable, "-m", "tests._hosts_rank", "auto"],
+                               env={"PYTHONPATH": _ROOT, "GLOO_SOCKET_IFNAME": ifname},
+                               timeout=120)
+    for res in results:
+        if ifname:
+            assert res.returncode == 0, res.stderr[-2000:]
+        else:
+            assert res.returncode != 0
+            assert "in /etc/hosts or DNS, or set GLOO_SOCKET_IFNAME" in res.stderr, \
+                res.stderr[-2000:]
+
+
+def test_backend_across_hosts():
+    """The c10d backend wraps one C++ communicator: across hosts, the flat
+    gloo ring of the shm+gloo one."""
+    results = _run([2, 2], "backend")
+    assert {t for _, t in _reported(results)} == {"shm+gloo"}
+
+
+def test_no_shared_memory_on_one_host_falls_back_together():
+    """Host 1 cannot set up shm: every rank (host 0's too) takes the flat
+    gloo ring, with the warning naming why, rather than waiting for host 1."""
+    results = _run([2, 2], "auto", {"PYCOMM_TEST_NO_SHM_ON_HOST": "1"})
+    assert {t for _, t in _reported(results)} == {"gloo"}
+    assert all("runs the flat gloo ring across hosts (host of rank" in r.stderr for r in results)

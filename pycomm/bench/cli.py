@@ -16,6 +16,7 @@ __all__ = [
     "ALGOS",
     "COLLECTIVES",
     "DTYPES",
+    "HOSTS_ALGOS",
     "OPS",
     "build_parser",
     "format_size",
@@ -29,8 +30,14 @@ __all__ = [
 COLLECTIVES = tuple(SPECS)
 
 #: ``--algo`` values: pycomm's own algorithms plus ``torch``, the same
-#: collective through torch.distributed's backend (gloo on CPU, NCCL on GPU).
-ALGOS = ("ring", "auto", "nccl", "torch")
+#: collective through torch.distributed's backend (gloo on CPU, NCCL on GPU),
+#: and ``flat``: pycomm's ring on a second communicator with
+#: ``transport="gloo"`` (across hosts, the flat ring beside the hierarchy).
+ALGOS = ("ring", "auto", "nccl", "torch", "flat")
+
+#: ``--algo`` with ``--hosts`` when not given: the hierarchy (``auto`` on
+#: transport "shm+gloo"), the flat gloo ring and torch's gloo.
+HOSTS_ALGOS = ["auto", "flat", "torch"]
 
 #: ``-d`` names (nccl-tests spellings and torch spellings) -> torch dtype name.
 DTYPES = {
@@ -185,15 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="root rank (broadcast, reduce, gather, scatter)")
     p.add_argument("-c", "--check", type=_zero_one, default=1,
                    help="1: count wrong elements against an independently computed result")
-    p.add_argument("--algo", type=_algo_list, default=["ring", "torch"],
-                   help="comma-separated list of ring, auto, nccl (GPU), torch; measured "
-                        "interleaved per size")
+    p.add_argument("--algo", type=_algo_list, default=None,
+                   help="comma-separated list of ring, auto, nccl (GPU), torch, flat; measured "
+                        "interleaved per size (default: ring,torch; with --hosts: "
+                        "auto,flat,torch)")
     p.add_argument("--transport", default="auto", choices=("auto", "gloo", "shm", "nccl"),
                    help="pycomm transport (pycomm.init(transport=...))")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: cuda when available")
     p.add_argument("--nproc", type=_positive_int, default=None,
                    help="spawn this many local ranks (default: 1, or torchrun's ranks)")
+    p.add_argument("--hosts", type=_positive_int, default=None,
+                   help="run on this many simulated hosts (network namespaces, root only; "
+                        "pycomm/bench/simhosts.py), --nproc ranks on each")
     p.add_argument("-T", "--timeout", type=float, default=1800.0, metavar="SECONDS",
                    help="overall limit; ranks are killed and the run fails past it")
     p.add_argument("--json", metavar="FILE", help="write every measured row as JSON")
@@ -209,6 +220,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     canonical ``op``."""
     p = build_parser()
     args = p.parse_args(argv)
+    args.argv = list(argv) if argv is not None else None
+    if args.algo is None:
+        args.algo = list(HOSTS_ALGOS) if args.hosts else ["ring", "torch"]
     dt = DTYPES.get(args.datatype.lower())
     if dt is None:
         p.error(f"unknown datatype {args.datatype!r}; choose from {', '.join(sorted(DTYPES))}")

@@ -150,9 +150,50 @@ def _spawn(args: Any, nproc: int) -> int:
     return 1 if any(p.exitcode for p in procs) else 0
 
 
+def _without_launch_flags(argv: list[str]) -> list[str]:
+    """``argv`` less --hosts and --nproc (and their values): a rank's argv."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--hosts", "--nproc"):
+            skip = True
+        elif not a.startswith(("--hosts=", "--nproc=")):
+            out.append(a)
+    return out
+
+
+def _spawn_hosts(args: Any) -> int:
+    """``--hosts H``: H simulated hosts (pycomm/bench/simhosts.py) with
+    --nproc ranks each, started as torchrun starts them; prints rank 0's
+    output (and every failed rank's errors)."""
+    from .simhosts import SimulatedHosts
+
+    argv = _without_launch_flags(list(sys.argv[1:] if args.argv is None else args.argv))
+    if "--algo" not in argv and not any(a.startswith("--algo=") for a in argv):
+        argv += ["--algo", ",".join(args.algo)]
+    layout = [args.nproc or 1] * args.hosts
+    with SimulatedHosts(args.hosts) as hosts:
+        results = hosts.launch(layout, [sys.executable, "-m", "pycomm.bench", *argv],
+                               env={"OMP_NUM_THREADS": "1"}, timeout=args.timeout)
+    print(results[0].stdout, end="", flush=True)
+    code = 0
+    for res in results:
+        if res.returncode is None:
+            print(f"pycomm.bench: rank {res.rank} timed out (-T/--timeout)", file=sys.stderr)
+            code = 124
+        elif res.returncode != 0:
+            print(f"pycomm.bench: rank {res.rank} (host {res.host}) exited {res.returncode}:\n"
+                  f"{res.stderr[-4000:]}", file=sys.stderr)
+            code = code or 1
+    return code
+
+
 def launch(args: Any) -> int:
     """Runs the benchmark on every rank; returns the exit code (0 ok, 1 a
     rank failed or a result was wrong, 124 timeout)."""
+    if getattr(args, "hosts", None):
+        return _spawn_hosts(args)
     if under_torchrun():
         if args.nproc is not None:
             raise SystemExit("pycomm.bench: --nproc spawns ranks itself; drop it under torchrun")

@@ -137,6 +137,7 @@ class _Session:
     coll: C.Collective
     call: C.Call
     comm: Any
+    flat: Any  # the transport="gloo" communicator of algo "flat", or None
     ctl: Any
     torch_backend: str
     out: TextIO
@@ -156,6 +157,8 @@ class _Session:
         return self.comm.transport if self.comm is not None else None
 
     def transport_of(self, algo: str) -> str:
+        if algo == "flat":
+            return "gloo"
         return self.torch_backend if algo == "torch" else str(self.pycomm_transport)
 
     def barrier(self) -> None:
@@ -168,6 +171,8 @@ class _Session:
         return t.tolist()
 
     def runner(self, algo: str, bufs: C.Buffers) -> Callable[[], None]:
+        if algo == "flat":
+            return C.runner(self.coll, "ring", bufs, self.flat, self.call)
         return C.runner(self.coll, algo, bufs, self.comm, self.call)
 
 
@@ -185,13 +190,16 @@ def _open_session(args: Any) -> _Session:
                   args.root if coll.rooted else 0, device)
     # Control traffic (barriers, gathering numbers) goes over gloo on the CPU.
     ctl = dist.group.WORLD if device.type == "cpu" else dist.new_group(backend="gloo")
-    comm = None
-    if any(a != "torch" for a in args.algo):
-        import pycomm
+    comm = flat = None
+    import pycomm
 
+    if any(a not in ("torch", "flat") for a in args.algo):
         comm = pycomm.init(group=dist.group.WORLD, transport=args.transport, device=device,
                            set_default=False)
-    return _Session(args, coll, call, comm, ctl, str(dist.get_backend()), sys.stdout)
+    if "flat" in args.algo:
+        flat = pycomm.init(group=dist.group.WORLD, transport="gloo", device=device,
+                           set_default=False)
+    return _Session(args, coll, call, comm, flat, ctl, str(dist.get_backend()), sys.stdout)
 
 
 def _probe_algos(s: _Session) -> tuple[list[str], dict[str, str]]:
@@ -324,6 +332,8 @@ def _meta(s: _Session, active: list[str], skipped: dict[str, str], memcpy: float
         "dtype": a.dtype, "op": s.op, "root": s.root, "iters": a.iters, "warmup": a.warmup_iters,
         "rounds": a.rounds,
         "check": a.check, "algos": active, "skipped": skipped,
+        # torchrun's (and --hosts') layout: ranks a host, hosts (1: one host)
+        "ranks_per_host": _ranks_per_host(s), "hosts": s.call.world_size // _ranks_per_host(s),
         "transport": s.pycomm_transport, "torch_backend": s.torch_backend,
         "memcpy_GBps": memcpy, "memcpy_bytes": memcpy_bytes,
         "host": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
@@ -334,6 +344,11 @@ def _meta(s: _Session, active: list[str], skipped: dict[str, str], memcpy: float
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
     }
+
+
+def _ranks_per_host(s: _Session) -> int:
+    """LOCAL_WORLD_SIZE as torchrun (or --hosts) sets it, else every rank."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", s.call.world_size))
 
 
 def _report(s: _Session, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
@@ -367,7 +382,8 @@ def run_benchmark(args: Any) -> int:
     if s.call.rank == 0:
         _report(s, rows, _meta(s, active, skipped, memcpy, memcpy_bytes))
     s.barrier()
-    if s.comm is not None:
-        s.comm.close()
+    for comm in (s.comm, s.flat):
+        if comm is not None:
+            comm.close()
     wrong_total = sum(r["wrong"] or 0 for r in rows)
     return 0 if wrong_total == 0 else 1
