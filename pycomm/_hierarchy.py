@@ -229,6 +229,17 @@ class _BothWorks:
         return both.then(lambda f: [t for part in f.value() for t in part.value()])
 
 
+def _known_source(peer: int) -> int:
+    """``peer``, which must be a rank: a receive from any source would have
+    to listen on the shm and the gloo communicator at once."""
+    if peer < 0:
+        raise NotImplementedError(
+            "recv from any source (src=None) is not supported across hosts (transport "
+            "'shm+gloo': a peer's messages come over shm or gloo by where it runs); pass src, "
+            "or use transport='gloo'")
+    return peer
+
+
 class HierarchicalComm:
     """The C++ communicator's interface over three of them (module
     docstring): ``flat`` (gloo, every rank), ``intra`` (shm, this host's
@@ -442,24 +453,25 @@ class HierarchicalComm:
             return self.intra, self.layout.local[peer]
         return self.flat, peer
 
-    def send(self, t: torch.Tensor, dst: int, async_op: bool) -> Any:
+    def send(self, t: torch.Tensor, dst: int, async_op: bool, tag: int = 0) -> Any:
         self._drain()
         comm, peer = self._route(dst)
-        return comm.send(t, peer, async_op)
+        return comm.send(t, peer, async_op, tag)
 
-    def recv(self, t: torch.Tensor, src: int, async_op: bool) -> Any:
+    def recv(self, t: torch.Tensor, src: int, async_op: bool, tag: int = 0) -> Any:
         self._drain()
-        comm, peer = self._route(src)
-        return comm.recv(t, peer, async_op)
+        comm, peer = self._route(_known_source(src))
+        return comm.recv(t, peer, async_op, tag)
 
-    def batch_p2p(self, ops: list[tuple[bool, torch.Tensor, int]]) -> Any:
+    def batch_p2p(self, ops: list[tuple[bool, torch.Tensor, int, int]]) -> Any:
         """One batch on each communicator that the peers need (both posted
         before either is waited for); one Work for all."""
         self._drain()
-        routed = [(self._route(peer), is_send, t) for is_send, t, peer in ops]
+        routed = [(self._route(_known_source(peer)), is_send, t, tag)
+                  for is_send, t, peer, tag in ops]
         works = []
         for comm in (self.intra, self.flat):
-            mine = [(s, t, p) for (c, p), s, t in routed if c is comm]
+            mine = [(s, t, p, tag) for (c, p), s, t, tag in routed if c is comm]
             if mine:
                 works.append(comm.batch_p2p(mine))
         return works[0] if len(works) == 1 else _BothWorks(works)

@@ -63,6 +63,21 @@ def check_collectives(comm: pycomm.Communicator) -> None:
         for w in works:
             w.wait()
         assert torch.equal(got, rank_input(left, count, torch.float32, "sum")), f"p2p {count}"
+    # tags: two messages to the right, received in the other order
+    firsts = [torch.full((5,), 10.0 * r + k) for k in range(2)]
+    works = [comm.isend(firsts[k], right, tag=7 + k) for k in range(2)]
+    got = [torch.empty(5) for _ in range(2)]
+    for k in (1, 0):
+        assert comm.recv(got[k], left, tag=7 + k) == left
+    for w in works:
+        w.wait()
+    assert [g[0].item() for g in got] == [10.0 * left, 10.0 * left + 1], "tags"
+    if comm.transport == "shm+gloo":
+        try:
+            comm.recv(got[0])
+            raise AssertionError("recv from any source across hosts did not raise")
+        except NotImplementedError as e:
+            assert "across hosts" in str(e)
     comm.barrier()
 
 
