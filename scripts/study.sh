@@ -10,7 +10,7 @@ bash scripts/setup_env.sh
 # shellcheck disable=SC1091
 source .venv/bin/activate
 mkdir -p results
-python -m pycomm.bench allreduce --nproc 2 -b 1K -e 64M -f 4 --algo ring,auto,torch \
+python -m pycomm.bench allreduce --nproc 2 -b 1K -e 64M -f 4 --algo ring,auto,symmetric,torch \
   --json results/allreduce_cpu.json --plot results/allreduce_cpu.png "$@"
 python -m pycomm.bench model results/allreduce_cpu.json
 echo "study: wrote results/allreduce_cpu.json and results/allreduce_cpu.png"

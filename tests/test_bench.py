@@ -354,6 +354,27 @@ def test_end_to_end_nproc2(tmp_path):
     assert "ring" in m.stdout and "torch" in m.stdout
 
 
+def test_end_to_end_symmetric_series(tmp_path):
+    """Algo "symmetric": all_reduce of a tensor registered before timing,
+    checked like the others and reported beside them with its memcpy
+    fraction; where it cannot run (another collective) it is skipped, said
+    so."""
+    res = _bench(["allreduce", "--nproc", "2", "-b", "4K", "-e", "1M", "-f", "16", "-n", "3",
+                  "-w", "1", "--algo", "auto,symmetric,torch", "--json", "r.json"], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "symmetric in-place" in res.stdout and "# Out of bounds values : 0 OK" in res.stdout
+    assert "# busbw / memcpy bandwidth at 1M: auto" in res.stdout and "symmetric" in \
+        res.stdout.split("# busbw / memcpy")[1]
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    sym = [r for r in rows if r["algo"] == "symmetric"]
+    assert sorted(r["size"] for r in sym) == [4096, 65536, 1 << 20]
+    assert all(r["wrong"] == 0 and r["transport"] == "shm" for r in sym)
+    res = _bench(["reducescatter", "--nproc", "2", "-b", "4K", "-e", "4K", "-n", "2", "-w", "1",
+                  "--algo", "ring,symmetric"], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "# algo symmetric: skipped" in res.stdout
+
+
 @pytest.mark.parametrize("coll", ["reduce", "gather", "scatter", "alltoall"])
 def test_end_to_end_new_collectives_nproc2(tmp_path, coll):
     """pycomm and torch (gloo) side by side, root 1 for the rooted ones,

@@ -31,9 +31,11 @@ COLLECTIVES = tuple(SPECS)
 
 #: ``--algo`` values: pycomm's own algorithms plus ``torch``, the same
 #: collective through torch.distributed's backend (gloo on CPU, NCCL on GPU),
-#: and ``flat``: pycomm's ring on a second communicator with
-#: ``transport="gloo"`` (across hosts, the flat ring beside the hierarchy).
-ALGOS = ("ring", "auto", "nccl", "torch", "flat")
+#: ``flat``: pycomm's ring on a second communicator with
+#: ``transport="gloo"`` (across hosts, the flat ring beside the hierarchy),
+#: and ``symmetric``: all_reduce of a tensor registered in symmetric memory
+#: before timing (shm; sizes where a call did not run symmetric show N/A).
+ALGOS = ("ring", "auto", "nccl", "torch", "flat", "symmetric")
 
 #: ``--algo`` with ``--hosts`` when not given: the hierarchy (``auto`` on
 #: transport "shm+gloo"), the flat gloo ring and torch's gloo.

@@ -15,6 +15,7 @@ benchmark dtype, and compared within a few ulps.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -279,11 +280,39 @@ class AllReduce(_InPlace):
 
 
     def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
+        if algo == "symmetric":
+            return SymmetricRun(comm, t["tensor"], c.op)
         return lambda: comm.all_reduce(t["tensor"], op=c.op, algo=algo)
 
     def torch_runner(self, t: Tensors, c: Call) -> Run:
         op = c.torch_op()
         return lambda: dist.all_reduce(t["tensor"], op=op)
+
+
+class SymmetricRun:
+    """Algo ``symmetric``: the all-reduce of a tensor registered before
+    timing (``Communicator.register_tensor``: its storage moves into
+    symmetric memory, so every call reduces straight from the ranks'
+    tensors, with no staging). Its buffers must be its own (the registration
+    moves their storage). :meth:`all_symmetric` says whether every call so
+    far ran from symmetric memory: the study reports the series only then."""
+
+    def __init__(self, comm: Any, tensor: torch.Tensor, op: str) -> None:
+        if comm.transport != "shm":
+            raise ValueError(f"symmetric memory needs the shm transport, not {comm.transport!r}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the reason is raised below instead
+            if not comm.register_tensor(tensor):
+                raise ValueError("register_tensor declined (no symmetric memory on this host)")
+        self._comm, self._tensor, self._op = comm, tensor, op
+        self._start, self._calls = comm.symmetric_all_reduces, 0
+
+    def __call__(self) -> None:
+        self._comm.all_reduce(self._tensor, op=self._op)
+        self._calls += 1
+
+    def all_symmetric(self) -> bool:
+        return self._comm.symmetric_all_reduces - self._start == self._calls
 
 
 class ReduceScatter(_Chunked):

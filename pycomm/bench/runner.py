@@ -255,7 +255,7 @@ def _print_header(s: _Session, groups: list[tuple[str, bool]], skipped: dict[str
 
 
 def _timed_rounds(s: _Session, runs: dict[str, Callable[[], None]],
-                  bufs: C.Buffers) -> dict[str, list[float]]:
+                  bufs: dict[str, C.Buffers]) -> dict[str, list[float]]:
     """Each algo's call times (seconds) on this rank: the rounds take turns
     between the algos (see --rounds); warm-up calls precede each algo's first
     round only."""
@@ -266,7 +266,7 @@ def _timed_rounds(s: _Session, runs: dict[str, Callable[[], None]],
         per = a.iters // rounds + (1 if k < a.iters % rounds else 0)
         warmup = a.warmup_iters if k == 0 else min(1, a.warmup_iters)
         for algo, run in runs.items():
-            times[algo] += _time_loop(run, bufs, per, warmup, s.call.device, s.barrier)
+            times[algo] += _time_loop(run, bufs[algo], per, warmup, s.call.device, s.barrier)
     return times
 
 
@@ -286,23 +286,33 @@ def _row(s: _Session, algo: str, in_place: bool, count: int, size: int, times: l
     }
 
 
-def _measure_size(s: _Session, nbytes: int, active: list[str], bar: Progress) -> list[dict[str, Any]]:
-    """The rows of one size: every placement, every algo (check, then time)."""
+def _measure_size(s: _Session, nbytes: int, active: list[str],
+                  bar: Progress) -> list[dict[str, Any] | None]:
+    """The rows of one size: every placement, every algo (check, then time);
+    None for a "symmetric" row whose calls did not all run symmetric."""
     es = torch.empty((), dtype=s.call.dtype).element_size()
     count, size = s.coll.counts(nbytes, es, s.call.world_size)
     expected = s.coll.expected(s.call, count) if s.args.check else None
     line: list[dict[str, Any]] = []
     for in_place in s.coll.placements:
         bar.draw(f"{format_size(size)} {'in-place' if in_place else 'out-of-place'}")
-        bufs = s.coll.buffers(s.call, count, in_place)
-        runs = {algo: s.runner(algo, bufs) for algo in active}
-        wrongs = {algo: (_check_once(runs[algo], bufs, expected, s.call.device, s.barrier)
+        shared = s.coll.buffers(s.call, count, in_place)
+        # "symmetric" registers its tensor (moves its storage): buffers of its own
+        bufs = {algo: s.coll.buffers(s.call, count, in_place) if algo == "symmetric" else shared
+                for algo in active}
+        runs = {algo: s.runner(algo, bufs[algo]) for algo in active}
+        wrongs = {algo: (_check_once(runs[algo], bufs[algo], expected, s.call.device, s.barrier)
                          if expected is not None else 0) for algo in active}
         times = _timed_rounds(s, runs, bufs)
         for algo in active:
-            line.append(_row(s, algo, in_place, count, size, times[algo], wrongs[algo]))
+            run = runs[algo]
+            staged = isinstance(run, C.SymmetricRun) and not run.all_symmetric()
+            if s.agree([float(staged)], "MAX")[0]:
+                line.append(None)  # not every call ran from symmetric memory: N/A
+            else:
+                line.append(_row(s, algo, in_place, count, size, times[algo], wrongs[algo]))
             bar.advance(max(size, 1))
-        del bufs
+        del bufs, shared
     return line
 
 
@@ -315,7 +325,7 @@ def _sweep(s: _Session, active: list[str], groups: list[tuple[str, bool]]) -> li
     rows: list[dict[str, Any]] = []
     for nbytes in a.sizes:
         line = _measure_size(s, nbytes, active, bar)
-        rows += line
+        rows += [r for r in line if r is not None]
         if s.call.rank == 0:
             bar.clear()
             print(format_row(line), file=s.out, flush=True)
