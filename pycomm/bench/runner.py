@@ -293,7 +293,7 @@ def _measure_size(s: _Session, nbytes: int, active: list[str],
     es = torch.empty((), dtype=s.call.dtype).element_size()
     count, size = s.coll.counts(nbytes, es, s.call.world_size)
     expected = s.coll.expected(s.call, count) if s.args.check else None
-    line: list[dict[str, Any]] = []
+    line: list[dict[str, Any] | None] = []
     for in_place in s.coll.placements:
         bar.draw(f"{format_size(size)} {'in-place' if in_place else 'out-of-place'}")
         shared = s.coll.buffers(s.call, count, in_place)
