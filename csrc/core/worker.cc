@@ -37,11 +37,15 @@ bool Worker::try_run_inline(const std::function<void()>& task) {
   struct Release {
     Worker* w;
     ~Release() {
+      bool wanted;
       {
         std::lock_guard<std::mutex> lk(w->mu_);
         w->busy_ = false;
+        // Only when a waiter can go on now: a notify always wakes the idle
+        // worker, a context switch per synchronous op otherwise.
+        wanted = w->has_task() || w->poll_pending_ || w->stop_ || w->drainers_ > 0;
       }
-      w->cv_.notify_all();
+      if (wanted) w->cv_.notify_all();
     }
   } release{this};
   task();
@@ -51,7 +55,9 @@ bool Worker::try_run_inline(const std::function<void()>& task) {
 void Worker::drain() {
   if (is_current()) throw std::logic_error("Worker::drain() called on the worker thread");
   std::unique_lock<std::mutex> lk(mu_);
+  ++drainers_;
   cv_.wait(lk, [this] { return !has_task() && !busy_ && !poll_pending_; });
+  --drainers_;
 }
 
 void Worker::loop() {

@@ -74,6 +74,7 @@ class Worker {
   std::function<void()> wake_;
   bool in_idle_wait_ = false;  // guarded by mu_
   bool stop_ = false;
+  int drainers_ = 0;  // threads in drain(), guarded by mu_
   std::thread thread_;
 };
 
