@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the timed iterations of each size into this many rounds that take "
                         "turns between the algos, so a slow spell on a shared machine hits all "
                         "algos alike (1: each algo's iterations in one block, like nccl-tests)")
+    p.add_argument("--min-round-ms", type=float, default=20.0, metavar="MS",
+                   help="time at least this long per algo and round: small messages get more "
+                        "calls than -n gives them (a call's time then settles as in a tight "
+                        "loop); 0: exactly -n calls")
     p.add_argument("-d", "--datatype", default="float", help="element type: " + ", ".join(sorted(DTYPES)))
     p.add_argument("-o", "--op", default="sum", help="reduction: sum, prod, max, min, avg")
     p.add_argument("-r", "--root", type=_nonneg_int, default=0,
@@ -195,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--check", type=_zero_one, default=1,
                    help="1: count wrong elements against an independently computed result")
     p.add_argument("--algo", type=_algo_list, default=None,
-                   help="comma-separated list of ring, auto, nccl (GPU), torch, flat; measured "
+                   help="comma-separated list of ring, auto, nccl (GPU), torch, flat, symmetric; "
+                        "measured "
                         "interleaved per size (default: ring,torch; with --hosts: "
                         "auto,flat,torch)")
     p.add_argument("--transport", default="auto", choices=("auto", "gloo", "shm", "nccl"),

@@ -23,6 +23,10 @@ Timing, per (size, placement, algo), after nccl-tests:
    does not depend on them).
 4. Each rank takes the median of its timed calls; the reported time is the
    max over ranks of those medians.
+5. Small messages get more calls: a round lasts at least ``--min-round-ms``
+   per algo (its call count calibrated on the first round's warm-up calls,
+   the same on every rank), so the first calls after a barrier, which carry
+   its exit skew, do not decide the median.
 """
 
 from __future__ import annotations
@@ -241,7 +245,7 @@ def _print_header(s: _Session, groups: list[tuple[str, bool]], skipped: dict[str
     a, out, coll = s.args, s.out, s.coll
     print(f"# pycomm.bench {coll.name} ({coll.title}): world_size {s.call.world_size}, device "
           f"{s.call.device}, dtype {a.dtype}, op {s.op}, iters {a.iters}, warmup {a.warmup_iters}, "
-          f"rounds {a.rounds}, check {a.check}", file=out)
+          f"rounds {a.rounds} (each >= {a.min_round_ms:g} ms per algo), check {a.check}", file=out)
     print(f"# transports: pycomm {s.pycomm_transport}, torch {s.torch_backend}; host "
           f"{socket.gethostname()}, torch {torch.__version__}", file=out)
     print(f"# memcpy bandwidth (rank 0, {format_size(memcpy_bytes)}): {memcpy:.2f} GB/s", file=out)
@@ -262,12 +266,25 @@ def _timed_rounds(s: _Session, runs: dict[str, Callable[[], None]],
     a = s.args
     times: dict[str, list[float]] = {algo: [] for algo in runs}
     rounds = min(a.rounds, a.iters)
+    least = {algo: _calls_per_round(s, run, bufs[algo]) for algo, run in runs.items()}
     for k in range(rounds):
         per = a.iters // rounds + (1 if k < a.iters % rounds else 0)
         warmup = a.warmup_iters if k == 0 else min(1, a.warmup_iters)
         for algo, run in runs.items():
-            times[algo] += _time_loop(run, bufs[algo], per, warmup, s.call.device, s.barrier)
+            times[algo] += _time_loop(run, bufs[algo], max(per, least[algo]), warmup,
+                                      s.call.device, s.barrier)
     return times
+
+
+def _calls_per_round(s: _Session, run: Callable[[], None], bufs: C.Buffers) -> int:
+    """Calls that fill ``--min-round-ms`` at this algo's pace (timed on a few
+    warm-up calls; the largest count any rank needs, so every rank makes the
+    same calls); 0 when the option is 0."""
+    if s.args.min_round_ms <= 0:
+        return 0
+    probe = _time_loop(run, bufs, 5, 1, s.call.device, s.barrier)
+    need = s.args.min_round_ms / 1e3 / max(statistics.median(probe), 1e-7)
+    return int(min(s.agree([need], "MAX")[0], 100_000))
 
 
 def _row(s: _Session, algo: str, in_place: bool, count: int, size: int, times: list[float],
@@ -340,7 +357,7 @@ def _meta(s: _Session, active: list[str], skipped: dict[str, str], memcpy: float
     return {
         "collective": s.coll.name, "world_size": s.call.world_size, "device": s.call.device.type,
         "dtype": a.dtype, "op": s.op, "root": s.root, "iters": a.iters, "warmup": a.warmup_iters,
-        "rounds": a.rounds,
+        "rounds": a.rounds, "min_round_ms": a.min_round_ms,
         "check": a.check, "algos": active, "skipped": skipped,
         # torchrun's (and --hosts') layout: ranks a host, hosts (1: one host)
         "ranks_per_host": _ranks_per_host(s), "hosts": s.call.world_size // _ranks_per_host(s),
