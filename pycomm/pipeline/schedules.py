@@ -7,6 +7,8 @@ transfers of tensors produced at one clock tick) goes out as three batches::
     phase t on every rank, after its computation of tick t:
       (1) post  A = activation headers: sends, and receives          (batch)
       (2) post  B = gradient sends and receives, activation payload sends
+          (a phase that receives no header posts A and B as one batch, A
+          first, and nothing waits in (3))
       (3) wait  A (only if it holds receives), size the buffers
       (4) post  C = activation payload receives
     before a computation: wait for the B/C receives it consumes.
@@ -28,6 +30,7 @@ block, whatever the transport buffers.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -278,8 +281,12 @@ class _Run:
                 grad_recvs.append((key, bufs))
                 grads_and_sends += [P2POp("irecv", b, a.peer) for b in bufs]
         grads_and_sends += payload_sends
-        header_work = self._post(headers, keep)
-        rest_work = self._post(grads_and_sends, keep)
+        if header_recvs:
+            header_work = self._post(headers, keep)
+            rest_work = self._post(grads_and_sends, keep)
+        else:  # nothing to wait for in (3): A and B go out as one batch, A first
+            header_work = None
+            rest_work = self._post(headers + grads_and_sends, keep)
         for key, bufs in grad_recvs:
             self.recv_grads[key] = (rest_work, bufs)
         if not header_recvs:
@@ -311,6 +318,12 @@ class _Run:
                 still.append((w, k))
         self.in_flight = still
         work = self.s.comm.batch_isend_irecv(ops)[0]
+        if any(op.is_send() for op in ops):
+            # The communicator's worker thread moves these sends; let it run
+            # now rather than when the next computation gives up the core (on
+            # a machine with a core per rank it otherwise waits up to a time
+            # slice, milliseconds, and the peer with it: benchmarks/pipeline).
+            os.sched_yield()
         self.in_flight.append((work, keep))
         return work
 
