@@ -12,7 +12,10 @@ phase, its duration (posting, header wait, Python). Prints, per rank, the
 totals of the fastest step (on a shared machine, the
 least disturbed one) (compute, wait, phase, the rest = Python between
 actions) and, with ``--timeline``, that step's actions in time order
-on both ranks.
+on both ranks. Last, it replays the measured computations with free
+communication: what this step would take if transfers and the runtime's own
+work cost nothing (the rest of the gap to the busiest rank's compute is the
+schedule's coupling with the computations' run-to-run spread).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
 import sys
 import time
 from datetime import timedelta
@@ -68,6 +70,29 @@ def _instrument(events: list) -> None:
     sch._Run.phase = wrap("phase", sch._Run.phase)
 
 
+def _replay(orders: list[list[tuple[str, int, float]]]) -> float:
+    """The step time if every transfer and every action's overhead took no
+    time: each rank runs its computations (stage = rank) in the order and
+    with the durations measured, each as soon as its inputs exist."""
+    done: dict[tuple[str, int, int], float] = {}
+    pos, clock = [0] * len(orders), [0.0] * len(orders)
+    progress = True
+    while progress:
+        progress = False
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                kind, i, dur = order[pos[r]]
+                dep = ((kind, r - 1, i) if kind == "F" and r > 0 else
+                       ("B", r + 1, i) if kind == "B" and r < len(orders) - 1 else None)
+                if dep is not None and dep not in done:
+                    break
+                clock[r] = max(clock[r], done[dep] if dep else 0.0) + dur
+                done[(kind, r, i)] = clock[r]
+                pos[r] += 1
+                progress = True
+    return max(clock)
+
+
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
@@ -82,8 +107,11 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> No
     x = torch.randn(args.batch, args.width)
     y = torch.randn(args.batch, args.width)
     stage = pp.PipelineStage(_stage_module(args, rank), rank, world, comm)
-    cls = pp.ScheduleGPipe if args.schedule == "gpipe" else pp.Schedule1F1B
-    sched = cls(stage, args.microbatches, nn.functional.mse_loss)
+    if args.schedule == "gpipe":
+        sched = pp.ScheduleGPipe(stage, args.microbatches, nn.functional.mse_loss)
+    else:
+        sched = pp.Schedule1F1B(stage, args.microbatches, nn.functional.mse_loss,
+                                slack=args.slack)
 
     def step():
         if rank == 0:
@@ -118,12 +146,20 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> No
         for what, a, b, w in evs:
             rows.append(f"  r{rank} {(a - t0) * 1e3:8.3f} {(b - a) * 1e3:7.3f} "
                         f"wait {w * 1e3:6.3f}  {what}")
+    computes = [(e[0][0], int(e[0][1:]), e[2] - e[1] - e[3]) for e in evs
+                if not e[0].startswith("phase")]
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, "\n".join(rows))
+    dist.all_gather_object(gathered, ("\n".join(rows), computes))
     if rank == 0:
-        print(f"{args.schedule} p={world} m={args.microbatches}")
-        for g in gathered:
-            print(g)
+        print(f"{args.schedule} p={world} m={args.microbatches}"
+              + (f" slack={args.slack}" if args.schedule == "1f1b" else ""))
+        for text, _ in gathered:
+            print(text)
+        orders = [c for _, c in gathered]
+        busy = [sum(t for *_, t in o) for o in orders]
+        print(f"replay of these computations with free communication: "
+              f"{_replay(orders) * 1e3:7.2f} ms; busiest rank {max(busy) * 1e3:7.2f}, "
+              f"mean {sum(busy) / world * 1e3:7.2f} ms")
     comm.close()
     dist.destroy_process_group()
 
@@ -134,6 +170,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
     ap.add_argument("-m", "--microbatches", type=int, default=16)
+    ap.add_argument("--slack", type=int, default=0, help="1F1B's slack (Schedule1F1B)")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers-per-stage", type=int, default=8)
     ap.add_argument("--batch", type=int, default=256)
