@@ -4,7 +4,7 @@
 
 Spawns ``--ranks`` CPU processes. Each holds one stage (an MLP of
 ``--layers-per-stage`` Linear+Tanh layers of ``--width``) and, for every
-schedule (GPipe, 1F1B) and microbatch count, times training steps of
+schedule (GPipe, 1F1B, 1F1B with slack=1) and microbatch count, times training steps of
 
 * pycomm: ``pycomm.pipeline`` over pycomm's p2p (``--transport``, default shm),
 * torch:  ``torch.distributed.pipelining`` over gloo,
