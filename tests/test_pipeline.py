@@ -66,8 +66,8 @@ def _pipeline_cases(comm, schedule: str, stages_per_rank: int, splits, checkpoin
                 for s in range(comm.rank, n_stages, comm.world_size)]
         if schedule == "gpipe":
             sched = pp.ScheduleGPipe(mine[0], m, _loss)
-        elif schedule == "1f1b":
-            sched = pp.Schedule1F1B(mine[0], m, _loss)
+        elif schedule.startswith("1f1b"):  # "1f1b+1": one microbatch of slack
+            sched = pp.Schedule1F1B(mine[0], m, _loss, slack=int(schedule[5:] or 0))
         else:
             sched = pp.ScheduleInterleaved1F1B(mine, m, _loss)
         x, y = _batch(rows)
@@ -103,7 +103,7 @@ def _check_against_reference(per_rank, world_size, stages_per_rank, splits):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("schedule,stages_per_rank",
-                         [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+                         [("gpipe", 1), ("1f1b", 1), ("1f1b+1", 1), ("interleaved", 2)])
 def test_schedule_matches_one_process(world_size, schedule, stages_per_rank):
     per_rank = run_ranks(_pipeline_cases, world_size, TRANSPORT, schedule, stages_per_rank,
                          SPLITS)
@@ -197,8 +197,10 @@ def _tuple_steps(comm, schedule: str, m: int):
 
     parts = _tuple_model(comm.world_size)
     stage = pp.PipelineStage(parts[comm.rank], comm.rank, comm.world_size, comm)
-    cls = pp.ScheduleGPipe if schedule == "gpipe" else pp.Schedule1F1B
-    sched = cls(stage, m, _loss)
+    if schedule == "gpipe":
+        sched = pp.ScheduleGPipe(stage, m, _loss)
+    else:
+        sched = pp.Schedule1F1B(stage, m, _loss, slack=int(schedule[5:] or 0))
     out = []
     for step, (rows, seq) in enumerate(STEPS):
         stage.submod.zero_grad()
@@ -216,7 +218,8 @@ def _tuple_steps(comm, schedule: str, m: int):
     return out
 
 
-@pytest.mark.parametrize("world_size,schedule,m", [(2, "1f1b", 4), (4, "gpipe", 3)])
+@pytest.mark.parametrize("world_size,schedule,m",
+                         [(2, "1f1b", 4), (2, "1f1b+1", 4), (4, "gpipe", 3)])
 def test_tuple_outputs_masks_and_changing_shapes(world_size, schedule, m):
     per_rank = run_ranks(_tuple_steps, world_size, TRANSPORT, schedule, m)
     ref = _tuple_reference(world_size, m)

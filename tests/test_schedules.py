@@ -34,6 +34,23 @@ def test_1f1b_grid():
     """)
 
 
+def test_1f1b_slack_grid():
+    # One more warm-up forward on every stage but the last: the same bubble,
+    # each activation sent a tick before its consumer needs it.
+    assert A.format_grid(A.one_f_one_b(2, 6, slack=1)) == grid("""
+        rank 0: F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 .  B4 .  B5
+        rank 1: .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 .
+    """)
+    for p, m in SHAPES:
+        assert A.bubble_fraction(A.one_f_one_b(p, m, slack=1)) == \
+            A.bubble_fraction(A.one_f_one_b(p, m))
+        assert _live_peaks(A.one_f_one_b(p, m, slack=1)) == \
+            [min(m, p - s + (s < p - 1)) for s in range(p)]
+        _check_program(A.one_f_one_b(p, m, slack=1), p, p, m)
+    with pytest.raises(ValueError, match="slack"):
+        A.one_f_one_b(2, 4, slack=-1)
+
+
 def test_1f1b_fewer_microbatches_than_stages():
     assert A.format_grid(A.one_f_one_b(3, 2)) == grid("""
         rank 0: F0 F1 .  .  .  B0 .  B1

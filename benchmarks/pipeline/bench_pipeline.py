@@ -4,7 +4,7 @@
 
 Spawns ``--ranks`` CPU processes. Each holds one stage (an MLP of
 ``--layers-per-stage`` Linear+Tanh layers of ``--width``) and, for every
-schedule (GPipe, 1F1B) and microbatch count, times training steps of
+schedule (GPipe, 1F1B, 1F1B with slack=1) and microbatch count, times training steps of
 
 * pycomm: ``pycomm.pipeline`` over pycomm's p2p (``--transport``, default shm),
 * torch:  ``torch.distributed.pipelining`` over gloo,
@@ -37,7 +37,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
-SCHEDULES = ("gpipe", "1f1b")
+# "1f1b+1": pycomm's 1F1B with slack=1 (one more warm-up forward on every
+# stage but the last); torch's row beside it is its plain 1F1B.
+SCHEDULES = ("gpipe", "1f1b", "1f1b+1")
 
 
 def _stage_module(args: argparse.Namespace, stage: int) -> nn.Sequential:
@@ -95,8 +97,10 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> No
         for name in SCHEDULES:
             mod = _stage_module(args, rank)
             ours = pp.PipelineStage(copy.deepcopy(mod), rank, world, comm)
-            ours_cls = pp.ScheduleGPipe if name == "gpipe" else pp.Schedule1F1B
-            ours_sched = ours_cls(ours, m, loss_fn)
+            if name == "gpipe":
+                ours_sched = pp.ScheduleGPipe(ours, m, loss_fn)
+            else:
+                ours_sched = pp.Schedule1F1B(ours, m, loss_fn, slack=int(name[5:] or 0))
             theirs_sched = None
             if name == "gpipe" or m >= world:  # torch's 1F1B needs m >= stages
                 theirs = tp.PipelineStage(copy.deepcopy(mod), rank, world, torch.device("cpu"))
@@ -150,7 +154,7 @@ def _print_row(r: dict) -> None:
     torch_part = (f"torch {r['torch_step_s'] * 1e3:8.2f} ms  bubble {r['torch_bubble']:.3f}  "
                   f"speedup {r['speedup_vs_torch']:.2f}x" if "torch_step_s" in r
                   else "torch  (1F1B needs m >= stages)")
-    print(f"{r['schedule']:>5} p={r['ranks']} m={r['microbatches']:3d}  "
+    print(f"{r['schedule']:>6} p={r['ranks']} m={r['microbatches']:3d}  "
           f"theory {r['bubble_theory']:.3f}"
           f"  pycomm {r['pycomm_step_s'] * 1e3:8.2f} ms  bubble {r['pycomm_bubble']:.3f}  "
           + torch_part, flush=True)
@@ -187,7 +191,7 @@ def _plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, marker in zip(SCHEDULES, "os"):
+    for name, marker in zip(SCHEDULES, "os^"):
         rows = [r for r in results if r["schedule"] == name]
         ms = [r["microbatches"] for r in rows]
         ax1.plot(ms, [r["pycomm_bubble"] for r in rows], marker=marker, label=f"pycomm {name}")

@@ -198,14 +198,25 @@ def gpipe(num_stages: int, n_microbatches: int) -> list[list[Action]]:
     return _build(num_stages, num_stages, orders)
 
 
-def one_f_one_b(num_stages: int, n_microbatches: int) -> list[list[Action]]:
+def one_f_one_b(num_stages: int, n_microbatches: int, slack: int = 0) -> list[list[Action]]:
     """1F1B (PipeDream-flush): stage s runs ``num_stages - s - 1`` warm-up
     forwards, then alternates forward and backward, so it keeps at most
-    ``num_stages - s`` microbatches of activations. Any n_microbatches >= 1."""
+    ``num_stages - s`` microbatches of activations. Any n_microbatches >= 1.
+
+    With ``slack`` k, every stage but the last runs k more warm-up forwards
+    (and keeps k more microbatches): the grid and its bubble are unchanged,
+    but each activation is sent k ticks before its consumer needs it. In
+    plain 1F1B none is early: a rank's next forward waits on a round trip
+    through its neighbour's backward, so every transfer and every
+    computation running longer than its neighbour's costs idle time, which
+    slack absorbs (benchmarks/pipeline/README.md)."""
     _check(num_stages, num_stages, n_microbatches)
+    if not isinstance(slack, int) or isinstance(slack, bool) or slack < 0:
+        raise ValueError(f"slack must be an int >= 0, got {slack!r}")
     m = n_microbatches
     orders = [_one_f_one_b_order([(Kind.FORWARD, s, i) for i in range(m)],
-                                 [(Kind.BACKWARD, s, i) for i in range(m)], num_stages - s - 1)
+                                 [(Kind.BACKWARD, s, i) for i in range(m)],
+                                 num_stages - s - 1 + (slack if s < num_stages - 1 else 0))
               for s in range(num_stages)]
     return _build(num_stages, num_stages, orders)
 

@@ -7,27 +7,40 @@ transfers of tensors produced at one clock tick) goes out as three batches::
     phase t on every rank, after its computation of tick t:
       (1) post  A = activation headers: sends, and receives          (batch)
       (2) post  B = gradient sends and receives, activation payload sends
-      (3) wait  A (only if it holds receives), size the buffers
+          (a phase that receives no header posts A and B as one batch, A
+          first)
+    later, before the first computation that consumes one of A's
+    activations, or before this rank next posts a receive from the same
+    peer (whichever comes first):
+      (3) wait  A, size the buffers
       (4) post  C = activation payload receives
     before a computation: wait for the B/C receives it consumes.
     end of step: wait for everything still in flight.
 
+(3) waits as late as that so that a rank whose next computation does not
+need the header (1F1B with ``slack``) computes instead of waiting for its
+neighbour to produce it.
+
 Why this cannot deadlock. Both ends of a transfer carry it in the *same*
 phase, and both post in the same order (headers, then gradients, then
-payloads, each by ``_comm_key``), so messages between two ranks match in
-posting order. The only blocking waits are (3) and the wait before a
-computation. Induction on t: suppose every rank has posted all batches of
-phases < t. A computation at tick t consumes tensors produced at ticks < t,
-whose matching sends are posted, so it finishes. Every rank then posts A and
-B of phase t before it waits in (3), so the headers (3) waits for have been
-posted by their senders, and (3) finishes; C is then posted. Hence every
-rank posts phase t, for every t, and the step ends. Batching sends with
-receives (``batch_isend_irecv``) means no order of posts within a phase can
-block, whatever the transport buffers.
+payloads, each by ``_comm_key``; the receiver posts C of an earlier phase
+before any later receive from that peer), so messages between two ranks
+match in posting order. The only blocking waits are (3) and the wait before
+a computation. Induction on t: suppose every rank has posted the sends of
+all phases < t. A computation at tick t consumes tensors produced at ticks
+< t, whose headers and payloads have been sent; the rank posts the matching
+receives in order ((3) waits for a header of a phase < t), so it finishes.
+A wait (3) at phase t is for a header of a phase < t too (its own headers
+are posted after it), so it finishes. Every rank thus posts the sends of
+phase t, for every t, and, consuming every activation it receives, posts
+every receive: the step ends. Batching sends with receives
+(``batch_isend_irecv``) means no order of posts within a phase can block,
+whatever the transport buffers.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -180,6 +193,9 @@ class _Run:
         self.recv_acts: dict[tuple[int, int],
                              tuple[Work | None, tuple[TensorMeta, ...], list]] = {}
         self.recv_grads: dict[tuple[int, int], tuple[Work | None, list]] = {}
+        # header batches posted, payload receives not yet (step 3, deferred):
+        # (work, [(stage, mb), peer, header]), in posting order
+        self.headers: list[tuple[Work, list[tuple[tuple[int, int], int, torch.Tensor]]]] = []
         self.in_flight: list[tuple[Work, list]] = []  # sends: keep buffers alive
         self.losses: dict[int, torch.Tensor] = {}
         self.last_outputs: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -210,7 +226,9 @@ class _Run:
         if stage.is_first:
             assert self.inputs is not None  # step() checked the first stage's batch
             inputs = as_tuple(self.inputs[a.microbatch], "step's inputs")
-        elif key in self.recv_acts:
+        elif key in self.recv_acts or any(key == k for _, b in self.headers for k, _, _ in b):
+            while key not in self.recv_acts:
+                self._receive_payloads()
             work, metas, bufs = self.recv_acts.pop(key)
             _wait_received(work)
             inputs = tuple(from_wire(b, m) for b, m in zip(bufs, metas))
@@ -252,7 +270,7 @@ class _Run:
         headers: list[P2POp] = []
         grads_and_sends: list[P2POp] = []
         payload_sends: list[P2POp] = []
-        header_recvs: list[tuple[Action, torch.Tensor]] = []
+        header_recvs: list[tuple[tuple[int, int], int, torch.Tensor]] = []
         grad_recvs: list[tuple[tuple[int, int], list[torch.Tensor]]] = []
         keep: list[torch.Tensor] = []
         for a in acts:  # already in _comm_key order: gradients, then activations
@@ -267,7 +285,7 @@ class _Run:
             elif a.kind is Kind.RECV_F:
                 h = torch.empty(HEADER_LEN, dtype=torch.int64, device=comm.device)
                 headers.append(P2POp("irecv", h, a.peer))
-                header_recvs.append((a, h))
+                header_recvs.append((key, a.peer, h))
             elif a.kind is Kind.SEND_B:
                 wire = [to_wire(g) for g in self.grads.pop(key)]
                 grads_and_sends += [P2POp("isend", g, a.peer) for g in wire]
@@ -278,21 +296,36 @@ class _Run:
                 grad_recvs.append((key, bufs))
                 grads_and_sends += [P2POp("irecv", b, a.peer) for b in bufs]
         grads_and_sends += payload_sends
-        header_work = self._post(headers, keep)
-        rest_work = self._post(grads_and_sends, keep)
+        # Receives from a peer match its messages in posting order: the
+        # payload receives of earlier headers from it go first.
+        peers = {op.peer for op in headers + grads_and_sends if not op.is_send()}
+        while any(p in peers for _, b in self.headers for _, p, _ in b):
+            self._receive_payloads()
+        if header_recvs:
+            header_work = self._post(headers, keep)
+            rest_work = self._post(grads_and_sends, keep)
+        else:  # nothing to wait for in (3): A and B go out as one batch, A first
+            header_work = None
+            rest_work = self._post(headers + grads_and_sends, keep)
         for key, bufs in grad_recvs:
             self.recv_grads[key] = (rest_work, bufs)
-        if not header_recvs:
-            return
-        assert header_work is not None  # header_recvs were posted with it
+        if header_recvs:
+            assert header_work is not None  # header_recvs were posted with it
+            self.headers.append((header_work, header_recvs))
+
+    def _receive_payloads(self) -> None:
+        """Steps 3-4 for the oldest header batch: waits for it, sizes the
+        buffers, posts the payload receives."""
+        header_work, header_recvs = self.headers.pop(0)
+        device = self.s._stages[header_recvs[0][0][0]].device
         header_work.wait()
         payload_recvs: list[P2POp] = []
         pending = []
-        for a, h in header_recvs:
+        for key, peer, h in header_recvs:
             metas = decode_header(h)
             bufs = [wire_buffer(m, device) for m in metas]
-            payload_recvs += [P2POp("irecv", b, a.peer) for b in bufs]
-            pending.append(((a.stage, a.microbatch), metas, bufs))
+            payload_recvs += [P2POp("irecv", b, peer) for b in bufs]
+            pending.append((key, metas, bufs))
         work = self._post(payload_recvs, [])
         for key, metas, bufs in pending:
             self.recv_acts[key] = (work, metas, bufs)
@@ -311,6 +344,12 @@ class _Run:
                 still.append((w, k))
         self.in_flight = still
         work = self.s.comm.batch_isend_irecv(ops)[0]
+        if any(op.is_send() for op in ops):
+            # The communicator's worker thread moves these sends; let it run
+            # now rather than when the next computation gives up the core (on
+            # a machine with a core per rank it otherwise waits up to a time
+            # slice, milliseconds, and the peer with it: benchmarks/pipeline).
+            os.sched_yield()
         self.in_flight.append((work, keep))
         return work
 
@@ -385,7 +424,15 @@ class Schedule1F1B(PipelineSchedule):
     """1F1B: after ``num_stages - stage_index - 1`` warm-up forwards, each
     stage alternates one forward and one backward, so stage s keeps at most
     ``num_stages - s`` microbatches of activations. Any ``n_microbatches >=
-    1``. Arguments as :class:`ScheduleGPipe`.
+    1``. Arguments as :class:`ScheduleGPipe`, and:
+
+    Args:
+        slack: extra warm-up forwards on every stage but the last (each
+            keeps ``slack`` more microbatches of activations). Plain 1F1B
+            (0) has no slack between neighbours: transfer latency and
+            computations that run longer on one rank than on its neighbour
+            show up as bubble. ``slack=1`` absorbs them, at the memory of one
+            microbatch (``_actions.one_f_one_b``).
 
     Example::
 
@@ -394,9 +441,9 @@ class Schedule1F1B(PipelineSchedule):
     """
 
     def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: LossFn,
-                 dp_comm: Communicator | None = None) -> None:
+                 dp_comm: Communicator | None = None, slack: int = 0) -> None:
         super().__init__(_single(stage, "Schedule1F1B"), n_microbatches, loss_fn,
-                         lambda p, w, m: _actions.one_f_one_b(p, m), dp_comm)
+                         lambda p, w, m: _actions.one_f_one_b(p, m, slack), dp_comm)
 
 
 class ScheduleInterleaved1F1B(PipelineSchedule):
