@@ -37,15 +37,12 @@ bool Worker::try_run_inline(const std::function<void()>& task) {
   struct Release {
     Worker* w;
     ~Release() {
-      bool wanted;
-      {
-        std::lock_guard<std::mutex> lk(w->mu_);
-        w->busy_ = false;
-        // Only when a waiter can go on now: a notify always wakes the idle
-        // worker, a context switch per synchronous op otherwise.
-        wanted = w->has_task() || w->poll_pending_ || w->stop_ || w->drainers_ > 0;
-      }
-      if (wanted) w->cv_.notify_all();
+      std::lock_guard<std::mutex> lk(w->mu_);
+      w->busy_ = false;
+      // Only when a waiter can go on now: a notify always wakes the idle
+      // worker, a context switch per synchronous op otherwise. Under the
+      // lock: a drainer that goes on may destroy the Worker right after.
+      if (w->has_task() || w->poll_pending_ || w->stop_ || w->drainers_ > 0) w->cv_.notify_all();
     }
   } release{this};
   task();

@@ -47,7 +47,10 @@ class Worker {
   // kick().
   void set_idle_poll(std::function<bool()> poll) { poll_ = std::move(poll); }
   // Called by a task (on the executing thread) that left work in flight.
-  void kick() { poll_pending_ = true; }
+  void kick() {
+    std::lock_guard<std::mutex> lk(mu_);
+    poll_pending_ = true;
+  }
 
   // Optional: after a few idle yields the worker calls wait(max_ns) (owning
   // the executing role, like a task) instead of napping on its own; wait
@@ -68,7 +71,7 @@ class Worker {
   std::deque<std::function<void()>> queue_;
   std::deque<std::function<void()>> urgent_;  // submitted on the worker thread; run first
   bool busy_ = false;
-  bool poll_pending_ = false;  // guarded by busy_ ownership, read under mu_
+  bool poll_pending_ = false;  // guarded by mu_
   std::function<bool()> poll_;
   std::function<bool(int64_t)> idle_wait_;
   std::function<void()> wake_;

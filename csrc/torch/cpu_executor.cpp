@@ -204,10 +204,15 @@ class CpuExecutor final : public Executor {
     }
   }
 
-  // On the executing thread; true while any deferred op is pending.
+  // On the executing thread; true while any deferred op is pending. Ops
+  // that ended leave deferred_ before their Works complete: completing runs
+  // Future callbacks right here, which may post more (push_back) or poll
+  // (Work::wait's pump re-enters this function).
   bool poll_deferred() {
+    std::vector<std::pair<Deferred, std::exception_ptr>> ended;
     for (auto it = deferred_.begin(); it != deferred_.end();) {
       bool done = false;
+      std::exception_ptr error;
       try {
         if (aborted_) throw CommError("communicator aborted (" + abort_reason() + ")");
         done = transport_->test(it->handle);
@@ -217,16 +222,25 @@ class CpuExecutor final : public Executor {
               << it->peers << "); is the peer alive and did it post the matching operation?";
           throw CommError(msg.str());
         }
-      } catch (const std::exception& e) {
-        fail_p2p(it->work, e, it->peers);
-        it = deferred_.erase(it);
-        continue;
+      } catch (const std::exception&) {
+        error = std::current_exception();
       }
-      if (done) {
-        it->work->complete();
+      if (done || error) {
+        ended.emplace_back(std::move(*it), error);
         it = deferred_.erase(it);
       } else {
         ++it;
+      }
+    }
+    for (auto& [op, error] : ended) {
+      if (!error) {
+        op.work->complete();
+        continue;
+      }
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        fail_p2p(op.work, e, op.peers);
       }
     }
     return !deferred_.empty();
