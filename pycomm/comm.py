@@ -635,8 +635,8 @@ class Communicator:
             RuntimeError: this rank called it after the survivors were
                 decided without it.
         """
-        return [q for q in range(self.world_size)
-                if q not in self._agree_on_survivors(None, self._group_settings(timeout).timeout)[1]]
+        members = self._agree_on_survivors(None, self._group_settings(timeout).timeout)[1]
+        return [q for q in range(self.world_size) if q not in members]
 
     def _agree_on_survivors(self, exclude: Sequence[int] | None,
                             timeout: timedelta) -> tuple[str, list[int]]:

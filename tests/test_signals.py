@@ -31,6 +31,9 @@ def _rank(code: str, rank: int, world: int, port: int) -> subprocess.Popen:
         import os, signal, sys, time, torch, pycomm
         from datetime import timedelta
         from tests._dist import client_store
+        # The default dispositions, whatever the launcher left (nohup ignores SIGHUP)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         comm_args = dict(rank={rank}, world_size={world}, store=client_store({port}, {world}),
                          transport="shm", timeout=timedelta(seconds=60))
     """)

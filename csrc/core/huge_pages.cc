@@ -8,7 +8,10 @@ namespace pycomm {
 
 namespace {
 constexpr uintptr_t kHugePage = uintptr_t{2} << 20;  // x86-64's and arm64 4K-granule PMD size
-constexpr size_t kMinBytes = size_t{4} << 20;        // below: at most one huge page to gain
+// glibc serves allocations of 32 MiB and more (its largest mmap threshold)
+// from a mapping of their own, so the advice never reaches memory shared
+// with other, smaller allocations of the heap.
+constexpr size_t kMinBytes = size_t{32} << 20;
 }  // namespace
 
 void advise_huge_pages(void* p, size_t bytes) {

@@ -13,7 +13,7 @@ namespace pycomm {
 // which costs more than the collective's own copies; DTensor's full_tensor()
 // and FSDP2's all-gathers write such fresh outputs at every call.
 //
-// Only the 2 MiB-aligned interior of a range of at least 4 MiB is advised.
+// Only the 2 MiB-aligned interior of a range of at least 32 MiB is advised.
 // Advice only: the contents never change, and failures (THP "never", memory
 // that cannot take huge pages such as some shared mappings) are ignored.
 void advise_huge_pages(void* p, size_t bytes);

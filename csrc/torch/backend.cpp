@@ -567,16 +567,19 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupPycomm::shrink(
   TORCH_CHECK_NOT_IMPLEMENTED(static_cast<bool>(shrinker_),
                               "this pycomm backend was made without a shrinker "
                               "(_C.make_backend(shrinker=None))");
+  const int64_t timeout_ms = opts_override ? opts_override->timeout.count() : -1;
+  c10::intrusive_ptr<c10d::Backend> survivors =
+      shrinker_(ranks_to_exclude, shrink_flags, timeout_ms);
+  // Shrunk (the CPU communicator is closed): this group's CUDA communicator
+  // may wait on the ranks that left, and none is made any more.
   std::shared_ptr<Comm> cuda;
   {
     std::lock_guard<std::mutex> lk(cuda_mu_);
+    aborted_ = true;
     cuda = cuda_comm_;
   }
-  // The survivors' CUDA communicator is made anew at their first CUDA op;
-  // this one may wait on the ranks that left.
   if (cuda) cuda->abort("the process group was shrunk (torch.distributed.shrink_group)");
-  const int64_t timeout_ms = opts_override ? opts_override->timeout.count() : -1;
-  return shrinker_(ranks_to_exclude, shrink_flags, timeout_ms);
+  return survivors;
 }
 
 void ProcessGroupPycomm::shutdown() {

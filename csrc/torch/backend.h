@@ -104,7 +104,9 @@ class ProcessGroupPycomm final : public c10d::Backend {
   bool supportsCoalescing() const override { return true; }
   bool supportsShrinking() const override { return static_cast<bool>(shrinker_); }
   // The survivors' backend, made by the shrinker (pycomm/backend.py: the CPU
-  // communicator's Communicator.shrink); aborts this group's CUDA communicator.
+  // communicator's Communicator.shrink); then aborts this group's CUDA
+  // communicator. torch registers the result for one device type only (the
+  // group's bound device, else CPU): see the README's Elastic section.
   c10::intrusive_ptr<c10d::Backend> shrink(
       const std::vector<int64_t>& ranks_to_exclude, int shrink_flags = 0,
       const c10::intrusive_ptr<Options>& opts_override = nullptr) override;

@@ -268,7 +268,8 @@ c10::intrusive_ptr<Work> Comm::launch(const char* op, std::vector<at::Tensor> ou
 
 void Comm::advise_filled(const std::vector<at::Tensor>& outputs) {
   for (const auto& t : outputs) {
-    if (t.is_cpu()) advise_huge_pages(t.data_ptr(), t.nbytes());
+    // Not pinned memory: the CUDA driver's mapping is best left whole.
+    if (t.is_cpu() && !t.is_pinned()) advise_huge_pages(t.data_ptr(), t.nbytes());
   }
 }
 
