@@ -193,8 +193,11 @@ def check_backend() -> None:
     dist.all_reduce(t)
     assert_matches(t, reference(inputs, "sum"), "backend all_reduce")
     comm = pycomm.backend.get_communicator()
-    print(f"OK {r} {socket.gethostname()} {comm.transport}", flush=True)
+    parts = [comm._impl.flat, comm._impl.intra, comm._impl.inter]
     dist.destroy_process_group()
+    # The group's end closes all three parts (the shm segment with them).
+    assert [p.closed for p in parts] == [True] * 3, [p.closed for p in parts]
+    print(f"OK {r} {socket.gethostname()} {comm.transport}", flush=True)
 
 
 def main() -> None:

@@ -589,9 +589,11 @@ void ProcessGroupPycomm::shutdown() {
     shut_down_ = true;
     cuda = cuda_comm_;
   }
-  // Both, on every rank in the same order; the first failure is raised.
+  // All, on every rank in the same order; the first failure is raised.
+  std::vector<std::shared_ptr<Comm>> all{cuda, cpu_comm_};
+  all.insert(all.end(), companions_.begin(), companions_.end());
   std::exception_ptr err;
-  for (const auto& comm : {cuda, cpu_comm_}) {
+  for (const auto& comm : all) {
     try {
       if (comm) comm->close();
     } catch (...) {
@@ -608,7 +610,9 @@ void ProcessGroupPycomm::abort() {
     aborted_ = true;  // a CUDA communicator still being created is aborted when it arrives
     cuda = cuda_comm_;
   }
-  for (const auto& comm : {cuda, cpu_comm_}) {
+  std::vector<std::shared_ptr<Comm>> all{cuda, cpu_comm_};
+  all.insert(all.end(), companions_.begin(), companions_.end());
+  for (const auto& comm : all) {
     if (comm) comm->abort("aborted through torch.distributed");
   }
 }
@@ -630,21 +634,25 @@ void bind_backend(py::module_& m) {
   m.def(
       "make_backend",
       [](std::shared_ptr<Comm> comm, const std::string& algo, py::object cuda_factory,
-         const std::string& cuda_algo, py::object shrinker) -> c10::intrusive_ptr<c10d::Backend> {
+         const std::string& cuda_algo, py::object shrinker,
+         std::vector<std::shared_ptr<Comm>> companions) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(comm, "make_backend: comm is None");
         auto pg = c10::make_intrusive<ProcessGroupPycomm>(
             std::move(comm), algo, factory_from_python(std::move(cuda_factory)), cuda_algo);
         pg->set_shrinker(shrinker_from_python(std::move(shrinker)));
+        pg->set_companions(std::move(companions));
         return pg;
       },
       py::arg("comm"), py::arg("algo"), py::arg("cuda_factory") = py::none(),
       py::arg("cuda_algo") = "auto", py::arg("shrinker") = py::none(),
+      py::arg("companions") = std::vector<std::shared_ptr<Comm>>{},
       "A c10d Backend (torch._C._distributed_c10d.Backend) over the CPU communicator `comm`, "
       "for torch.distributed.Backend.register_backend (pycomm/backend.py). "
       "cuda_factory(device: str, op: str) -> Comm builds the CUDA communicator at the first "
       "CUDA operation (None: CPU tensors only). shrinker(ranks_to_exclude: list[int], flags: int, "
       "timeout_ms: int) -> Backend makes the survivors' backend for torch.distributed.shrink_group "
-      "(None: the backend does not support shrinking).");
+      "(None: the backend does not support shrinking). companions: communicators closed and "
+      "aborted with the group's (the other parts of a hierarchical one).");
   m.def(
       "backend_comm",
       [](const c10::intrusive_ptr<c10d::Backend>& backend,
