@@ -234,9 +234,10 @@ def test_table_format():
     # ratios: ring 10 us vs torch 40 us at 1 KiB, busbw 2 of a 4 GB/s memcpy at 4 KiB
     rows = [_row(time_us=10.0), _row(algo="torch", time_us=40.0),
             _row(size=4096, time_us=20.0, busbw=2.0), _row(algo="torch", size=4096, time_us=30.0, busbw=1.0)]
-    summary = report.format_summary(rows, ["ring", "torch"], memcpy_gbps=4.0)
+    summary = report.format_summary(rows, ["ring", "torch"], memcpy_gbps=4.0, memcpy_all_gbps=2.5)
     assert "# Speedup over torch (time ratio): 1K: ring 4.0x; 4K: ring 1.5x" in summary
     assert "# busbw / memcpy bandwidth at 4K: ring 50%, torch 25%" in summary
+    assert "# busbw / memcpy of every rank at once at 4K: ring 80%, torch 40%" in summary
 
 
 def test_json_schema_roundtrip(tmp_path):
@@ -344,7 +345,7 @@ def test_end_to_end_nproc2(tmp_path):
         assert r["wrong"] == 0 and r["world_size"] == 2 and r["device"] == "cpu"
         assert r["busbw"] == pytest.approx(r["algbw"] * 1.0)
         assert math.isfinite(r["time_us"]) and r["time_us"] > 0
-    assert data["meta"]["memcpy_GBps"] > 0
+    assert data["meta"]["memcpy_GBps"] > 0 and data["meta"]["memcpy_all_ranks_GBps"] > 0
     # the commit of the code measured (this checkout), "-dirty" if it has changes
     assert len(data["meta"]["commit"].split("-")[0]) == 40, data["meta"]["commit"]
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -79,12 +79,14 @@ def avg_busbw(rows: Iterable[dict[str, Any]]) -> float:
 
 
 def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str],
-                   memcpy_gbps: float | None = None, baseline: str = "torch") -> str:
+                   memcpy_gbps: float | None = None, memcpy_all_gbps: float | None = None,
+                   baseline: str = "torch") -> str:
     """The closing lines: out-of-bounds count, overall and per-algo average
     bus bandwidth; then, with several algos, each algo's speedup over
     ``baseline`` (its time / the algo's time) at the smallest and largest
-    size, and with ``memcpy_gbps`` each algo's busbw at the largest size as a
-    fraction of that memcpy bandwidth."""
+    size, and with ``memcpy_gbps`` (one rank copying alone) and
+    ``memcpy_all_gbps`` (every rank copying at once) each algo's busbw at the
+    largest size as a fraction of those memcpy bandwidths."""
     wrong = sum(r["wrong"] or 0 for r in rows)
     lines = [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
              f"# Avg bus bandwidth    : {avg_busbw(rows):g}"]
@@ -108,10 +110,12 @@ def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str],
                 parts.append(f"{format_size(size)}: " + ", ".join(got))
         if parts:
             lines.append(f"# Speedup over {baseline} (time ratio): " + "; ".join(parts))
-    if memcpy_gbps and sizes:
-        got = [f"{a} {by[(a, sizes[-1])]['busbw'] / memcpy_gbps:.0%}" for a in algos
-               if (a, sizes[-1]) in by]
-        lines.append(f"# busbw / memcpy bandwidth at {format_size(sizes[-1])}: " + ", ".join(got))
+    for bound, what in ((memcpy_gbps, "memcpy bandwidth"),
+                        (memcpy_all_gbps, "memcpy of every rank at once")):
+        if bound and sizes:
+            got = [f"{a} {by[(a, sizes[-1])]['busbw'] / bound:.0%}" for a in algos
+                   if (a, sizes[-1]) in by]
+            lines.append(f"# busbw / {what} at {format_size(sizes[-1])}: " + ", ".join(got))
     lines.append("#")
     return "\n".join(lines)
 
@@ -185,12 +189,14 @@ def plot_results(data: dict[str, Any], path: str) -> None:
         line, = ax.plot([r["size"] for r in pts], [r["busbw"] for r in pts], label=label, **style)
         axt.plot([r["size"] for r in pts], [r["time_us"] for r in pts], color=line.get_color(),
                  label=label, **style)
-    memcpy = meta.get("memcpy_GBps")
-    if memcpy:
-        ax.axhline(memcpy, color="gray", linestyle=":", linewidth=1.5,
-                   label=f"memcpy {memcpy:.2f} GB/s (measured, 1 rank)")
+    bounds = [(meta.get("memcpy_GBps"), ":", "1 rank"),
+              (meta.get("memcpy_all_ranks_GBps"), "-.", "every rank at once")]
+    for bw, style, who in bounds:
+        if bw:
+            ax.axhline(bw, color="gray", linestyle=style, linewidth=1.5,
+                       label=f"memcpy {bw:.2f} GB/s (measured, {who})")
     sizes = sorted({r["size"] for r in rows})
-    positive = [r["busbw"] for r in rows if r["busbw"] > 0] + ([memcpy] if memcpy else [])
+    positive = [r["busbw"] for r in rows if r["busbw"] > 0] + [bw for bw, _, _ in bounds if bw]
     if positive and max(positive) / min(positive) > 100:
         ax.set_yscale("log")
     else:

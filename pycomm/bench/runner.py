@@ -230,17 +230,31 @@ def _probe_algos(s: _Session) -> tuple[list[str], dict[str, str]]:
     return active, skipped
 
 
-def _memcpy_reference(s: _Session) -> tuple[float, int]:
-    """(memcpy bandwidth of rank 0 in GB/s, bytes copied); the others wait."""
-    memcpy_bytes = min(max(max(s.args.sizes), 16 << 20), 256 << 20)
-    memcpy = measure_memcpy(s.call.device, memcpy_bytes) if s.call.rank == 0 else 0.0
-    memcpy = s.agree([memcpy], "MAX")[0]
+@dataclass(frozen=True)
+class MemcpyBounds:
+    """The machine's copy bandwidth, the bound a collective is read against:
+    ``alone``: rank 0 copies while the others wait (one core's memcpy);
+    ``together``: every rank copies at once, the slowest rank's bandwidth
+    (the ranks then share the memory system, as in a collective); GB/s of
+    ``nbytes`` copies."""
+    alone: float
+    together: float
+    nbytes: int
+
+
+def _memcpy_reference(s: _Session) -> MemcpyBounds:
+    """Measures :class:`MemcpyBounds` on this run's device."""
+    nbytes = min(max(max(s.args.sizes), 16 << 20), 256 << 20)
+    alone = measure_memcpy(s.call.device, nbytes) if s.call.rank == 0 else 0.0
+    alone = s.agree([alone], "MAX")[0]
     s.barrier()
-    return memcpy, memcpy_bytes
+    together = s.agree([measure_memcpy(s.call.device, nbytes)], "MIN")[0]
+    s.barrier()
+    return MemcpyBounds(alone, together, nbytes)
 
 
 def _print_header(s: _Session, groups: list[tuple[str, bool]], skipped: dict[str, str],
-                  memcpy: float, memcpy_bytes: int) -> None:
+                  memcpy: MemcpyBounds) -> None:
     """Rank 0: the ``#`` lines that say what was run, then the table header."""
     a, out, coll = s.args, s.out, s.coll
     print(f"# pycomm.bench {coll.name} ({coll.title}): world_size {s.call.world_size}, device "
@@ -248,7 +262,8 @@ def _print_header(s: _Session, groups: list[tuple[str, bool]], skipped: dict[str
           f"rounds {a.rounds} (each >= {a.min_round_ms:g} ms per algo), check {a.check}", file=out)
     print(f"# transports: pycomm {s.pycomm_transport}, torch {s.torch_backend}; host "
           f"{socket.gethostname()}, torch {torch.__version__}", file=out)
-    print(f"# memcpy bandwidth (rank 0, {format_size(memcpy_bytes)}): {memcpy:.2f} GB/s", file=out)
+    print(f"# memcpy bandwidth (rank 0, {format_size(memcpy.nbytes)}): {memcpy.alone:.2f} GB/s; "
+          f"every rank at once: {memcpy.together:.2f} GB/s (slowest rank)", file=out)
     print("# time: calls back to back, max over ranks of each rank's median; out-of-place: "
           + ("measured" if False in coll.placements else
              "N/A (pycomm's op is in place; not emulated with an extra copy)"), file=out)
@@ -350,8 +365,8 @@ def _sweep(s: _Session, active: list[str], groups: list[tuple[str, bool]]) -> li
     return rows
 
 
-def _meta(s: _Session, active: list[str], skipped: dict[str, str], memcpy: float,
-          memcpy_bytes: int) -> dict[str, Any]:
+def _meta(s: _Session, active: list[str], skipped: dict[str, str],
+          memcpy: MemcpyBounds) -> dict[str, Any]:
     """The JSON file's description of the run."""
     a = s.args
     return {
@@ -362,7 +377,8 @@ def _meta(s: _Session, active: list[str], skipped: dict[str, str], memcpy: float
         # torchrun's (and --hosts') layout: ranks a host, hosts (1: one host)
         "ranks_per_host": _ranks_per_host(s), "hosts": s.call.world_size // _ranks_per_host(s),
         "transport": s.pycomm_transport, "torch_backend": s.torch_backend,
-        "memcpy_GBps": memcpy, "memcpy_bytes": memcpy_bytes,
+        "memcpy_GBps": memcpy.alone, "memcpy_all_ranks_GBps": memcpy.together,
+        "memcpy_bytes": memcpy.nbytes,
         "host": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(), "torch": torch.__version__,
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -381,7 +397,8 @@ def _ranks_per_host(s: _Session) -> int:
 def _report(s: _Session, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     """Rank 0: the summary lines, then the JSON file and the plot if asked."""
     out = s.out
-    print(format_summary(rows, meta["algos"], meta["memcpy_GBps"]), file=out, flush=True)
+    print(format_summary(rows, meta["algos"], meta["memcpy_GBps"], meta["memcpy_all_ranks_GBps"]),
+          file=out, flush=True)
     if s.args.json:
         write_json(s.args.json, meta, rows)
         print(f"# wrote {s.args.json}", file=out)
@@ -396,18 +413,19 @@ def run_benchmark(args: Any) -> int:
     Returns the process exit code: 0, or 1 when a result was wrong.
 
     The steps: open the session (device, control group, communicator), probe
-    which algos run, measure rank 0's memcpy bandwidth as the reference,
+    which algos run, measure the memcpy bandwidths that are the reference
+    (:class:`MemcpyBounds`),
     print the header, sweep the sizes, report (rank 0), close.
     """
     s = _open_session(args)
     active, skipped = _probe_algos(s)
-    memcpy, memcpy_bytes = _memcpy_reference(s)
+    memcpy = _memcpy_reference(s)
     groups = [(algo, ip) for ip in s.coll.placements for algo in active]
     if s.call.rank == 0:
-        _print_header(s, groups, skipped, memcpy, memcpy_bytes)
+        _print_header(s, groups, skipped, memcpy)
     rows = _sweep(s, active, groups)
     if s.call.rank == 0:
-        _report(s, rows, _meta(s, active, skipped, memcpy, memcpy_bytes))
+        _report(s, rows, _meta(s, active, skipped, memcpy))
     s.barrier()
     for comm in (s.comm, s.flat):
         if comm is not None:
