@@ -56,14 +56,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_memcpy(device: torch.device, nbytes: int, reps: int = 5) -> float:
+def measure_memcpy(device: torch.device, nbytes: int, reps: int = 5,
+                   min_seconds: float = 0.0) -> float:
     """Bandwidth of one tensor copy on this rank, in GB/s (bytes copied per
-    second; a copy reads and writes each byte once), median of ``reps``."""
+    second; a copy reads and writes each byte once), the median of ``reps``
+    copies, or of as many as fill ``min_seconds`` if that is more."""
     src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch the pages
-    times = []
-    for _ in range(reps):
+    times: list[float] = []
+    until = time.perf_counter() + min_seconds
+    while len(times) < reps or time.perf_counter() < until:
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -248,7 +251,9 @@ def _memcpy_reference(s: _Session) -> MemcpyBounds:
     alone = measure_memcpy(s.call.device, nbytes) if s.call.rank == 0 else 0.0
     alone = s.agree([alone], "MAX")[0]
     s.barrier()
-    together = s.agree([measure_memcpy(s.call.device, nbytes)], "MIN")[0]
+    # Long enough that the ranks' copies overlap whatever the barrier's exit
+    # skew; the median ignores the copies at the edges.
+    together = s.agree([measure_memcpy(s.call.device, nbytes, min_seconds=0.3)], "MIN")[0]
     s.barrier()
     return MemcpyBounds(alone, together, nbytes)
 
