@@ -129,6 +129,16 @@ def _check_coalesced(rank: int, n: int) -> None:
         for k, s in enumerate(sizes):
             want = torch.full((s,), float(sum(r + rank + k for r in range(n))))
             assert torch.equal(outs[k], want), ("reduce_scatter_tensor_coalesced", k)
+        # Called directly, each reports itself as coalesced, one tensor or several.
+        from torch._C._distributed_c10d import OpType
+        pg = dist.group.WORLD
+        ins = [torch.ones(s) for s in sizes]
+        works = [pg.allgather_into_tensor_coalesced([torch.zeros(n * s) for s in sizes], ins),
+                 pg.reduce_scatter_tensor_coalesced([torch.zeros(s) for s in sizes],
+                                                    [torch.ones(n * s) for s in sizes])]
+        for w in works:
+            w.wait()
+            assert w._get_op_type() == int(OpType.COALESCED), (sizes, w._get_op_type())
     sizes = [1, 7, 0, 4]
     # all_gather_coalesced (deprecated API): output_lists[r][k] = rank r's input k.
     ins = [torch.full((s,), 100.0 * rank + k) for k, s in enumerate(sizes)]

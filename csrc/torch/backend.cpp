@@ -17,13 +17,6 @@ using namespace backend_detail;  // NOLINT(google-build-using-namespace)
 
 namespace {
 
-// reduce_scatter with reduce op `rop`, for launch_flat.
-auto reduce_scatter_issue(int rop) {
-  return [rop](Comm& c, const at::Tensor& out, const at::Tensor& in, bool async_op) {
-    return c.reduce_scatter(out, in, rop, "auto", async_op);
-  };
-}
-
 const char* c10d_op_name(c10d::ReduceOp::RedOpType op) {
   switch (op) {
     case c10d::ReduceOp::SUM: return "SUM";
@@ -409,14 +402,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::launch_flat(
       std::move(finish));
 }
 
+ProcessGroupPycomm::IssueFlat ProcessGroupPycomm::all_gather_issue() {
+  return [](Comm& c, const at::Tensor& out, const at::Tensor& in, bool async_op) {
+    return c.all_gather(out, in, "auto", async_op);
+  };
+}
+
+ProcessGroupPycomm::IssueFlat ProcessGroupPycomm::reduce_scatter_issue(int rop) {
+  return [rop](Comm& c, const at::Tensor& out, const at::Tensor& in, bool async_op) {
+    return c.reduce_scatter(out, in, rop, "auto", async_op);
+  };
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   constexpr const char* kOp = "_allgather_base";
   const c10::Device dev = OpDevice(kOp).add(output, "output").add(input, "input").get();
   return launch_flat(c10d::OpType::_ALLGATHER_BASE, kOp, dev, opts.asyncOp, output, input,
-                     [](Comm& c, const at::Tensor& out, const at::Tensor& in, bool async_op) {
-                       return c.all_gather(out, in, "auto", async_op);
-                     });
+                     all_gather_issue());
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(

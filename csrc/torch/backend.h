@@ -210,6 +210,10 @@ class ProcessGroupPycomm final : public c10d::Backend {
                                              const c10::Device& device, bool async_op,
                                              const at::Tensor& output, const at::Tensor& input,
                                              IssueFlat issue);
+  // The flat all_gather, and the flat reduce_scatter with reduce op `rop`:
+  // the _base variants and their one-tensor coalesced forms issue them.
+  static IssueFlat all_gather_issue();
+  static IssueFlat reduce_scatter_issue(int rop);
   c10::intrusive_ptr<c10d::Work> p2p(c10d::OpType type, const char* op,
                                      std::vector<at::Tensor>& tensors, int peer, int tag);
   void check_not_coalescing(const char* op) const;

@@ -198,9 +198,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesc
     const c10d::AllgatherOptions& opts) {
   constexpr const char* kOp = "allgather_into_tensor_coalesced";
   const c10::Device dev = check_coalesced(outputs, inputs, /*outputs_whole=*/true, size_, kOp);
-  // One tensor (DTensor's full_tensor, FSDP2's flat buffer): the op itself,
+  // One tensor (DTensor's full_tensor, FSDP2's flat buffer): the flat op,
   // with no packing (each extra buffer is fresh memory to fault in).
-  if (inputs.size() == 1) return _allgather_base(outputs[0], inputs[0], opts);
+  if (inputs.size() == 1) {
+    return launch_flat(c10d::OpType::COALESCED, kOp, dev, opts.asyncOp, outputs[0], inputs[0],
+                       all_gather_issue());
+  }
   at::Tensor flat_in = flatten(inputs);
   at::Tensor gathered = at::empty({size_, flat_in.numel()}, flat_in.options());
   const std::vector<int64_t> n = numels(inputs);
@@ -263,8 +266,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesc
     const c10d::ReduceScatterOptions& opts) {
   constexpr const char* kOp = "reduce_scatter_tensor_coalesced";
   const c10::Device dev = check_coalesced(outputs, inputs, /*outputs_whole=*/false, size_, kOp);
-  if (inputs.size() == 1) return _reduce_scatter_base(outputs[0], inputs[0], opts);
   const int rop = reduce_op(opts.reduceOp, kOp);
+  if (inputs.size() == 1) {  // as in allgather_into_tensor_coalesced
+    return launch_flat(c10d::OpType::COALESCED, kOp, dev, opts.asyncOp, outputs[0], inputs[0],
+                       reduce_scatter_issue(rop));
+  }
   // Regrouped so that block r of the flat input is rank r's block of every
   // input, one after another: [world_size, sum of the outputs' sizes].
   std::vector<at::Tensor> blocks;
