@@ -11,7 +11,8 @@ schedule (GPipe, 1F1B, 1F1B with slack=1) and microbatch count, times training s
 
 taking turns within each round so both see the same machine. The same rank
 also times its stage's computation alone (m forwards + m backwards, no
-communication): the *busy* time. Measured bubble = 1 - mean busy / step time
+communication; median of the round, best round, as for the steps): the *busy*
+time. Measured bubble = 1 - mean busy / step time
 (communication and per-microbatch overheads count as bubble), next to the
 theory (p-1)/(m+p-1). Writes ``results_<p>ranks.json`` (with the git commit)
 and a PNG.
@@ -127,7 +128,11 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> No
             for _ in range(args.rounds):
                 for k, step in runs.items():
                     per[k].append(_timed_steps(step, args.steps))
-                busy.append(min(_busy_time(mod, m, args, is_last) for _ in range(args.steps)))
+                # The step times' statistic (median of the round, best round):
+                # a minimum here would set the fastest computation against
+                # typical steps and count their spread as bubble.
+                busy.append(statistics.median(_busy_time(mod, m, args, is_last)
+                                              for _ in range(args.steps)))
             b = torch.tensor([min(busy)], dtype=torch.float64)
             dist.all_reduce(b)
             busy_mean = float(b) / world
