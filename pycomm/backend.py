@@ -222,15 +222,18 @@ def _make_backend(comm: Communicator, store: Any, timeout: timedelta | float,
         del _communicators[key]  # groups destroyed since (shutdown closed them)
     # The C++ backend wraps one C++ communicator: across hosts ("shm+gloo"),
     # the flat gloo ring that the hierarchical one keeps for its other ops;
-    # its shm and inter-host parts close with the group (destroy_process_group).
-    impl, companions = comm._impl, []
+    # its shm and inter-host parts end with the group: destroy_process_group
+    # first closes the hierarchical one (its queued composed ops finish).
+    impl, companions, closer = comm._impl, [], None
     if comm.transport == "shm+gloo":
         impl, companions = comm._impl.flat, [comm._impl.intra, comm._impl.inter]
+        closer = comm._impl.close
     _communicators[id(impl)] = comm
     cuda_factory = functools.partial(_create_cuda_communicator, store, comm.rank,
                                      comm.world_size, timeout, opts)
     shrinker = functools.partial(_shrink_backend, comm, timeout, opts)
-    return _C.make_backend(impl, opts.algo, cuda_factory, opts.cuda_algo, shrinker, companions)
+    return _C.make_backend(impl, opts.algo, cuda_factory, opts.cuda_algo, shrinker, companions,
+                           closer)
 
 
 def _shrink_backend(comm: Communicator, timeout: timedelta | float, opts: Options,

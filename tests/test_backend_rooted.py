@@ -109,7 +109,7 @@ def _check_all_to_all(rank: int, n: int) -> None:
 def _check_coalesced(rank: int, n: int) -> None:
     import torch.distributed as dist
 
-    # Several tensors (one packed op), and one (the _base op, unpacked).
+    # Several tensors (one packed op), and one (the flat op, unpacked).
     for sizes in ([1, 7, 0, 4], [5]):
         ins = [torch.full((s,), 10.0 * rank + i) for i, s in enumerate(sizes)]
         outs = [torch.zeros(n * s) for s in sizes]

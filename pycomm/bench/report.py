@@ -164,8 +164,8 @@ def load_json(path: str) -> dict[str, Any]:
 
 def plot_results(data: dict[str, Any], path: str) -> None:
     """Left: busbw vs message size (log x), one line per algo (and
-    placement), with the measured memcpy bandwidth as a dotted reference
-    line; the y axis turns logarithmic when the values span more than 100x.
+    placement), with the measured memcpy bandwidths (one rank alone: dotted;
+    every rank at once: dash-dot) as reference lines; the y axis turns logarithmic when the values span more than 100x.
     Right: time vs size (log-log), where latency floors show."""
     import matplotlib
 
@@ -191,9 +191,9 @@ def plot_results(data: dict[str, Any], path: str) -> None:
                  label=label, **style)
     bounds = [(meta.get("memcpy_GBps"), ":", "1 rank"),
               (meta.get("memcpy_all_ranks_GBps"), "-.", "every rank at once")]
-    for bw, style, who in bounds:
+    for bw, dashes, who in bounds:
         if bw:
-            ax.axhline(bw, color="gray", linestyle=style, linewidth=1.5,
+            ax.axhline(bw, color="gray", linestyle=dashes, linewidth=1.5,
                        label=f"memcpy {bw:.2f} GB/s (measured, {who})")
     sizes = sorted({r["size"] for r in rows})
     positive = [r["busbw"] for r in rows if r["busbw"] > 0] + [bw for bw, _, _ in bounds if bw]

@@ -172,7 +172,7 @@ class _Session:
         dist.barrier(group=self.ctl)
 
     def agree(self, values: list[float], reduce: str) -> list[float]:
-        """``values`` reduced over the ranks ("MAX", "SUM")."""
+        """``values`` reduced over the ranks ("MAX", "MIN", "SUM")."""
         t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, op=getattr(dist.ReduceOp, reduce), group=self.ctl)
         return t.tolist()
@@ -238,8 +238,8 @@ class MemcpyBounds:
     """The machine's copy bandwidth, the bound a collective is read against:
     ``alone``: rank 0 copies while the others wait (one core's memcpy);
     ``together``: every rank copies at once, the slowest rank's bandwidth
-    (the ranks then share the memory system, as in a collective); GB/s of
-    ``nbytes`` copies."""
+    (on CPU the ranks then share the memory system, as in a collective; on
+    GPUs each copies on its own device); GB/s of ``nbytes`` copies."""
     alone: float
     together: float
     nbytes: int
