@@ -103,9 +103,7 @@ Shrinker shrinker_from_python(py::object fn) {
 // pycomm/backend.py's callable () -> None, run at shutdown.
 std::function<void()> closer_from_python(py::object fn) {
   if (fn.is_none()) return {};
-  return [holder = hold_python(std::move(fn))] {
-    call_python<void>(*holder, "shutdown", "None");
-  };
+  return [holder = hold_python(std::move(fn))] { call_python<void>(*holder, "shutdown", "None"); };
 }
 
 }  // namespace
@@ -664,8 +662,7 @@ void bind_backend(py::module_& m) {
       },
       py::arg("comm"), py::arg("algo"), py::arg("cuda_factory") = py::none(),
       py::arg("cuda_algo") = "auto", py::arg("shrinker") = py::none(),
-      py::arg("companions") = std::vector<std::shared_ptr<Comm>>{},
-      py::arg("closer") = py::none(),
+      py::arg("companions") = std::vector<std::shared_ptr<Comm>>{}, py::arg("closer") = py::none(),
       "A c10d Backend (torch._C._distributed_c10d.Backend) over the CPU communicator `comm`, "
       "for torch.distributed.Backend.register_backend (pycomm/backend.py). "
       "cuda_factory(device: str, op: str) -> Comm builds the CUDA communicator at the first "

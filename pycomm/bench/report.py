@@ -165,7 +165,8 @@ def load_json(path: str) -> dict[str, Any]:
 def plot_results(data: dict[str, Any], path: str) -> None:
     """Left: busbw vs message size (log x), one line per algo (and
     placement), with the measured memcpy bandwidths (one rank alone: dotted;
-    every rank at once: dash-dot) as reference lines; the y axis turns logarithmic when the values span more than 100x.
+    every rank at once: dash-dot) as reference lines; the y axis turns
+    logarithmic when the values span more than 100x.
     Right: time vs size (log-log), where latency floors show."""
     import matplotlib
 
