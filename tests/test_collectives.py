@@ -407,23 +407,6 @@ def test_p2p_callback_waits_then_sends(transport):
     run_ranks(_callback_waits_then_sends, 2, transport)
 
 
-def _callback_waits_for_older_op(comm):
-    """A callback waits for an irecv posted before it began."""
-    if comm.rank == 0:
-        a, b = torch.zeros(1), torch.zeros(1)
-        wa, wb = comm.irecv(a, 1), comm.irecv(b, 1, tag=5)
-        fut = wa.get_future().then(lambda f: (wb.wait(), b)[1])
-        assert fut.wait().item() == 7.0 and a.item() == 3.0
-    else:
-        comm.send(torch.full((1,), 3.0), 0)
-        comm.send(torch.full((1,), 7.0), 0, tag=5)
-    comm.barrier()
-
-
-def test_p2p_callback_waits_for_older_op(transport):
-    run_ranks(_callback_waits_for_older_op, 2, transport)
-
-
 def _barrier_and_module_level(comm):
     import pycomm
 

@@ -57,7 +57,7 @@ class CpuExecutor final : public Executor {
     work->set_worker(worker_.get());
     // A wait on the worker thread (in a Future callback) for a pending
     // isend/irecv drives them itself.
-    work->set_pump([this](const Work* target) { return poll_deferred(target); });
+    work->set_pump([this] { return poll_deferred(); });
     work->set_on_interrupt([this](const std::string& why) { abort(why); });
     return work;
   }
@@ -192,13 +192,6 @@ class CpuExecutor final : public Executor {
     uint64_t seq;                // posting order
   };
 
-  // An op that ended, set aside by a poll until its turn to complete.
-  struct Ending {
-    Deferred op;
-    std::exception_ptr error;
-    bool taken = false;  // completed (or being completed) by some poll
-  };
-
   // Whether `d` would end before an earlier op it pairs in order with.
   static bool ahead_of(const Deferred& d, const std::vector<MatchKey>& pending) {
     for (const MatchKey& k : d.keys) {
@@ -251,32 +244,34 @@ class CpuExecutor final : public Executor {
   // order no other rank followed (3 ranks, each callback sending an echo and
   // waiting for one: a deadlock in about half the runs). An op is not tested
   // while an earlier one it pairs in order with is pending.
-  bool poll_deferred(const Work* target = nullptr) {
-    // The waited op may have ended in an outer poll (this is re-entered from
-    // callbacks), which set it aside: it completes here, the outer poll skips it.
-    for (Ending& e : ending_) {
-      if (target != nullptr && !e.taken && e.op.work.get() == target) {
-        e.taken = true;
-        finish(e);
-        return true;
-      }
-    }
-    // Keys that must not be overtaken: the ops that outer polls set aside
-    // and have not completed yet, then the pending ones met so far.
+  bool poll_deferred() {
+    // Keys that must not be overtaken: the ops that outer polls (this is
+    // re-entered from callbacks) set aside and have not completed yet, then
+    // the pending ones met so far.
     std::vector<MatchKey> pending;
-    for (const Ending& e : ending_) {
-      if (!e.taken) pending.insert(pending.end(), e.op.keys.begin(), e.op.keys.end());
-    }
+    for (const Ending& e : ending_)
+      pending.insert(pending.end(), e.op.keys.begin(), e.op.keys.end());
     std::vector<std::list<Ending>::iterator> ended;
     for (auto it = deferred_.begin(); it != deferred_.end();) {
-      // Older than the running callback: after it, unless the callback
-      // waits for that very op (`target`, from Work::wait's pump).
-      if (it->seq < floor_ && it->work.get() != target) {
+      if (it->seq < floor_) {  // older than the running callback: after it
         ++it;
         continue;
       }
+      bool done = false;
       std::exception_ptr error;
-      if (op_ended(*it, pending, error)) {
+      try {
+        if (aborted_) throw CommError("communicator aborted (" + abort_reason() + ")");
+        done = !ahead_of(*it, pending) && transport_->test(it->handle);
+        if (!done && std::chrono::steady_clock::now() > it->deadline) {
+          std::ostringstream msg;
+          msg << "timed out after " << timeout_.count() << " ms, the timeout of this communicator ("
+              << it->peers << "); is the peer alive and did it post the matching operation?";
+          throw CommError(msg.str());
+        }
+      } catch (const std::exception&) {
+        error = std::current_exception();
+      }
+      if (done || error) {
         ended.push_back(ending_.insert(ending_.end(), Ending{std::move(*it), error}));
         it = deferred_.erase(it);
       } else {
@@ -285,59 +280,31 @@ class CpuExecutor final : public Executor {
       }
     }
     for (auto e : ended) {
-      if (!e->taken) {
-        e->taken = true;
-        finish(*e);
+      Ending mine = std::move(*e);
+      ending_.erase(e);  // before its callbacks: ops they post come after it
+      if (!mine.error) {
+        // Its callbacks run now; a poll nested in them (a wait) completes
+        // only the ops posted from here on, so an older op's callbacks never
+        // run inside this one's (which may yet send what a peer waits for
+        // before it answers an older one).
+        const uint64_t outer = floor_;
+        floor_ = next_seq_;
+        try {
+          mine.op.work->complete();
+        } catch (...) {
+          floor_ = outer;
+          throw;
+        }
+        floor_ = outer;
+        continue;
       }
-      ending_.erase(e);
+      try {
+        std::rethrow_exception(mine.error);
+      } catch (const std::exception& ex) {
+        fail_p2p(mine.op.work, ex, mine.op.peers);
+      }
     }
     return !deferred_.empty();
-  }
-
-  // Whether deferred op `d` has ended: its transfers are done (a true test()
-  // consumes the handle; not tested while it would overtake `pending`), or
-  // it failed (`error`: aborted, the transport failed, its deadline passed).
-  bool op_ended(const Deferred& d, const std::vector<MatchKey>& pending,
-                std::exception_ptr& error) {
-    try {
-      if (aborted_) throw CommError("communicator aborted (" + abort_reason() + ")");
-      if (!ahead_of(d, pending) && transport_->test(d.handle)) return true;
-      if (std::chrono::steady_clock::now() > d.deadline) {
-        std::ostringstream msg;
-        msg << "timed out after " << timeout_.count() << " ms, the timeout of this communicator ("
-            << d.peers << "); is the peer alive and did it post the matching operation?";
-        throw CommError(msg.str());
-      }
-      return false;
-    } catch (const std::exception&) {
-      error = std::current_exception();
-      return true;
-    }
-  }
-
-  // Completes (or fails) an op that ended. Its callbacks run now; a poll
-  // nested in them (a wait) completes only the ops posted from here on and
-  // the one it waits for, so an older op's callbacks never run inside this
-  // one's (which may yet send what a peer waits for before it answers an
-  // older one).
-  void finish(Ending& e) {
-    if (e.error) {
-      try {
-        std::rethrow_exception(e.error);
-      } catch (const std::exception& ex) {
-        fail_p2p(e.op.work, ex, e.op.peers);
-      }
-      return;
-    }
-    const uint64_t outer = floor_;
-    floor_ = next_seq_;
-    try {
-      e.op.work->complete();
-    } catch (...) {
-      floor_ = outer;
-      throw;
-    }
-    floor_ = outer;
   }
 
   std::unique_ptr<Transport> transport_;
@@ -346,9 +313,13 @@ class CpuExecutor final : public Executor {
   CpuReducer reducer_;
   std::vector<char> scratch_;
   std::deque<Deferred> deferred_;  // touched only by the executing thread
-  std::list<Ending> ending_;       // ended, set aside by a poll, not completed yet
-  uint64_t next_seq_ = 0;          // Deferred::seq of the next one posted
-  uint64_t floor_ = 0;             // polls complete ops of this seq or later
+  struct Ending {
+    Deferred op;
+    std::exception_ptr error;
+  };
+  std::list<Ending> ending_;  // ended, set aside by a poll, not completed yet
+  uint64_t next_seq_ = 0;     // Deferred::seq of the next one posted
+  uint64_t floor_ = 0;        // polls complete ops of this seq or later
   std::unique_ptr<Worker> worker_;
   std::atomic<bool> aborted_{false};
   mutable std::mutex abort_mu_;
