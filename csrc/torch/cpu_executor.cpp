@@ -2,7 +2,6 @@
 // order; synchronous calls run inline when nothing is queued.
 #include <chrono>
 #include <deque>
-#include <list>
 #include <mutex>
 #include <sstream>
 
@@ -126,10 +125,7 @@ class CpuExecutor final : public Executor {
       if (fail_if_aborted(work)) return;
       try {
         const Handle h = transport_->post(ops.data(), ops.size());
-        std::vector<MatchKey> keys;
-        for (const P2POp& op : ops) keys.push_back({op.kind, op.peer, op.tag});
-        deferred_.push_back({work, h, std::chrono::steady_clock::now() + timeout_, peers,
-                             std::move(keys), next_seq_++});
+        deferred_.push_back({work, h, std::chrono::steady_clock::now() + timeout_, peers});
         worker_->kick();
       } catch (const std::exception& e) {
         fail_p2p(work, e, peers);
@@ -171,36 +167,12 @@ class CpuExecutor final : public Executor {
   }
 
  private:
-  // What a message matches by: two sends (or two receives) with equal keys
-  // pair with the peer's messages in posting order. A receive from any rank
-  // shares a key with every receive of its tag.
-  struct MatchKey {
-    int kind;
-    int peer;
-    int tag;
-    bool overtakes(const MatchKey& earlier) const {
-      return kind == earlier.kind && tag == earlier.tag &&
-             (peer == earlier.peer || peer == kAnySource || earlier.peer == kAnySource);
-    }
-  };
   struct Deferred {
     c10::intrusive_ptr<Work> work;
     Handle handle;
     std::chrono::steady_clock::time_point deadline;
-    std::string peers;           // "send to rank 1, recv from rank 2": for the timeout message
-    std::vector<MatchKey> keys;  // one per message of the group
-    uint64_t seq;                // posting order
+    std::string peers;  // "send to rank 1, recv from rank 2": for the timeout message
   };
-
-  // Whether `d` would end before an earlier op it pairs in order with.
-  static bool ahead_of(const Deferred& d, const std::vector<MatchKey>& pending) {
-    for (const MatchKey& k : d.keys) {
-      for (const MatchKey& e : pending) {
-        if (k.overtakes(e)) return true;
-      }
-    }
-    return false;
-  }
 
   // On the worker: fails `work` if an earlier op aborted the communicator.
   bool fail_if_aborted(const c10::intrusive_ptr<Work>& work) {
@@ -232,79 +204,58 @@ class CpuExecutor final : public Executor {
     }
   }
 
-  // On the executing thread; true while any deferred op is pending. Ops
-  // that ended leave deferred_ before their Works complete: completing runs
-  // Future callbacks right here, which may post more (push_back) or poll
-  // (Work::wait's pump re-enters this function).
-  //
-  // Ops end in posting order among those that pair in order (MatchKey), as
-  // their messages matched: the gloo transport notices its messages on
-  // threads of their own, in any order, and a later receive seen first ran
-  // its callbacks first. Callbacks that wait for peers then waited in an
-  // order no other rank followed (3 ranks, each callback sending an echo and
-  // waiting for one: a deadlock in about half the runs). An op is not tested
-  // while an earlier one it pairs in order with is pending.
+  // On the executing thread; true while any deferred op is pending. The
+  // first op (in posting order) that ended leaves deferred_ and completes,
+  // then the scan starts over: completing runs Future callbacks right here,
+  // which may post more (push_back) or poll (Work::wait's pump re-enters this
+  // function). An ended op stays in deferred_ until its turn, so a poll
+  // nested in a callback completes it. Set aside instead, its callbacks would
+  // wait for the running one to return; if that one waits for a peer whose
+  // progress needs them, the ranks deadlock (the gloo transport, whose ops
+  // end in any order, did on 3 ranks).
   bool poll_deferred() {
-    // Keys that must not be overtaken: the ops that outer polls (this is
-    // re-entered from callbacks) set aside and have not completed yet, then
-    // the pending ones met so far.
-    std::vector<MatchKey> pending;
-    for (const Ending& e : ending_)
-      pending.insert(pending.end(), e.op.keys.begin(), e.op.keys.end());
-    std::vector<std::list<Ending>::iterator> ended;
-    for (auto it = deferred_.begin(); it != deferred_.end();) {
-      if (it->seq < floor_) {  // older than the running callback: after it
-        ++it;
-        continue;
-      }
-      bool done = false;
+    for (;;) {
+      auto ended = deferred_.end();
       std::exception_ptr error;
-      try {
-        if (aborted_) throw CommError("communicator aborted (" + abort_reason() + ")");
-        done = !ahead_of(*it, pending) && transport_->test(it->handle);
-        if (!done && std::chrono::steady_clock::now() > it->deadline) {
-          std::ostringstream msg;
-          msg << "timed out after " << timeout_.count() << " ms, the timeout of this communicator ("
-              << it->peers << "); is the peer alive and did it post the matching operation?";
-          throw CommError(msg.str());
+      for (auto it = deferred_.begin(); it != deferred_.end(); ++it) {
+        if (op_ended(*it, error)) {
+          ended = it;
+          break;
         }
-      } catch (const std::exception&) {
-        error = std::current_exception();
       }
-      if (done || error) {
-        ended.push_back(ending_.insert(ending_.end(), Ending{std::move(*it), error}));
-        it = deferred_.erase(it);
-      } else {
-        pending.insert(pending.end(), it->keys.begin(), it->keys.end());
-        ++it;
-      }
-    }
-    for (auto e : ended) {
-      Ending mine = std::move(*e);
-      ending_.erase(e);  // before its callbacks: ops they post come after it
-      if (!mine.error) {
-        // Its callbacks run now; a poll nested in them (a wait) completes
-        // only the ops posted from here on, so an older op's callbacks never
-        // run inside this one's (which may yet send what a peer waits for
-        // before it answers an older one).
-        const uint64_t outer = floor_;
-        floor_ = next_seq_;
-        try {
-          mine.op.work->complete();
-        } catch (...) {
-          floor_ = outer;
-          throw;
-        }
-        floor_ = outer;
+      if (ended == deferred_.end()) return !deferred_.empty();
+      Deferred op = std::move(*ended);
+      deferred_.erase(ended);
+      if (!error) {
+        op.work->complete();
         continue;
       }
       try {
-        std::rethrow_exception(mine.error);
-      } catch (const std::exception& ex) {
-        fail_p2p(mine.op.work, ex, mine.op.peers);
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        fail_p2p(op.work, e, op.peers);
       }
     }
-    return !deferred_.empty();
+  }
+
+  // Whether deferred op `d` has ended: its transfers are done (a true test()
+  // consumes the handle), or it failed (`error`: the communicator was
+  // aborted, the transport failed, or its deadline passed).
+  bool op_ended(const Deferred& d, std::exception_ptr& error) {
+    try {
+      if (aborted_) throw CommError("communicator aborted (" + abort_reason() + ")");
+      if (transport_->test(d.handle)) return true;
+      if (std::chrono::steady_clock::now() > d.deadline) {
+        std::ostringstream msg;
+        msg << "timed out after " << timeout_.count() << " ms, the timeout of this communicator ("
+            << d.peers << "); is the peer alive and did it post the matching operation?";
+        throw CommError(msg.str());
+      }
+      return false;
+    } catch (const std::exception&) {
+      error = std::current_exception();
+      return true;
+    }
   }
 
   std::unique_ptr<Transport> transport_;
@@ -313,13 +264,6 @@ class CpuExecutor final : public Executor {
   CpuReducer reducer_;
   std::vector<char> scratch_;
   std::deque<Deferred> deferred_;  // touched only by the executing thread
-  struct Ending {
-    Deferred op;
-    std::exception_ptr error;
-  };
-  std::list<Ending> ending_;  // ended, set aside by a poll, not completed yet
-  uint64_t next_seq_ = 0;     // Deferred::seq of the next one posted
-  uint64_t floor_ = 0;        // polls complete ops of this seq or later
   std::unique_ptr<Worker> worker_;
   std::atomic<bool> aborted_{false};
   mutable std::mutex abort_mu_;
