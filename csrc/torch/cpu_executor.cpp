@@ -204,28 +204,35 @@ class CpuExecutor final : public Executor {
     }
   }
 
-  // On the executing thread; true while any deferred op is pending. The
-  // first op (in posting order) that ended leaves deferred_ and completes,
-  // then the scan starts over: completing runs Future callbacks right here,
-  // which may post more (push_back) or poll (Work::wait's pump re-enters this
-  // function). An ended op stays in deferred_ until its turn, so a poll
-  // nested in a callback completes it. Set aside instead, its callbacks would
-  // wait for the running one to return; if that one waits for a peer whose
-  // progress needs them, the ranks deadlock (the gloo transport, whose ops
-  // end in any order, did on 3 ranks).
+  // On the executing thread; true while any deferred op is pending. Ops
+  // that ended leave deferred_ before their Works complete: completing runs
+  // Future callbacks right here, which may post more (push_back) or poll
+  // (Work::wait's pump re-enters this function).
   bool poll_deferred() {
-    for (;;) {
-      auto ended = deferred_.end();
+    std::vector<std::pair<Deferred, std::exception_ptr>> ended;
+    for (auto it = deferred_.begin(); it != deferred_.end();) {
+      bool done = false;
       std::exception_ptr error;
-      for (auto it = deferred_.begin(); it != deferred_.end(); ++it) {
-        if (op_ended(*it, error)) {
-          ended = it;
-          break;
+      try {
+        if (aborted_) throw CommError("communicator aborted (" + abort_reason() + ")");
+        done = transport_->test(it->handle);
+        if (!done && std::chrono::steady_clock::now() > it->deadline) {
+          std::ostringstream msg;
+          msg << "timed out after " << timeout_.count() << " ms, the timeout of this communicator ("
+              << it->peers << "); is the peer alive and did it post the matching operation?";
+          throw CommError(msg.str());
         }
+      } catch (const std::exception&) {
+        error = std::current_exception();
       }
-      if (ended == deferred_.end()) return !deferred_.empty();
-      Deferred op = std::move(*ended);
-      deferred_.erase(ended);
+      if (done || error) {
+        ended.emplace_back(std::move(*it), error);
+        it = deferred_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto& [op, error] : ended) {
       if (!error) {
         op.work->complete();
         continue;
@@ -236,26 +243,7 @@ class CpuExecutor final : public Executor {
         fail_p2p(op.work, e, op.peers);
       }
     }
-  }
-
-  // Whether deferred op `d` has ended: its transfers are done (a true test()
-  // consumes the handle), or it failed (`error`: the communicator was
-  // aborted, the transport failed, or its deadline passed).
-  bool op_ended(const Deferred& d, std::exception_ptr& error) {
-    try {
-      if (aborted_) throw CommError("communicator aborted (" + abort_reason() + ")");
-      if (transport_->test(d.handle)) return true;
-      if (std::chrono::steady_clock::now() > d.deadline) {
-        std::ostringstream msg;
-        msg << "timed out after " << timeout_.count() << " ms, the timeout of this communicator ("
-            << d.peers << "); is the peer alive and did it post the matching operation?";
-        throw CommError(msg.str());
-      }
-      return false;
-    } catch (const std::exception&) {
-      error = std::current_exception();
-      return true;
-    }
+    return !deferred_.empty();
   }
 
   std::unique_ptr<Transport> transport_;
