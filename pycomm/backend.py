@@ -221,19 +221,13 @@ def _make_backend(comm: Communicator, store: Any, timeout: timedelta | float,
     for key in [k for k, c in _communicators.items() if c.closed]:
         del _communicators[key]  # groups destroyed since (shutdown closed them)
     # The C++ backend wraps one C++ communicator: across hosts ("shm+gloo"),
-    # the flat gloo ring that the hierarchical one keeps for its other ops;
-    # its shm and inter-host parts end with the group: destroy_process_group
-    # first closes the hierarchical one (its queued composed ops finish).
-    impl, companions, closer = comm._impl, [], None
-    if comm.transport == "shm+gloo":
-        impl, companions = comm._impl.flat, [comm._impl.intra, comm._impl.inter]
-        closer = comm._impl.close
+    # the flat gloo ring that the hierarchical one keeps for its other ops.
+    impl = comm._impl.flat if comm.transport == "shm+gloo" else comm._impl
     _communicators[id(impl)] = comm
     cuda_factory = functools.partial(_create_cuda_communicator, store, comm.rank,
                                      comm.world_size, timeout, opts)
     shrinker = functools.partial(_shrink_backend, comm, timeout, opts)
-    return _C.make_backend(impl, opts.algo, cuda_factory, opts.cuda_algo, shrinker, companions,
-                           closer)
+    return _C.make_backend(impl, opts.algo, cuda_factory, opts.cuda_algo, shrinker)
 
 
 def _shrink_backend(comm: Communicator, timeout: timedelta | float, opts: Options,
