@@ -221,13 +221,19 @@ def _make_backend(comm: Communicator, store: Any, timeout: timedelta | float,
     for key in [k for k, c in _communicators.items() if c.closed]:
         del _communicators[key]  # groups destroyed since (shutdown closed them)
     # The C++ backend wraps one C++ communicator: across hosts ("shm+gloo"),
-    # the flat gloo ring that the hierarchical one keeps for its other ops.
-    impl = comm._impl.flat if comm.transport == "shm+gloo" else comm._impl
+    # the flat gloo ring that the hierarchical one keeps for its other ops;
+    # its shm and inter-host parts end with the group: destroy_process_group
+    # first closes the hierarchical one (its queued composed ops finish).
+    impl, companions, closer = comm._impl, [], None
+    if comm.transport == "shm+gloo":
+        impl, companions = comm._impl.flat, [comm._impl.intra, comm._impl.inter]
+        closer = comm._impl.close
     _communicators[id(impl)] = comm
     cuda_factory = functools.partial(_create_cuda_communicator, store, comm.rank,
                                      comm.world_size, timeout, opts)
     shrinker = functools.partial(_shrink_backend, comm, timeout, opts)
-    return _C.make_backend(impl, opts.algo, cuda_factory, opts.cuda_algo, shrinker)
+    return _C.make_backend(impl, opts.algo, cuda_factory, opts.cuda_algo, shrinker, companions,
+                           closer)
 
 
 def _shrink_backend(comm: Communicator, timeout: timedelta | float, opts: Options,
@@ -300,7 +306,39 @@ def register() -> None:
     # defaults (cpu: gloo, cuda: nccl) for other users.
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True,
                                   devices=["cpu", "cuda"])
+    _register_shrunk_groups_as_custom()
     _registered = True
+
+
+def _register_shrunk_groups_as_custom() -> None:
+    """Makes ``torch.distributed.shrink_group`` register a pycomm survivors'
+    backend the way ``init_process_group`` does: as ``BackendType.CUSTOM``,
+    for CPU and CUDA tensors.
+
+    torch's ``_create_shrunk_process_group`` registers any backend under
+    ``GLOO`` (CPU) or ``NCCL`` (CUDA), and torch's C++ then takes a backend of
+    that type for its own class: torch DDP's logger casts a "gloo" group's
+    backend to ``ProcessGroupGloo`` and reads its thread count, which on ours
+    reads another member (a crash or garbage, by layout). The wrapper leaves
+    other backends as torch made them.
+    """
+    c10d = dist.distributed_c10d
+    create = getattr(c10d, "_create_shrunk_process_group", None)
+    if create is None or getattr(create, "_pycomm_wrapper", False):
+        return
+
+    @functools.wraps(create)
+    def create_shrunk_process_group(new_backend: Any, *args: Any, **kwargs: Any) -> Any:
+        pg = create(new_backend, *args, **kwargs)
+        if new_backend.name() == BACKEND_NAME:
+            custom = dist.ProcessGroup.BackendType.CUSTOM
+            for device in ("cpu", "cuda"):
+                pg._register_backend(torch.device(device), custom, new_backend)
+            pg._set_default_backend(custom)
+        return pg
+
+    create_shrunk_process_group._pycomm_wrapper = True  # type: ignore[attr-defined]
+    c10d._create_shrunk_process_group = create_shrunk_process_group
 
 
 def lost_ranks(group: Any = None) -> list[int]:

@@ -193,8 +193,18 @@ def check_backend() -> None:
     dist.all_reduce(t)
     assert_matches(t, reference(inputs, "sum"), "backend all_reduce")
     comm = pycomm.backend.get_communicator()
-    print(f"OK {r} {socket.gethostname()} {comm.transport}", flush=True)
+    assert comm.transport == "shm+gloo", comm.transport
+    parts = [comm._impl.flat, comm._impl.intra, comm._impl.inter]
+    # A composed op still queued when the group ends runs first.
+    queued = [inputs[r].clone() for _ in range(3)]
+    works = [comm.all_reduce(q, async_op=True) for q in queued]
     dist.destroy_process_group()
+    for w, q in zip(works, queued):
+        w.wait()
+        assert_matches(q, reference(inputs, "sum"), "all_reduce queued at destroy")
+    # The group's end closes all three parts (the shm segment with them).
+    assert [p.closed for p in parts] == [True] * 3, [p.closed for p in parts]
+    print(f"OK {r} {socket.gethostname()} {comm.transport}", flush=True)
 
 
 def main() -> None:

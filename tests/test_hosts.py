@@ -112,7 +112,8 @@ def test_loopback_hostname(ifname):
 
 def test_backend_across_hosts():
     """The c10d backend wraps one C++ communicator: across hosts, the flat
-    gloo ring of the shm+gloo one."""
+    gloo ring of the shm+gloo one; destroy_process_group closes its shm and
+    inter-host parts too."""
     results = _run([2, 2], "backend")
     assert {t for _, t in _reported(results)} == {"shm+gloo"}
 

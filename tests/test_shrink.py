@@ -122,9 +122,12 @@ def _c10d_die_then_shrink(rank, world_size, port, transport, victims, flags):
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ddp(inp).square().sum().backward()
     err = (model.weight.grad.double() - sum(grads) / len(grads)).abs().max().item()
+    # Registered as init_process_group registers it (CUSTOM, not torch's
+    # GLOO, which torch's C++ casts to ProcessGroupGloo), for CUDA tensors too.
+    kind = (dist.group.WORLD.name(), sorted(d.type for d in dist.group.WORLD._device_types))
     out = (dist.get_rank(), dist.get_world_size(), supports, x[0].item(),
            group == dist.group.WORLD, pycomm.backend.get_communicator().transport, err, error,
-           lost)
+           lost, kind)
     dist.destroy_process_group()
     return out
 
@@ -141,8 +144,9 @@ def test_torch_shrink_group_after_a_death(transport, world_size, victims, flags)
                           timeout=120)
     survivors = [r for r in range(world_size) if r not in victims]
     for new_rank, old in enumerate(survivors):
-        rank, n, supports, total, is_world, tr, err, error, lost = results[old]
+        rank, n, supports, total, is_world, tr, err, error, lost, kind = results[old]
         assert lost == victims
+        assert kind == ("custom", ["cpu", "cuda"])
         assert (rank, n, supports, is_world, tr) == (new_rank, len(survivors), True, True,
                                                      transport)
         assert total == sum(q + 1 for q in survivors)

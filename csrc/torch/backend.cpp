@@ -100,6 +100,12 @@ Shrinker shrinker_from_python(py::object fn) {
   };
 }
 
+// pycomm/backend.py's callable () -> None, run at shutdown.
+std::function<void()> closer_from_python(py::object fn) {
+  if (fn.is_none()) return {};
+  return [holder = hold_python(std::move(fn))] { call_python<void>(*holder, "shutdown", "None"); };
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- BackendWork
@@ -592,9 +598,18 @@ void ProcessGroupPycomm::shutdown() {
     shut_down_ = true;
     cuda = cuda_comm_;
   }
-  // Both, on every rank in the same order; the first failure is raised.
+  // All, on every rank in the same order; the first failure is raised.
   std::exception_ptr err;
-  for (const auto& comm : {cuda, cpu_comm_}) {
+  if (closer_) {
+    try {
+      closer_();
+    } catch (...) {
+      err = std::current_exception();
+    }
+  }
+  std::vector<std::shared_ptr<Comm>> all{cuda, cpu_comm_};
+  all.insert(all.end(), companions_.begin(), companions_.end());
+  for (const auto& comm : all) {
     try {
       if (comm) comm->close();
     } catch (...) {
@@ -611,7 +626,9 @@ void ProcessGroupPycomm::abort() {
     aborted_ = true;  // a CUDA communicator still being created is aborted when it arrives
     cuda = cuda_comm_;
   }
-  for (const auto& comm : {cuda, cpu_comm_}) {
+  std::vector<std::shared_ptr<Comm>> all{cuda, cpu_comm_};
+  all.insert(all.end(), companions_.begin(), companions_.end());
+  for (const auto& comm : all) {
     if (comm) comm->abort("aborted through torch.distributed");
   }
 }
@@ -633,21 +650,27 @@ void bind_backend(py::module_& m) {
   m.def(
       "make_backend",
       [](std::shared_ptr<Comm> comm, const std::string& algo, py::object cuda_factory,
-         const std::string& cuda_algo, py::object shrinker) -> c10::intrusive_ptr<c10d::Backend> {
+         const std::string& cuda_algo, py::object shrinker,
+         std::vector<std::shared_ptr<Comm>> companions,
+         py::object closer) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(comm, "make_backend: comm is None");
         auto pg = c10::make_intrusive<ProcessGroupPycomm>(
             std::move(comm), algo, factory_from_python(std::move(cuda_factory)), cuda_algo);
         pg->set_shrinker(shrinker_from_python(std::move(shrinker)));
+        pg->set_companions(std::move(companions), closer_from_python(std::move(closer)));
         return pg;
       },
       py::arg("comm"), py::arg("algo"), py::arg("cuda_factory") = py::none(),
       py::arg("cuda_algo") = "auto", py::arg("shrinker") = py::none(),
+      py::arg("companions") = std::vector<std::shared_ptr<Comm>>{}, py::arg("closer") = py::none(),
       "A c10d Backend (torch._C._distributed_c10d.Backend) over the CPU communicator `comm`, "
       "for torch.distributed.Backend.register_backend (pycomm/backend.py). "
       "cuda_factory(device: str, op: str) -> Comm builds the CUDA communicator at the first "
       "CUDA operation (None: CPU tensors only). shrinker(ranks_to_exclude: list[int], flags: int, "
       "timeout_ms: int) -> Backend makes the survivors' backend for torch.distributed.shrink_group "
-      "(None: the backend does not support shrinking).");
+      "(None: the backend does not support shrinking). companions: communicators closed and "
+      "aborted with the group's (the other parts of a hierarchical one); closer() runs first "
+      "at shutdown (the hierarchical communicator's close, which drains its queued ops).");
   m.def(
       "backend_comm",
       [](const c10::intrusive_ptr<c10d::Backend>& backend,

@@ -111,6 +111,17 @@ class ProcessGroupPycomm final : public c10d::Backend {
       const std::vector<int64_t>& ranks_to_exclude, int shrink_flags = 0,
       const c10::intrusive_ptr<Options>& opts_override = nullptr) override;
   void set_shrinker(Shrinker shrinker) { shrinker_ = std::move(shrinker); }
+  // Communicators that live and die with this group but carry none of its
+  // ops here (across hosts: the shm and inter-host gloo parts of the
+  // hierarchical communicator, pycomm/_hierarchy.py), and the Python close of
+  // the object that composes them. shutdown() runs `closer` first (it lets
+  // the composed ops still queued finish, then closes the parts), then closes
+  // the CUDA, CPU and companion communicators (closing twice is harmless);
+  // abort() aborts them all.
+  void set_companions(std::vector<std::shared_ptr<Comm>> comms, std::function<void()> closer) {
+    companions_ = std::move(comms);
+    closer_ = std::move(closer);
+  }
   // The communicator for tensors on `device` ("cpu", or CUDA: created now if
   // this is the group's first CUDA use, collectively); `op` names the caller
   // in errors (ValueError for a device this group cannot serve).
@@ -215,6 +226,8 @@ class ProcessGroupPycomm final : public c10d::Backend {
   int reduce_op(const c10d::ReduceOp& op, const char* opname) const;
 
   std::shared_ptr<Comm> cpu_comm_;
+  std::vector<std::shared_ptr<Comm>> companions_;
+  std::function<void()> closer_;  // empty: nothing to run first
   std::string cpu_algo_;
   CommFactory cuda_factory_;
   Shrinker shrinker_;  // empty: supportsShrinking() is false
