@@ -221,19 +221,31 @@ def _make_backend(comm: Communicator, store: Any, timeout: timedelta | float,
     for key in [k for k, c in _communicators.items() if c.closed]:
         del _communicators[key]  # groups destroyed since (shutdown closed them)
     # The C++ backend wraps one C++ communicator: across hosts ("shm+gloo"),
-    # the flat gloo ring that the hierarchical one keeps for its other ops;
-    # its shm and inter-host parts end with the group: destroy_process_group
-    # first closes the hierarchical one (its queued composed ops finish).
-    impl, companions, closer = comm._impl, [], None
+    # the flat gloo ring of the hierarchical one, which runs CPU allreduce
+    # composed and closes with the group (its queued ops finish first).
+    impl, hierarchy = comm._impl, {}
     if comm.transport == "shm+gloo":
-        impl, companions = comm._impl.flat, [comm._impl.intra, comm._impl.inter]
-        closer = comm._impl.close
+        impl = comm._impl.flat
+        hierarchy = {"parts": [comm._impl.intra, comm._impl.inter], "close": comm._impl.close,
+                     "all_reduce": functools.partial(_composed_all_reduce, comm._impl, str(opts.algo))}
     _communicators[id(impl)] = comm
     cuda_factory = functools.partial(_create_cuda_communicator, store, comm.rank,
                                      comm.world_size, timeout, opts)
     shrinker = functools.partial(_shrink_backend, comm, timeout, opts)
-    return _C.make_backend(impl, opts.algo, cuda_factory, opts.cuda_algo, shrinker, companions,
-                           closer)
+    return _C.make_backend(impl, opts.algo, cuda_factory, opts.cuda_algo, shrinker, **hierarchy)
+
+
+def _composed_all_reduce(hierarchical: Any, algo: str, t: torch.Tensor, op: int,
+                         async_op: bool) -> torch.futures.Future:
+    """The backend's CPU allreduce across hosts (pycomm/_hierarchy.py): a
+    future that completes with ``[t]``, completed already unless
+    ``async_op``."""
+    work = hierarchical.all_reduce(t, op, algo, async_op)
+    if work is not None:
+        return work.get_future()
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result([t])
+    return done
 
 
 def _shrink_backend(comm: Communicator, timeout: timedelta | float, opts: Options,

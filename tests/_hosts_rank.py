@@ -181,20 +181,58 @@ def check_async_and_groups(comm: pycomm.Communicator) -> None:
     half.close()
 
 
+def check_backend_ddp(r: int, n: int) -> None:
+    """torch DDP over the backend across hosts: each step's gradient is the
+    float64 mean of every rank's own gradient (all-gathered, summed here)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 300))  # buckets above SMALL_BYTES
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5)
+    for step in range(3):
+        inp = torch.randn(8, 64, generator=torch.Generator().manual_seed(step * n + r))
+        own = torch.autograd.grad(model(inp).square().sum(), list(model.parameters()))
+        ddp(inp).square().sum().backward()
+        for p, g in zip(model.parameters(), own):
+            grads = [torch.empty_like(g) for _ in range(n)]
+            dist.all_gather(grads, g)
+            want = sum(x.double() for x in grads) / n
+            assert (p.grad.double() - want).abs().max().item() < 1e-5, f"DDP step {step}"
+            p.grad = None
+
+
 def check_backend() -> None:
-    """init_process_group("pycomm") across hosts: the flat gloo ring inside
-    the c10d backend."""
+    """init_process_group("pycomm") across hosts: CPU allreduce composed by
+    the shm+gloo communicator (sync, async, non-contiguous, torch DDP), the
+    other collectives on its flat gloo ring; destroy_process_group closes
+    every part."""
     import torch.distributed as dist
 
     dist.init_process_group("pycomm")
     r, n = dist.get_rank(), dist.get_world_size()
-    inputs = [rank_input(q, 300_007, torch.float32, "sum") for q in range(n)]
-    t = inputs[r].clone()
-    dist.all_reduce(t)
-    assert_matches(t, reference(inputs, "sum"), "backend all_reduce")
     comm = pycomm.backend.get_communicator()
     assert comm.transport == "shm+gloo", comm.transport
     parts = [comm._impl.flat, comm._impl.intra, comm._impl.inter]
+    inputs = [rank_input(q, 300_007, torch.float32, "sum") for q in range(n)]
+    seqs = [p.seq for p in parts]
+    t = inputs[r].clone()
+    dist.all_reduce(t)
+    assert_matches(t, reference(inputs, "sum"), "backend all_reduce")
+    ran = [p.seq - s for p, s in zip(parts, seqs)]
+    # intra all-reduce + all-gather; inter: the shard and the odd tail element
+    assert ran == [0, 2, 2], f"composed (flat, intra, inter ops): {ran}"
+    t = inputs[r].clone()
+    work = dist.all_reduce(t, async_op=True)
+    (fut,) = work.get_future().wait()
+    work.wait()
+    assert_matches(fut, reference(inputs, "sum"), "backend async all_reduce")
+    big = torch.zeros(2 * inputs[r].numel())
+    big[::2] = inputs[r]
+    dist.all_reduce(big[::2], op=dist.ReduceOp.MAX)  # non-contiguous: the flat ring
+    assert_matches(big[::2], reference(inputs, "max"), "backend non-contiguous all_reduce")
+    assert not big[1::2].any(), "backend non-contiguous all_reduce wrote between"
+    check_backend_ddp(r, n)
     # A composed op still queued when the group ends runs first.
     queued = [inputs[r].clone() for _ in range(3)]
     works = [comm.all_reduce(q, async_op=True) for q in queued]

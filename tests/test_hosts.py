@@ -111,9 +111,9 @@ def test_loopback_hostname(ifname):
 
 
 def test_backend_across_hosts():
-    """The c10d backend wraps one C++ communicator: across hosts, the flat
-    gloo ring of the shm+gloo one; destroy_process_group closes its shm and
-    inter-host parts too."""
+    """The c10d backend across hosts: CPU allreduce composed by the shm+gloo
+    communicator (sync, async, torch DDP), other ops on its flat gloo ring;
+    destroy_process_group closes every part."""
     results = _run([2, 2], "backend")
     assert {t for _, t in _reported(results)} == {"shm+gloo"}
 

@@ -1,5 +1,6 @@
 #include "backend.h"
 
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <condition_variable>
@@ -50,6 +51,20 @@ std::shared_ptr<py::object> hold_python(py::object fn) {
   });
 }
 
+// A Python callable's result as R (under the GIL); py::cast_error if it is
+// not one.
+template <class R>
+R from_python(py::object result) {
+  return result.template cast<R>();
+}
+template <>
+c10::intrusive_ptr<c10::ivalue::Future> from_python(py::object result) {
+  if (!py::isinstance(result, py::module_::import("torch.futures").attr("Future"))) {
+    throw py::cast_error("got " + std::string(py::str(result.get_type())));
+  }
+  return torch::jit::toIValue(result, c10::FutureType::create(c10::AnyType::get())).toFuture();
+}
+
 // Calls pycomm/backend.py's callable `fn(args...)` with the GIL taken here
 // (c10d's bindings release it around every op) and casts its result to R.
 // Its Python exception becomes ValueError / TypeError / RuntimeError with the
@@ -62,7 +77,7 @@ R call_python(const py::object& fn, const std::string& op, const char* returns, 
   {
     py::gil_scoped_acquire gil;
     try {
-      return fn(std::forward<Args>(args)...).template cast<R>();
+      return from_python<R>(fn(std::forward<Args>(args)...));
     } catch (py::error_already_set& e) {
       if (e.matches(PyExc_ValueError)) {
         kind = PyExc_ValueError;
@@ -100,10 +115,26 @@ Shrinker shrinker_from_python(py::object fn) {
   };
 }
 
-// pycomm/backend.py's callable () -> None, run at shutdown.
-std::function<void()> closer_from_python(py::object fn) {
-  if (fn.is_none()) return {};
-  return [holder = hold_python(std::move(fn))] { call_python<void>(*holder, "shutdown", "None"); };
+// pycomm/backend.py's parts of a hierarchical communicator (see
+// ProcessGroupPycomm::Hierarchy): close() -> None and
+// all_reduce(tensor, op, async_op) -> torch.futures.Future (None: none).
+ProcessGroupPycomm::Hierarchy hierarchy_from_python(std::vector<std::shared_ptr<Comm>> parts,
+                                                    py::object close, py::object all_reduce) {
+  ProcessGroupPycomm::Hierarchy h;
+  h.parts = std::move(parts);
+  if (!close.is_none()) {
+    h.close = [holder = hold_python(std::move(close))] {
+      call_python<void>(*holder, "shutdown", "None");
+    };
+  }
+  if (!all_reduce.is_none()) {
+    h.all_reduce = [holder = hold_python(std::move(all_reduce))](const at::Tensor& t, int op,
+                                                                 bool async_op) {
+      return call_python<c10::intrusive_ptr<c10::ivalue::Future>>(
+          *holder, "allreduce", "a torch.futures.Future", t, op, async_op);
+    };
+  }
+  return h;
 }
 
 }  // namespace
@@ -305,23 +336,27 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::launch(c10d::OpType type, con
                                             outputs);
   }
   c10::intrusive_ptr<pycomm::Work> work = issue(*comm, true);
-  c10::intrusive_ptr<c10::ivalue::Future> future = work->future();
-  if (finish) {
-    // An error of the op passes through. CPU: runs on the worker as the op
-    // completes, before anyone waiting on the returned Work or its future
-    // sees it. CUDA: runs now (the op's future completed at the enqueue), on
-    // a stream that waits for the op; the continuation's future, and so the
-    // Work, are ordered after the copy.
-    future = future->then(
-        [finish = std::move(finish), outputs](c10::ivalue::Future& done) {
-          done.value();  // rethrows the op's error
-          finish();
-          return c10::IValue(outputs);
-        },
-        tensor_list_type());
-  }
+  c10::intrusive_ptr<c10::ivalue::Future> future = then_finish(work->future(), finish, outputs);
   return c10::make_intrusive<BackendWork>(rank_, type, std::move(work), std::move(future),
                                           std::move(outputs));
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> ProcessGroupPycomm::then_finish(
+    c10::intrusive_ptr<c10::ivalue::Future> future, Finish finish,
+    const std::vector<at::Tensor>& outputs) {
+  if (!finish) return future;
+  // An error of the op passes through. CPU: runs on the thread that completes
+  // the op, before anyone waiting on the returned Work or its future sees it
+  // (at once when it is complete already). CUDA: runs now (the op's future
+  // completed at the enqueue), on a stream that waits for the op; the
+  // continuation's future, and so the Work, are ordered after the copy.
+  return future->then(
+      [finish = std::move(finish), outputs](c10::ivalue::Future& done) {
+        done.value();  // rethrows the op's error
+        finish();
+        return c10::IValue(outputs);
+      },
+      tensor_list_type());
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Tensor>& tensors,
@@ -335,6 +370,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
   const int rop = reduce_op(opts.reduceOp, kOp);
   at::Tensor buf = contiguous_buffer(t);
   Finish finish = copy_back_when_staged(t, buf);
+  if (hierarchy_.all_reduce && dev.is_cpu()) {
+    // Composed across hosts (the hierarchical communicator falls back to
+    // the flat ring itself where it must).
+    check_not_coalescing(kOp);
+    ++seq_;
+    std::vector<at::Tensor> outputs{t};
+    auto future = then_finish(hierarchy_.all_reduce(buf, rop, opts.asyncOp), finish, outputs);
+    return c10::make_intrusive<BackendWork>(rank_, c10d::OpType::ALLREDUCE, nullptr,
+                                            std::move(future), std::move(outputs));
+  }
   const std::string algo = algo_for(dev);
   return launch(
       c10d::OpType::ALLREDUCE, kOp, dev, opts.asyncOp, {t},
@@ -600,15 +645,15 @@ void ProcessGroupPycomm::shutdown() {
   }
   // All, on every rank in the same order; the first failure is raised.
   std::exception_ptr err;
-  if (closer_) {
+  if (hierarchy_.close) {
     try {
-      closer_();
+      hierarchy_.close();
     } catch (...) {
       err = std::current_exception();
     }
   }
   std::vector<std::shared_ptr<Comm>> all{cuda, cpu_comm_};
-  all.insert(all.end(), companions_.begin(), companions_.end());
+  all.insert(all.end(), hierarchy_.parts.begin(), hierarchy_.parts.end());
   for (const auto& comm : all) {
     try {
       if (comm) comm->close();
@@ -627,7 +672,7 @@ void ProcessGroupPycomm::abort() {
     cuda = cuda_comm_;
   }
   std::vector<std::shared_ptr<Comm>> all{cuda, cpu_comm_};
-  all.insert(all.end(), companions_.begin(), companions_.end());
+  all.insert(all.end(), hierarchy_.parts.begin(), hierarchy_.parts.end());
   for (const auto& comm : all) {
     if (comm) comm->abort("aborted through torch.distributed");
   }
@@ -651,26 +696,30 @@ void bind_backend(py::module_& m) {
       "make_backend",
       [](std::shared_ptr<Comm> comm, const std::string& algo, py::object cuda_factory,
          const std::string& cuda_algo, py::object shrinker,
-         std::vector<std::shared_ptr<Comm>> companions,
-         py::object closer) -> c10::intrusive_ptr<c10d::Backend> {
+         std::vector<std::shared_ptr<Comm>> parts, py::object close,
+         py::object all_reduce) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(comm, "make_backend: comm is None");
         auto pg = c10::make_intrusive<ProcessGroupPycomm>(
             std::move(comm), algo, factory_from_python(std::move(cuda_factory)), cuda_algo);
         pg->set_shrinker(shrinker_from_python(std::move(shrinker)));
-        pg->set_companions(std::move(companions), closer_from_python(std::move(closer)));
+        pg->set_hierarchy(
+            hierarchy_from_python(std::move(parts), std::move(close), std::move(all_reduce)));
         return pg;
       },
       py::arg("comm"), py::arg("algo"), py::arg("cuda_factory") = py::none(),
       py::arg("cuda_algo") = "auto", py::arg("shrinker") = py::none(),
-      py::arg("companions") = std::vector<std::shared_ptr<Comm>>{}, py::arg("closer") = py::none(),
+      py::arg("parts") = std::vector<std::shared_ptr<Comm>>{}, py::arg("close") = py::none(),
+      py::arg("all_reduce") = py::none(),
       "A c10d Backend (torch._C._distributed_c10d.Backend) over the CPU communicator `comm`, "
       "for torch.distributed.Backend.register_backend (pycomm/backend.py). "
       "cuda_factory(device: str, op: str) -> Comm builds the CUDA communicator at the first "
       "CUDA operation (None: CPU tensors only). shrinker(ranks_to_exclude: list[int], flags: int, "
       "timeout_ms: int) -> Backend makes the survivors' backend for torch.distributed.shrink_group "
-      "(None: the backend does not support shrinking). companions: communicators closed and "
-      "aborted with the group's (the other parts of a hierarchical one); closer() runs first "
-      "at shutdown (the hierarchical communicator's close, which drains its queued ops).");
+      "(None: the backend does not support shrinking). Across hosts, `comm` is the flat ring of "
+      "a hierarchical communicator: parts (its shm and inter-host communicators) close and abort "
+      "with the group, close() runs first at shutdown (it drains the composed ops), and "
+      "all_reduce(tensor, op: int, async_op: bool) -> torch.futures.Future runs CPU allreduce "
+      "composed.");
   m.def(
       "backend_comm",
       [](const c10::intrusive_ptr<c10d::Backend>& backend,

@@ -111,17 +111,20 @@ class ProcessGroupPycomm final : public c10d::Backend {
       const std::vector<int64_t>& ranks_to_exclude, int shrink_flags = 0,
       const c10::intrusive_ptr<Options>& opts_override = nullptr) override;
   void set_shrinker(Shrinker shrinker) { shrinker_ = std::move(shrinker); }
-  // Communicators that live and die with this group but carry none of its
-  // ops here (across hosts: the shm and inter-host gloo parts of the
-  // hierarchical communicator, pycomm/_hierarchy.py), and the Python close of
-  // the object that composes them. shutdown() runs `closer` first (it lets
-  // the composed ops still queued finish, then closes the parts), then closes
-  // the CUDA, CPU and companion communicators (closing twice is harmless);
-  // abort() aborts them all.
-  void set_companions(std::vector<std::shared_ptr<Comm>> comms, std::function<void()> closer) {
-    companions_ = std::move(comms);
-    closer_ = std::move(closer);
-  }
+  // Across hosts ("shm+gloo", pycomm/_hierarchy.py): the CPU communicator is
+  // the flat gloo ring, and the hierarchical communicator that composes the
+  // shm and inter-host parts lives in Python. `parts`: those communicators,
+  // closed and aborted with the group. `close`: the Python close, run first
+  // at shutdown (the composed ops still queued finish, then the parts
+  // close; closing twice is harmless). `all_reduce(tensor, op, async_op)`:
+  // the composed all-reduce of a CPU tensor, a future completed with
+  // [tensor] (already completed when !async_op); CPU allreduce takes it.
+  struct Hierarchy {
+    std::vector<std::shared_ptr<Comm>> parts;
+    std::function<void()> close;
+    std::function<c10::intrusive_ptr<c10::ivalue::Future>(const at::Tensor&, int, bool)> all_reduce;
+  };
+  void set_hierarchy(Hierarchy h) { hierarchy_ = std::move(h); }
   // The communicator for tensors on `device` ("cpu", or CUDA: created now if
   // this is the group's first CUDA use, collectively); `op` names the caller
   // in errors (ValueError for a device this group cannot serve).
@@ -206,6 +209,11 @@ class ProcessGroupPycomm final : public c10d::Backend {
                                         const c10::Device& device, bool async_op,
                                         std::vector<at::Tensor> outputs, const Issue& issue,
                                         Finish finish);
+  // `future`, or (with a `finish`) its continuation that runs `finish` once
+  // the op succeeded and completes with `outputs`.
+  static c10::intrusive_ptr<c10::ivalue::Future> then_finish(
+      c10::intrusive_ptr<c10::ivalue::Future> future, Finish finish,
+      const std::vector<at::Tensor>& outputs);
   // Issues an op of one flat output and one flat input (the _base variants,
   // reduce_scatter over its flattened list): the staging path they share.
   // Each tensor is staged in a contiguous buffer when it is not contiguous,
@@ -226,8 +234,7 @@ class ProcessGroupPycomm final : public c10d::Backend {
   int reduce_op(const c10d::ReduceOp& op, const char* opname) const;
 
   std::shared_ptr<Comm> cpu_comm_;
-  std::vector<std::shared_ptr<Comm>> companions_;
-  std::function<void()> closer_;  // empty: nothing to run first
+  Hierarchy hierarchy_;  // empty: one host (or no hierarchy)
   std::string cpu_algo_;
   CommFactory cuda_factory_;
   Shrinker shrinker_;  // empty: supportsShrinking() is false
