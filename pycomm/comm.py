@@ -202,7 +202,8 @@ class Communicator:
     ) -> Work | None:
         """``output`` (m elements) on rank r gets op over ranks of
         ``input[r*m:(r+1)*m]``; ``input`` has world_size * m elements
-        (like ``torch.distributed.reduce_scatter_tensor``)."""
+        (like ``torch.distributed.reduce_scatter_tensor``). ``algo`` as in
+        :meth:`all_reduce` ("auto" on shm: "direct")."""
         _need_tensors("reduce_scatter", output=output, input=input)
         return self._impl.reduce_scatter(output, input, _to_op(op), algo, async_op)
 

@@ -220,8 +220,9 @@ def check_backend() -> None:
     dist.all_reduce(t)
     assert_matches(t, reference(inputs, "sum"), "backend all_reduce")
     ran = [p.seq - s for p, s in zip(parts, seqs)]
-    # intra all-reduce + all-gather; inter: the shard and the odd tail element
-    assert ran == [0, 2, 2], f"composed (flat, intra, inter ops): {ran}"
+    # intra: reduce-scatter, all-reduce of the odd tail element, all-gather;
+    # inter: the shard and the tail
+    assert ran == [0, 3, 2], f"composed (flat, intra, inter ops): {ran}"
     t = inputs[r].clone()
     work = dist.all_reduce(t, async_op=True)
     (fut,) = work.get_future().wait()

@@ -77,20 +77,31 @@ def test_all_reduce_spans_many_slices(transport, world_size):
 
 # ---------------------------------------------------------------- reduce_scatter / all_gather
 
-def _reduce_scatter_cases(comm):
+def _reduce_scatter_cases(comm, algo="auto", large=False):
+    """Every dtype and a few ops against float64 references, out of place
+    and in place (the output is this rank's block of the input, as NCCL
+    allows); ``large``: blocks that span many pieces of shm's buffers."""
     n, r = comm.world_size, comm.rank
-    for m in [0, 1, 7, 1000]:
+    for m in [0, 1, 7, 1000] + ([150_001] if large else []):
         for dtype in DTYPES:
             for op in ["sum", "max", "avg"]:
                 if op == "avg" and not dtype.is_floating_point:
                     continue
                 inputs = [rank_input(q, n * m, dtype, op) for q in range(n)]
+                want = reference(inputs, op)[r * m:(r + 1) * m]
                 mine = inputs[r].clone()
                 out = torch.empty(m, dtype=dtype)
-                comm.reduce_scatter(out, mine, op=op)
+                comm.reduce_scatter(out, mine, op=op, algo=algo)
                 assert torch.equal(mine, inputs[r]), "reduce_scatter modified its input"
-                assert_matches(out, reference(inputs, op)[r * m:(r + 1) * m],
-                               f"reduce_scatter {op} {dtype} m={m}")
+                assert_matches(out, want, f"reduce_scatter {algo} {op} {dtype} m={m}")
+                comm.reduce_scatter(mine[r * m:(r + 1) * m], mine, op=op, algo=algo)
+                assert torch.equal(mine[r * m:(r + 1) * m], out), \
+                    f"reduce_scatter {algo} in place {op} {dtype} m={m}"
+                if n > 1 and m > 1:  # another overlap: the output starts inside the input
+                    mine = inputs[r].clone()
+                    comm.reduce_scatter(mine[1:m + 1], mine, op=op, algo=algo)
+                    assert torch.equal(mine[1:m + 1], out), \
+                        f"reduce_scatter {algo} overlapping {op} {dtype} m={m}"
 
 
 def _all_gather_cases(comm):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests._dist import client_store, run_ranks, spawn_ranks, COMM_TIMEOUT
-from tests.test_collectives import _all_reduce_cases
+from tests.test_collectives import _all_reduce_cases, _reduce_scatter_cases
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shm")
 
@@ -53,6 +53,32 @@ def test_direct_all_reduce_many_pieces_three_buffers(world_size):
     per_rank = spawn_ranks(_direct_odd_geometry, world_size)
     for r in range(1, world_size):
         assert per_rank[r] == per_rank[0], f"rank {r} differs from rank 0"
+
+
+def _direct_reduce_scatter(rank, world_size, port):
+    # 64 KiB buffers, 3 in rotation: the large blocks span dozens of pieces.
+    import pycomm
+
+    os.environ.update(PYCOMM_SHM_DIRECT_BYTES="65536", PYCOMM_SHM_DIRECT_BUFFERS="3")
+    store = client_store(port, world_size)
+    comm = pycomm.init(rank=rank, world_size=world_size, store=store, transport="shm",
+                       timeout=COMM_TIMEOUT)
+    try:
+        _reduce_scatter_cases(comm, "direct", True)
+        # "auto" is direct on shm: the same bits as "direct", in rank order
+        x = torch.randn(world_size * 70_001, generator=torch.Generator().manual_seed(rank))
+        outs = [torch.empty(70_001) for _ in range(3)]
+        for out, algo in zip(outs, ["direct", "auto", "ring"]):
+            comm.reduce_scatter(out, x, algo=algo)
+        assert torch.equal(outs[0], outs[1])
+        torch.testing.assert_close(outs[0], outs[2])
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_direct_reduce_scatter(world_size):
+    spawn_ranks(_direct_reduce_scatter, world_size)
 
 
 def _algo_mix(comm):

@@ -178,4 +178,15 @@ using AdoptFn = std::function<std::shared_ptr<SymmetricRegion>(SharedBuffers& sb
 bool direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
                        const SymmetricRegion* sym = nullptr, const AdoptFn& adopt = nullptr);
 
+// Reduce-scatter over SharedBuffers: `in` holds n blocks of `m` elements
+// (block r for rank r), `out` gets this rank's block reduced over the ranks
+// (rank order, the same expression as direct_all_reduce's one-shot; AVG
+// scaled by 1/n). In pieces: each rank stages its n blocks' next piece in a
+// shared buffer, all meet, and each reduces its own block's piece straight
+// from the buffers (its own input from `in`): per rank one copy of the input
+// and one read of it, against the ring's copy of the whole input into a work
+// buffer and 2(n-1) steps. Throws UsageError without SharedBuffers.
+void direct_reduce_scatter(const Context& ctx, const void* in, void* out, size_t m, DType dtype,
+                           ReduceOp op);
+
 }  // namespace pycomm

@@ -1,5 +1,6 @@
 // Direct collectives over Transport::shared_buffers(); see algorithms.h.
 #include <algorithm>
+#include <vector>
 
 #include "algorithms.h"
 
@@ -148,6 +149,60 @@ bool from_region(SharedBuffers& sb, Reducer& red, int n, int me, const Symmetric
 }
 
 }  // namespace
+
+void direct_reduce_scatter(const Context& ctx, const void* in, void* out, size_t m, DType dtype,
+                           ReduceOp op) {
+  Transport& tr = ctx.transport;
+  const int n = tr.world_size();
+  const int me = tr.rank();
+  SharedBuffers* sb = tr.shared_buffers();
+  if (sb == nullptr) {
+    throw UsageError(
+        "reduce_scatter: algo 'direct' needs a shared-memory transport "
+        "(transport='shm'), not " +
+        tr.name());
+  }
+  const size_t es = dtype_size(dtype);
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  if (n == 1) {
+    ctx.reducer.copy(dst, src, m * es);
+    return;
+  }
+  // `out` overlapping `in` other than as its block `me` (in place): read a
+  // private copy of the input, so writing `out` cannot change what is staged.
+  std::vector<char> copy;
+  const size_t in_bytes = n * m * es;
+  if (dst < src + in_bytes && src < dst + m * es && dst != src + me * m * es) {
+    copy.assign(src, src + in_bytes);
+    src = copy.data();
+  }
+  // Piece of p elements at offset b of every output block: each rank stages
+  // its n input blocks' pieces side by side (block r at r * p), arrives, and
+  // reduces piece `me` of every rank's buffer into its output, in rank order.
+  // Its own block it reads from `in`, not staged, unless it is `out` (in
+  // place) on a rank >= 2: reduce_all writes `out` in its first step, before
+  // it reads that rank's term.
+  const char* own = src + me * m * es;
+  const bool stage_own = dst == own && me >= 2;
+  const size_t p = std::max<size_t>(1, sb->capacity() / (es * n));
+  for (size_t b = 0; b < m; b += p) {
+    const size_t len = std::min(p, m - b);
+    const int which = sb->next_buffer();
+    char* staged = static_cast<char*>(sb->local(which));
+    for (int r = 0; r < n; ++r) {
+      if (r != me || stage_own) {
+        ctx.reducer.copy(staged + r * p * es, src + (r * m + b) * es, len * es);
+      }
+    }
+    sb->arrive_and_wait(sb->next_epoch(), which, 0);
+    auto block = [&](int r) {
+      return r == me && !stage_own ? own + b * es
+                                   : static_cast<const char*>(sb->remote(r, which)) + me * p * es;
+    };
+    reduce_all(ctx.reducer, dst + b * es, block, n, len, dtype, op);
+  }
+}
 
 bool direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
                        const SymmetricRegion* sym, const AdoptFn& adopt) {

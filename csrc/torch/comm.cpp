@@ -163,9 +163,12 @@ AlgoKind Comm::pick(const std::string& algo, CollKind coll, size_t bytes, bool w
     }
     return AlgoKind::kNative;
   }
+  // The collectives with a direct (shared-buffer) algorithm.
+  const bool has_direct = is_all_reduce || coll == CollKind::kReduceScatter;
   if (algo == "direct") {
-    if (!is_all_reduce) {
-      throw UsageError(join_msg({op, ": algo='direct' is only implemented for all_reduce"}));
+    if (!has_direct) {
+      throw UsageError(
+          join_msg({op, ": algo='direct' is only implemented for all_reduce and reduce_scatter"}));
     }
     if (wire) {
       throw UsageError(
@@ -173,10 +176,8 @@ AlgoKind Comm::pick(const std::string& algo, CollKind coll, size_t bytes, bool w
           "(direct reduces straight from shared memory: nothing is sent)");
     }
     if (!exec_->shared_buffers()) {
-      throw UsageError(
-          join_msg({"all_reduce: algo='direct' needs transport='shm', this "
-                    "communicator uses ",
-                    transport_name_}));
+      throw UsageError(join_msg(
+          {op, ": algo='direct' needs transport='shm', this communicator uses ", transport_name_}));
     }
     return AlgoKind::kDirect;
   }
@@ -194,11 +195,11 @@ AlgoKind Comm::pick(const std::string& algo, CollKind coll, size_t bytes, bool w
       const AlgoKind k = algo_kind(a);
       const bool runnable = k == AlgoKind::kRing ||
                             (k == AlgoKind::kNative && exec_->native_collectives()) ||
-                            (k == AlgoKind::kDirect && is_all_reduce && exec_->shared_buffers());
+                            (k == AlgoKind::kDirect && has_direct && exec_->shared_buffers());
       if (runnable && (max_bytes < 0 || bytes <= static_cast<size_t>(max_bytes))) return k;
     }
   }
-  if (is_all_reduce && exec_->shared_buffers() && bytes <= direct_max_bytes_) {
+  if (has_direct && exec_->shared_buffers() && bytes <= direct_max_bytes_) {
     return AlgoKind::kDirect;
   }
   return exec_->native_collectives() ? AlgoKind::kNative : AlgoKind::kRing;
@@ -351,7 +352,7 @@ c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::T
   const void* src = in.data_ptr();
   void* dst = out.data_ptr();
   // The ring reduces in place, so it works on a copy of the input.
-  at::Tensor buf = kind == AlgoKind::kNative ? at::Tensor() : exec_->empty_like(in);
+  at::Tensor buf = kind == AlgoKind::kRing ? exec_->empty_like(in) : at::Tensor();
   void* work = buf.defined() ? buf.data_ptr() : nullptr;
   return launch(
       kOp, {out},
@@ -361,6 +362,9 @@ c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::T
                    switch (kind) {
                      case AlgoKind::kNative:
                        ctx.transport.wait(native(ctx).reduce_scatter(src, dst, m, dt, rop));
+                       break;
+                     case AlgoKind::kDirect:
+                       direct_reduce_scatter(ctx, src, dst, m, dt, rop);
                        break;
                      default: ring_reduce_scatter_out(ctx, src, work, dst, m, dt, rop); break;
                    }
