@@ -124,3 +124,22 @@ def test_no_shared_memory_on_one_host_falls_back_together():
     results = _run([2, 2], "auto", {"PYCOMM_TEST_NO_SHM_ON_HOST": "1"})
     assert {t for _, t in _reported(results)} == {"gloo"}
     assert all("runs the flat gloo ring across hosts (host of rank" in r.stderr for r in results)
+
+
+@pytest.mark.slow
+def test_socket_bound_runs(tmp_path):
+    """benchmarks/hosts/socket_bound.py: every series measured on 2x2 hosts
+    (a smoke run; benchmarks measure, tests only check they run)."""
+    out = tmp_path / "bound.json"
+    res = subprocess.run([sys.executable, os.path.join(_ROOT, "benchmarks", "hosts",
+                                                       "socket_bound.py"),
+                          "--bytes", "1M", "--calls", "2", "--json", str(out)],
+                         capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "PYTHONPATH": _ROOT})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "most any all-reduce could gain over torch gloo here" in res.stdout
+    import json
+    data = json.loads(out.read_text())
+    series = [k for k in data if k.endswith("_s")]
+    assert len(series) == 9 and all(len(data[k]) == 2 for k in series), series
+    assert set(data["cpu_busy"]) == set(series)
