@@ -99,8 +99,8 @@ def _timed(fn, calls: int, name: str = "") -> list[float]:
         busy, total = busy + b1 - b0, total + t1_ticks - t0_ticks
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         times.append(dt.item())
-    if name and total:
-        BUSY[name] = busy / total
+    if name:  # NaN: calls too short for /proc/stat's ticks
+        BUSY[name] = busy / total if total else float("nan")
     return times
 
 
