@@ -31,7 +31,7 @@ def test_direct_all_reduce_every_op_dtype_size(world_size):
         assert per_rank[r] == per_rank[0], f"rank {r} differs from rank 0"
 
 
-def _direct_odd_geometry(rank, world_size, port):
+def _odd_geometry(rank, world_size, port, body):
     # 64 KiB pieces (the smallest that take the two-shot path on 3 ranks; the
     # large cases span over a hundred) and 3 buffers in rotation (not a power
     # of two): the buffer-reuse rule must hold for any rotation length. The
@@ -43,42 +43,38 @@ def _direct_odd_geometry(rank, world_size, port):
     comm = pycomm.init(rank=rank, world_size=world_size, store=store, transport="shm",
                        timeout=COMM_TIMEOUT)
     try:
-        return _all_reduce_cases(comm, "direct", True)
+        return body(comm)
     finally:
         comm.close()
+
+
+def _direct_all_reduces(comm):
+    return _all_reduce_cases(comm, "direct", True)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_direct_all_reduce_many_pieces_three_buffers(world_size):
-    per_rank = spawn_ranks(_direct_odd_geometry, world_size)
+    per_rank = spawn_ranks(_odd_geometry, world_size, _direct_all_reduces)
     for r in range(1, world_size):
         assert per_rank[r] == per_rank[0], f"rank {r} differs from rank 0"
 
 
-def _direct_reduce_scatter(rank, world_size, port):
-    # 64 KiB buffers, 3 in rotation: the large blocks span dozens of pieces.
-    import pycomm
-
-    os.environ.update(PYCOMM_SHM_DIRECT_BYTES="65536", PYCOMM_SHM_DIRECT_BUFFERS="3")
-    store = client_store(port, world_size)
-    comm = pycomm.init(rank=rank, world_size=world_size, store=store, transport="shm",
-                       timeout=COMM_TIMEOUT)
-    try:
-        _reduce_scatter_cases(comm, "direct", True)
-        # "auto" is direct on shm: the same bits as "direct", in rank order
-        x = torch.randn(world_size * 70_001, generator=torch.Generator().manual_seed(rank))
-        outs = [torch.empty(70_001) for _ in range(3)]
-        for out, algo in zip(outs, ["direct", "auto", "ring"]):
-            comm.reduce_scatter(out, x, algo=algo)
-        assert torch.equal(outs[0], outs[1])
-        torch.testing.assert_close(outs[0], outs[2])
-    finally:
-        comm.close()
+def _direct_reduce_scatters(comm):
+    _reduce_scatter_cases(comm, "direct", True)
+    # "auto" is direct on shm: the same bits as "direct", in rank order
+    n = comm.world_size
+    x = torch.randn(n * 70_001, generator=torch.Generator().manual_seed(comm.rank))
+    outs = [torch.empty(70_001) for _ in range(3)]
+    for out, algo in zip(outs, ["direct", "auto", "ring"]):
+        comm.reduce_scatter(out, x, algo=algo)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_direct_reduce_scatter(world_size):
-    spawn_ranks(_direct_reduce_scatter, world_size)
+    """Pieces of 64 KiB in 3 buffers: blocks span dozens of them."""
+    spawn_ranks(_odd_geometry, world_size, _direct_reduce_scatters)
 
 
 def _algo_mix(comm):
