@@ -21,11 +21,10 @@ other, and :class:`HierarchicalComm` composes their existing algorithms
     Each rank sends 2(H-1)/H * B/L bytes between hosts, instead of the flat
     ring's 2(n-1)/n * B (n = H*L ranks).
 
-Step 1 is an all-reduce instead for a tensor in symmetric memory (or
-offered to it: ``register``), which shm's all-reduce reduces from in place.
-Messages up to :data:`SMALL_BYTES` take that all-reduce too and skip step 3:
-every column then all-reduces the whole tensor between hosts at once (the
-columns hold the same bits, so every rank ends with the same result). broadcast, reduce_scatter and all_gather
+Messages up to :data:`SMALL_BYTES` take an intra all-reduce instead and
+skip step 3: every column then all-reduces the whole tensor between hosts at
+once (the columns hold the same bits, so every rank ends with the same
+result). ``register=True`` counts only there (steps 1-3 stage). broadcast, reduce_scatter and all_gather
 compose likewise (see their docstrings); send/recv use shm inside a host and
 the flat gloo communicator between hosts; reduce, gather, scatter, all-to-all and barrier
 run on the flat communicator. Calls the composition does not cover
@@ -354,10 +353,12 @@ class HierarchicalComm:
                 outputs, error = run(), None
             except BaseException as e:  # noqa: BLE001 - handed to the op's Work
                 outputs, error = None, e
+            # Its callbacks run (here) before the op counts as done: an op a
+            # callback issues runs inline, ahead of any issued meanwhile.
+            work.finish(outputs, error)
             with self._idle:
                 self._queued -= 1
                 self._idle.notify_all()
-            work.finish(outputs, error)
 
     def _drain(self) -> None:
         """Waits until the composed ops issued before have run."""
@@ -385,11 +386,11 @@ class HierarchicalComm:
         m = 0 if t.nbytes <= SMALL_BYTES else flat.numel() // self._n_local
         whole = m * self._n_local
         mine = flat[self._local * m:(self._local + 1) * m]
-        # 1. In place. A reduce-scatter leaves this rank its block summed over
-        # the host (half an all-reduce's memory traffic); a tensor in (or
-        # offered to) symmetric memory takes the all-reduce, which reduces
-        # from there. Then the tail of fewer than L elements.
-        if m and not (offer or self.intra.is_registered(t)):
+        # 1. In place: a reduce-scatter leaves this rank its block summed over
+        # the host, then the tail of fewer than L elements. Every rank takes
+        # the same ops whatever it offers or registered (`offer` counts only
+        # in the small all-reduce, which negotiates it).
+        if m:
             self.intra.reduce_scatter(mine, flat[:whole], op, algo, False)
             if whole < flat.numel():
                 self.intra.all_reduce(flat[whole:], op, algo, False)

@@ -227,6 +227,7 @@ def _make_backend(comm: Communicator, store: Any, timeout: timedelta | float,
     if comm.transport == "shm+gloo":
         impl = comm._impl.flat
         hierarchy = {"parts": [comm._impl.intra, comm._impl.inter], "close": comm._impl.close,
+                     "drain": comm._impl._drain,
                      "all_reduce": functools.partial(_composed_all_reduce, comm._impl, str(opts.algo))}
     _communicators[id(impl)] = comm
     cuda_factory = functools.partial(_create_cuda_communicator, store, comm.rank,
@@ -236,10 +237,13 @@ def _make_backend(comm: Communicator, store: Any, timeout: timedelta | float,
 
 
 def _composed_all_reduce(hierarchical: Any, algo: str, t: torch.Tensor, op: int,
-                         async_op: bool) -> torch.futures.Future:
-    """The backend's CPU allreduce across hosts (pycomm/_hierarchy.py): a
-    future that completes with ``[t]``, completed already unless
+                         async_op: bool, before: Any) -> torch.futures.Future:
+    """The backend's CPU allreduce across hosts (pycomm/_hierarchy.py), run
+    after ``before`` (the last async op the backend issued on the flat ring,
+    or None): a future that completes with ``[t]``, completed already unless
     ``async_op``."""
+    if before is not None:
+        hierarchical._flat_work = before
     work = hierarchical.all_reduce(t, op, algo, async_op)
     if work is not None:
         return work.get_future()

@@ -51,6 +51,7 @@ def check_collectives(comm: pycomm.Communicator) -> None:
     check_rooted(comm)
     check_async_and_groups(comm)
     if comm.transport == "shm+gloo":
+        check_register_on_some_ranks(comm)
         check_interleaved(comm)
         check_ddp(comm)
     # p2p both ways around the ring (crosses hosts at every host boundary)
@@ -79,6 +80,21 @@ def check_collectives(comm: pycomm.Communicator) -> None:
         except NotImplementedError as e:
             assert "across hosts" in str(e)
     comm.barrier()
+
+
+def check_register_on_some_ranks(comm: pycomm.Communicator) -> None:
+    """register=True on some ranks only, and a tensor registered on one rank
+    while its peer's is not: every rank still issues the same ops (the
+    offer is negotiated, never a per-rank choice of algorithm)."""
+    r, n = comm.rank, comm.world_size
+    for count in (1021, 300_007):  # the small all-reduce, then steps 1-3
+        inputs = [rank_input(q, count, torch.float32, "sum") for q in range(n)]
+        t = inputs[r].clone()
+        comm.all_reduce(t, register=r % 2 == 0)
+        assert_matches(t, reference(inputs, "sum"), f"all_reduce {count}, register on some")
+        t = inputs[r].clone()
+        comm.all_reduce(t)
+        assert_matches(t, reference(inputs, "sum"), f"all_reduce {count} after it")
 
 
 def check_interleaved(comm: pycomm.Communicator) -> None:
@@ -202,6 +218,29 @@ def check_backend_ddp(r: int, n: int) -> None:
             p.grad = None
 
 
+def check_backend_order(r: int, n: int, inputs: list[torch.Tensor]) -> None:
+    """The group's ops run in the order issued, composed or on the flat
+    ring: each op here reads what the async one before it wrote."""
+    import torch.distributed as dist
+
+    total = reference(inputs, "sum")
+    for _ in range(2):
+        t = inputs[r].clone()
+        work = dist.all_reduce(t, async_op=True)  # composed
+        dist.broadcast(t, src=n - 1)  # flat, after it
+        work.wait()
+        assert_matches(t, total, "broadcast after an async composed all_reduce")
+        t = inputs[r].clone()
+        work = dist.broadcast(t, src=1, async_op=True)  # flat
+        dist.all_reduce(t)  # composed, after it
+        work.wait()
+        assert torch.equal(t, inputs[1] * n), "all_reduce after an async broadcast"
+        t = inputs[r].clone()
+        dist.all_reduce(t, async_op=True)
+        dist.barrier()  # after the all_reduce, as torch's gloo barrier
+        assert_matches(t, total, "barrier after an async composed all_reduce")
+
+
 def check_backend() -> None:
     """init_process_group("pycomm") across hosts: CPU allreduce composed by
     the shm+gloo communicator (sync, async, non-contiguous, torch DDP), the
@@ -230,9 +269,10 @@ def check_backend() -> None:
     assert_matches(fut, reference(inputs, "sum"), "backend async all_reduce")
     big = torch.zeros(2 * inputs[r].numel())
     big[::2] = inputs[r]
-    dist.all_reduce(big[::2], op=dist.ReduceOp.MAX)  # non-contiguous: the flat ring
+    dist.all_reduce(big[::2], op=dist.ReduceOp.MAX)  # non-contiguous: staged, then composed
     assert_matches(big[::2], reference(inputs, "max"), "backend non-contiguous all_reduce")
     assert not big[1::2].any(), "backend non-contiguous all_reduce wrote between"
+    check_backend_order(r, n, inputs)
     check_backend_ddp(r, n)
     # A composed op still queued when the group ends runs first.
     queued = [inputs[r].clone() for _ in range(3)]

@@ -188,5 +188,11 @@ bool direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
 // buffer and 2(n-1) steps. Throws UsageError without SharedBuffers.
 void direct_reduce_scatter(const Context& ctx, const void* in, void* out, size_t m, DType dtype,
                            ReduceOp op);
+// Whether a piece of direct_reduce_scatter holds one element of every rank
+// (buffers of `capacity` bytes; the same answer on every rank); if not, it
+// runs the ring.
+inline bool direct_reduce_scatter_fits(size_t capacity, int n, size_t elem_size) {
+  return capacity >= static_cast<size_t>(n) * elem_size;
+}
 
 }  // namespace pycomm

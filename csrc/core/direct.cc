@@ -1,5 +1,6 @@
 // Direct collectives over Transport::shared_buffers(); see algorithms.h.
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "algorithms.h"
@@ -166,7 +167,15 @@ void direct_reduce_scatter(const Context& ctx, const void* in, void* out, size_t
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   if (n == 1) {
-    ctx.reducer.copy(dst, src, m * es);
+    std::memmove(dst, src, m * es);  // the output may overlap the input
+    return;
+  }
+  if (!direct_reduce_scatter_fits(sb->capacity(), n, es)) {
+    // Buffers smaller than one element per rank (a tiny
+    // PYCOMM_SHM_DIRECT_BYTES; the same on every rank): the ring, which
+    // copies the input first.
+    std::vector<char> work(n * m * es);
+    ring_reduce_scatter_out(ctx, in, work.data(), out, m, dtype, op);
     return;
   }
   // `out` overlapping `in` other than as its block `me` (in place): read a
@@ -185,7 +194,7 @@ void direct_reduce_scatter(const Context& ctx, const void* in, void* out, size_t
   // it reads that rank's term.
   const char* own = src + me * m * es;
   const bool stage_own = dst == own && me >= 2;
-  const size_t p = std::max<size_t>(1, sb->capacity() / (es * n));
+  const size_t p = sb->capacity() / (es * n);  // >= 1: it fits
   for (size_t b = 0; b < m; b += p) {
     const size_t len = std::min(p, m - b);
     const int which = sb->next_buffer();

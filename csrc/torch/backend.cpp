@@ -60,7 +60,7 @@ R from_python(py::object result) {
 template <>
 c10::intrusive_ptr<c10::ivalue::Future> from_python(py::object result) {
   if (!py::isinstance(result, py::module_::import("torch.futures").attr("Future"))) {
-    throw py::cast_error("got " + std::string(py::str(result.get_type())));
+    throw py::cast_error("got " + std::string(py::str(py::type::handle_of(result))));
   }
   return torch::jit::toIValue(result, c10::FutureType::create(c10::AnyType::get())).toFuture();
 }
@@ -116,10 +116,11 @@ Shrinker shrinker_from_python(py::object fn) {
 }
 
 // pycomm/backend.py's parts of a hierarchical communicator (see
-// ProcessGroupPycomm::Hierarchy): close() -> None and
-// all_reduce(tensor, op, async_op) -> torch.futures.Future (None: none).
+// ProcessGroupPycomm::Hierarchy): close() -> None, drain() -> None and
+// all_reduce(tensor, op, async_op, before) -> torch.futures.Future (None: none).
 ProcessGroupPycomm::Hierarchy hierarchy_from_python(std::vector<std::shared_ptr<Comm>> parts,
-                                                    py::object close, py::object all_reduce) {
+                                                    py::object close, py::object drain,
+                                                    py::object all_reduce) {
   ProcessGroupPycomm::Hierarchy h;
   h.parts = std::move(parts);
   if (!close.is_none()) {
@@ -127,11 +128,17 @@ ProcessGroupPycomm::Hierarchy hierarchy_from_python(std::vector<std::shared_ptr<
       call_python<void>(*holder, "shutdown", "None");
     };
   }
+  if (!drain.is_none()) {
+    h.drain = [holder = hold_python(std::move(drain))] {
+      call_python<void>(*holder, "drain", "None");
+    };
+  }
   if (!all_reduce.is_none()) {
-    h.all_reduce = [holder = hold_python(std::move(all_reduce))](const at::Tensor& t, int op,
-                                                                 bool async_op) {
+    h.all_reduce = [holder = hold_python(std::move(all_reduce))](
+                       const at::Tensor& t, int op, bool async_op,
+                       c10::intrusive_ptr<pycomm::Work> before) {
       return call_python<c10::intrusive_ptr<c10::ivalue::Future>>(
-          *holder, "allreduce", "a torch.futures.Future", t, op, async_op);
+          *holder, "allreduce", "a torch.futures.Future", t, op, async_op, std::move(before));
     };
   }
   return h;
@@ -232,7 +239,10 @@ ProcessGroupPycomm::ProcessGroupPycomm(std::shared_ptr<Comm> cpu_comm, std::stri
 ProcessGroupPycomm::~ProcessGroupPycomm() = default;
 
 std::shared_ptr<Comm> ProcessGroupPycomm::comm_for(c10::Device device, const char* op) {
-  if (device.is_cpu()) return cpu_comm_;
+  if (device.is_cpu()) {
+    if (hierarchy_.drain) hierarchy_.drain();  // after the composed ops issued before
+    return cpu_comm_;
+  }
   TORCH_CHECK_VALUE(device.is_cuda(), op,
                     ": the pycomm backend runs on CPU and CUDA tensors, got one on ", device.str());
   if (!device.has_index()) device = c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice();
@@ -336,6 +346,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::launch(c10d::OpType type, con
                                             outputs);
   }
   c10::intrusive_ptr<pycomm::Work> work = issue(*comm, true);
+  issued_flat(device, work);
   c10::intrusive_ptr<c10::ivalue::Future> future = then_finish(work->future(), finish, outputs);
   return c10::make_intrusive<BackendWork>(rank_, type, std::move(work), std::move(future),
                                           std::move(outputs));
@@ -375,8 +386,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
     // the flat ring itself where it must).
     check_not_coalescing(kOp);
     ++seq_;
+    c10::intrusive_ptr<pycomm::Work> before;
+    {
+      std::lock_guard<std::mutex> lk(flat_mu_);
+      before = std::move(last_flat_);
+    }
     std::vector<at::Tensor> outputs{t};
-    auto future = then_finish(hierarchy_.all_reduce(buf, rop, opts.asyncOp), finish, outputs);
+    // The continuation also gives the future a TensorList, as the flat path's.
+    auto future = then_finish(hierarchy_.all_reduce(buf, rop, opts.asyncOp, std::move(before)),
+                              finish ? std::move(finish) : Finish([] {}), outputs);
     return c10::make_intrusive<BackendWork>(rank_, c10d::OpType::ALLREDUCE, nullptr,
                                             std::move(future), std::move(outputs));
   }
@@ -592,6 +610,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::endCoalescing() {
   }
   const std::shared_ptr<Comm> comm = comm_for(device.get(), kOp);
   c10::intrusive_ptr<pycomm::Work> work = comm->batch_p2p(reqs);
+  issued_flat(device.get(), work);
   // On completion (CUDA: at the enqueue, on a stream ordered after the batch):
   // staged receives copied back, then each op's own future.
   auto future = work->future()->then(
@@ -634,6 +653,13 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupPycomm::shrink(
   }
   if (cuda) cuda->abort("the process group was shrunk (torch.distributed.shrink_group)");
   return survivors;
+}
+
+void ProcessGroupPycomm::issued_flat(const c10::Device& device,
+                                     const c10::intrusive_ptr<pycomm::Work>& work) {
+  if (!hierarchy_.all_reduce || !device.is_cpu() || !work) return;
+  std::lock_guard<std::mutex> lk(flat_mu_);
+  last_flat_ = work;
 }
 
 void ProcessGroupPycomm::shutdown() {
@@ -696,20 +722,20 @@ void bind_backend(py::module_& m) {
       "make_backend",
       [](std::shared_ptr<Comm> comm, const std::string& algo, py::object cuda_factory,
          const std::string& cuda_algo, py::object shrinker,
-         std::vector<std::shared_ptr<Comm>> parts, py::object close,
+         std::vector<std::shared_ptr<Comm>> parts, py::object close, py::object drain,
          py::object all_reduce) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(comm, "make_backend: comm is None");
         auto pg = c10::make_intrusive<ProcessGroupPycomm>(
             std::move(comm), algo, factory_from_python(std::move(cuda_factory)), cuda_algo);
         pg->set_shrinker(shrinker_from_python(std::move(shrinker)));
-        pg->set_hierarchy(
-            hierarchy_from_python(std::move(parts), std::move(close), std::move(all_reduce)));
+        pg->set_hierarchy(hierarchy_from_python(std::move(parts), std::move(close),
+                                                std::move(drain), std::move(all_reduce)));
         return pg;
       },
       py::arg("comm"), py::arg("algo"), py::arg("cuda_factory") = py::none(),
       py::arg("cuda_algo") = "auto", py::arg("shrinker") = py::none(),
       py::arg("parts") = std::vector<std::shared_ptr<Comm>>{}, py::arg("close") = py::none(),
-      py::arg("all_reduce") = py::none(),
+      py::arg("drain") = py::none(), py::arg("all_reduce") = py::none(),
       "A c10d Backend (torch._C._distributed_c10d.Backend) over the CPU communicator `comm`, "
       "for torch.distributed.Backend.register_backend (pycomm/backend.py). "
       "cuda_factory(device: str, op: str) -> Comm builds the CUDA communicator at the first "
@@ -717,9 +743,9 @@ void bind_backend(py::module_& m) {
       "timeout_ms: int) -> Backend makes the survivors' backend for torch.distributed.shrink_group "
       "(None: the backend does not support shrinking). Across hosts, `comm` is the flat ring of "
       "a hierarchical communicator: parts (its shm and inter-host communicators) close and abort "
-      "with the group, close() runs first at shutdown (it drains the composed ops), and "
-      "all_reduce(tensor, op: int, async_op: bool) -> torch.futures.Future runs CPU allreduce "
-      "composed.");
+      "with the group, close() runs first at shutdown (it drains the composed ops), "
+      "all_reduce(tensor, op: int, async_op: bool, before: Work | None) -> torch.futures.Future "
+      "runs CPU allreduce composed after `before`, and every other CPU op runs after drain().");
   m.def(
       "backend_comm",
       [](const c10::intrusive_ptr<c10d::Backend>& backend,

@@ -116,13 +116,19 @@ class ProcessGroupPycomm final : public c10d::Backend {
   // shm and inter-host parts lives in Python. `parts`: those communicators,
   // closed and aborted with the group. `close`: the Python close, run first
   // at shutdown (the composed ops still queued finish, then the parts
-  // close; closing twice is harmless). `all_reduce(tensor, op, async_op)`:
-  // the composed all-reduce of a CPU tensor, a future completed with
-  // [tensor] (already completed when !async_op); CPU allreduce takes it.
+  // close; closing twice is harmless). `all_reduce(tensor, op, async_op,
+  // before)`: the composed all-reduce of a CPU tensor, run after `before`
+  // (the last async flat op, or null), a future completed when it is done
+  // (already when !async_op); CPU allreduce takes it. `drain()`: waits for
+  // the composed ops issued so far; every other CPU op runs after it. So
+  // the group's CPU ops run in the order issued, as on one host.
   struct Hierarchy {
     std::vector<std::shared_ptr<Comm>> parts;
     std::function<void()> close;
-    std::function<c10::intrusive_ptr<c10::ivalue::Future>(const at::Tensor&, int, bool)> all_reduce;
+    std::function<c10::intrusive_ptr<c10::ivalue::Future>(const at::Tensor&, int, bool,
+                                                          c10::intrusive_ptr<pycomm::Work>)>
+        all_reduce;
+    std::function<void()> drain;
   };
   void set_hierarchy(Hierarchy h) { hierarchy_ = std::move(h); }
   // The communicator for tensors on `device` ("cpu", or CUDA: created now if
@@ -235,6 +241,11 @@ class ProcessGroupPycomm final : public c10d::Backend {
 
   std::shared_ptr<Comm> cpu_comm_;
   Hierarchy hierarchy_;  // empty: one host (or no hierarchy)
+  // Across hosts: the last async CPU op issued on the flat ring, which the
+  // next composed op runs after (guarded by flat_mu_).
+  std::mutex flat_mu_;
+  c10::intrusive_ptr<pycomm::Work> last_flat_;
+  void issued_flat(const c10::Device& device, const c10::intrusive_ptr<pycomm::Work>& work);
   std::string cpu_algo_;
   CommFactory cuda_factory_;
   Shrinker shrinker_;  // empty: supportsShrinking() is false
