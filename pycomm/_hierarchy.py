@@ -355,10 +355,12 @@ class HierarchicalComm:
                 outputs, error = None, e
             # Its callbacks run (here) before the op counts as done: an op a
             # callback issues runs inline, ahead of any issued meanwhile.
-            work.finish(outputs, error)
-            with self._idle:
-                self._queued -= 1
-                self._idle.notify_all()
+            try:
+                work.finish(outputs, error)
+            finally:
+                with self._idle:
+                    self._queued -= 1
+                    self._idle.notify_all()
 
     def _drain(self) -> None:
         """Waits until the composed ops issued before have run."""

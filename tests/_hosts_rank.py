@@ -239,6 +239,18 @@ def check_backend_order(r: int, n: int, inputs: list[torch.Tensor]) -> None:
         dist.all_reduce(t, async_op=True)
         dist.barrier()  # after the all_reduce, as torch's gloo barrier
         assert_matches(t, total, "barrier after an async composed all_reduce")
+    # A pending irecv does not hold back a later collective (its send comes
+    # after the collective on the sender).
+    x = torch.full((1021,), float(r))
+    t = inputs[r].clone()
+    recv = dist.irecv(x, src=1) if r == 0 else None
+    dist.all_reduce(t)
+    if r == 1:
+        dist.send(x, dst=0)
+    if recv is not None:
+        recv.wait()
+        assert torch.equal(x, torch.full((1021,), 1.0)), "irecv pending across an all_reduce"
+    assert_matches(t, total, "all_reduce while an irecv is pending")
 
 
 def check_backend() -> None:

@@ -240,7 +240,10 @@ ProcessGroupPycomm::~ProcessGroupPycomm() = default;
 
 std::shared_ptr<Comm> ProcessGroupPycomm::comm_for(c10::Device device, const char* op) {
   if (device.is_cpu()) {
-    if (hierarchy_.drain) hierarchy_.drain();  // after the composed ops issued before
+    // After the composed ops issued before; not in a callback of a flat op
+    // (its ops run nested, at once: a composed op may wait for a flat op
+    // queued behind the callback).
+    if (hierarchy_.drain && !cpu_comm_->on_own_thread()) hierarchy_.drain();
     return cpu_comm_;
   }
   TORCH_CHECK_VALUE(device.is_cuda(), op,
@@ -336,17 +339,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::launch(c10d::OpType type, con
   if (type != c10d::OpType::SEND && type != c10d::OpType::RECV &&
       type != c10d::OpType::RECVANYSOURCE)
     ++seq_;
+  // Point to point stays out of the composed ops' order: a pending irecv
+  // never holds back a later collective.
+  const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
+                   type == c10d::OpType::RECVANYSOURCE;
   if (!async_op) {
     // Synchronous. CPU: Comm runs the op on this thread when its worker is
     // idle (no hand-off), waits, and throws on failure. CUDA: the current
     // stream is ordered after the op, and the copy back runs on it.
     issue(*comm, false);
+    if (!p2p) issued_flat(device, nullptr);
     if (finish) finish();
     return c10::make_intrusive<BackendWork>(rank_, type, nullptr, completed_future(outputs, device),
                                             outputs);
   }
   c10::intrusive_ptr<pycomm::Work> work = issue(*comm, true);
-  issued_flat(device, work);
+  if (!p2p) issued_flat(device, work);
   c10::intrusive_ptr<c10::ivalue::Future> future = then_finish(work->future(), finish, outputs);
   return c10::make_intrusive<BackendWork>(rank_, type, std::move(work), std::move(future),
                                           std::move(outputs));
@@ -386,11 +394,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
     // the flat ring itself where it must).
     check_not_coalescing(kOp);
     ++seq_;
+    // After the last async flat collective, unless it is done, or this is
+    // a callback of a flat op (nested: at once).
     c10::intrusive_ptr<pycomm::Work> before;
     {
       std::lock_guard<std::mutex> lk(flat_mu_);
       before = std::move(last_flat_);
     }
+    if (before && (before->is_completed() || cpu_comm_->on_own_thread())) before.reset();
     std::vector<at::Tensor> outputs{t};
     // The continuation also gives the future a TensorList, as the flat path's.
     auto future = then_finish(hierarchy_.all_reduce(buf, rop, opts.asyncOp, std::move(before)),
@@ -610,7 +621,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::endCoalescing() {
   }
   const std::shared_ptr<Comm> comm = comm_for(device.get(), kOp);
   c10::intrusive_ptr<pycomm::Work> work = comm->batch_p2p(reqs);
-  issued_flat(device.get(), work);
   // On completion (CUDA: at the enqueue, on a stream ordered after the batch):
   // staged receives copied back, then each op's own future.
   auto future = work->future()->then(
@@ -657,7 +667,8 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupPycomm::shrink(
 
 void ProcessGroupPycomm::issued_flat(const c10::Device& device,
                                      const c10::intrusive_ptr<pycomm::Work>& work) {
-  if (!hierarchy_.all_reduce || !device.is_cpu() || !work) return;
+  if (!hierarchy_.all_reduce || !device.is_cpu()) return;
+  // A synchronous op (`work` null) ran after every earlier one.
   std::lock_guard<std::mutex> lk(flat_mu_);
   last_flat_ = work;
 }

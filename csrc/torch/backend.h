@@ -118,7 +118,7 @@ class ProcessGroupPycomm final : public c10d::Backend {
   // at shutdown (the composed ops still queued finish, then the parts
   // close; closing twice is harmless). `all_reduce(tensor, op, async_op,
   // before)`: the composed all-reduce of a CPU tensor, run after `before`
-  // (the last async flat op, or null), a future completed when it is done
+  // (the last async flat collective, or null), a future completed when it is done
   // (already when !async_op); CPU allreduce takes it. `drain()`: waits for
   // the composed ops issued so far; every other CPU op runs after it. So
   // the group's CPU ops run in the order issued, as on one host.
@@ -241,8 +241,9 @@ class ProcessGroupPycomm final : public c10d::Backend {
 
   std::shared_ptr<Comm> cpu_comm_;
   Hierarchy hierarchy_;  // empty: one host (or no hierarchy)
-  // Across hosts: the last async CPU op issued on the flat ring, which the
-  // next composed op runs after (guarded by flat_mu_).
+  // Across hosts: the last async CPU collective issued on the flat ring
+  // (null after a synchronous one), which the next composed op runs after
+  // (guarded by flat_mu_). Point to point stays out of it.
   std::mutex flat_mu_;
   c10::intrusive_ptr<pycomm::Work> last_flat_;
   void issued_flat(const c10::Device& device, const c10::intrusive_ptr<pycomm::Work>& work);

@@ -66,6 +66,8 @@ class Comm {
   uint64_t seq() const { return seq_; }
   bool closed() const { return closed_; }
   bool aborted() const { return exec_ && exec_->aborted(); }
+  // On a thread of its executor's own (a Future callback on the CPU worker).
+  bool on_own_thread() const { return exec_ && exec_->on_own_thread(); }
   bool check() const { return options_.check; }
   void set_check(bool on) { options_.check = on; }  // equal on all ranks, between ops
   // True in a child forked after the communicator was created: its threads
