@@ -24,10 +24,11 @@ other, and :class:`HierarchicalComm` composes their existing algorithms
 Messages up to :data:`SMALL_BYTES` take an intra all-reduce instead and
 skip step 3: every column then all-reduces the whole tensor between hosts at
 once (the columns hold the same bits, so every rank ends with the same
-result). ``register=True`` counts only there (steps 1-3 stage). broadcast, reduce_scatter and all_gather
-compose likewise (see their docstrings); send/recv use shm inside a host and
-the flat gloo communicator between hosts; reduce, gather, scatter, all-to-all and barrier
-run on the flat communicator. Calls the composition does not cover
+result). ``register=True`` counts only there (steps 1-3 stage).
+broadcast, reduce_scatter and all_gather compose likewise (see their
+docstrings); send/recv use shm inside a host and the flat gloo communicator
+between hosts; reduce, gather, scatter, all-to-all and barrier run on the
+flat communicator. Calls the composition does not cover
 (``wire_dtype``, ``algo`` other than "auto"/"ring", empty or non-contiguous
 tensors) go to the flat communicator as well, so they behave (and fail)
 exactly as on ``transport="gloo"``.
@@ -400,10 +401,10 @@ class HierarchicalComm:
             self.intra.all_reduce(flat, op, algo, False, -1, offer)
         if m:
             self.inter.all_reduce(mine, op, "ring", False)  # 2.
-        if m * self._n_local < flat.numel():
-            self.inter.all_reduce(flat[m * self._n_local:], op, "ring", False)
+        if whole < flat.numel():
+            self.inter.all_reduce(flat[whole:], op, "ring", False)
         if m:  # 3. in place, as NCCL allows: the input is this rank's block of the output
-            self.intra.all_gather(flat[:m * self._n_local], mine, algo, False)
+            self.intra.all_gather(flat[:whole], mine, algo, False)
         return [t]
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: int, algo: str,

@@ -239,8 +239,8 @@ def _make_backend(comm: Communicator, store: Any, timeout: timedelta | float,
 def _composed_all_reduce(hierarchical: Any, algo: str, t: torch.Tensor, op: int,
                          async_op: bool, before: Any) -> torch.futures.Future:
     """The backend's CPU allreduce across hosts (pycomm/_hierarchy.py), run
-    after ``before`` (the last async op the backend issued on the flat ring,
-    or None): a future that completes with ``[t]``, completed already unless
+    after ``before`` (the last async collective the backend issued on the
+    flat ring, or None): a future that completes with ``[t]``, completed already unless
     ``async_op``."""
     if before is not None:
         hierarchical._flat_work = before
