@@ -247,6 +247,36 @@ def test_fused_reduce_scale_equals_reduce_then_scale(dtype, op, n):
     assert torch.equal(fused.view(torch.uint8), two_pass.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", sorted(FLOATS, key=str) + [torch.int32, torch.int64, torch.int8],
+                         ids=str)
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "product"])
+@pytest.mark.parametrize("n", [1, 4099, 100003])
+def test_reduce_to_all_equals_reduce_then_copies(dtype, op, n):
+    """The symmetric all-reduce's last step writes the result to every rank's
+    copy at once (two outputs: one fused pass for 32/64-bit types, each
+    vector stored to both): bitwise what reduce_ (reduce_scale_ for AVG)
+    then copies give, with the outputs being the inputs themselves (as
+    there), swapped, or apart, for 1 to 3 outputs."""
+    if op == "avg" and dtype not in FLOATS:
+        return
+    a, b = _inputs(dtype, n, seed=13)
+    if dtype in FLOATS:
+        a[:3], b[1:4] = float("nan"), float("inf")
+    ref = a.clone()
+    if op == "avg":
+        _C.reduce_scale_(ref, b, OPS[op], 1 / 3)
+    else:
+        _C.reduce_(ref, b, OPS[op])
+    for pattern in ("inputs", "swapped", "apart1", "apart2", "apart3"):
+        x, y = a.clone(), b.clone()
+        outs = {"inputs": [x, y], "swapped": [y, x]}.get(pattern)
+        if outs is None:
+            outs = [torch.empty_like(a) for _ in range(int(pattern[-1]))]
+        _C.reduce_to_all_(outs, x, y, OPS[op], 1 / 3)
+        for k, out in enumerate(outs):
+            assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), (pattern, k)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.uint8], ids=str)
 def test_scale_rejects_integers(dtype):
     with pytest.raises(ValueError):

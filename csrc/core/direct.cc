@@ -15,42 +15,51 @@ constexpr size_t kTwoShotMinBytes = 64 * 1024;
 // memory (`adopt`); a region's tag is its id, which never gets this high.
 constexpr uint64_t kAdoptTag = ~uint64_t{0};
 
-// out = ((src(0) op src(1)) op src(2)) ... op src(n-1), scaled by 1/n for AVG
-// in the last step (reduce_scale: one pass over memory on the CPU too).
+// outs[k] = ((src(0) op src(1)) op src(2)) ... op src(n-1) for every
+// k < n_outs, scaled by 1/n for AVG in the last step, which writes every
+// output at once (reduce_to_all: one pass over memory on the CPU). The
+// partial results of the steps before it go to `acc`.
+template <class Src>
+void reduce_all(Reducer& red, void* const* outs, int n_outs, char* acc, Src src, int n, size_t m,
+                DType dtype, ReduceOp op) {
+  const char* partial = src(0);
+  for (int r = 1; r < n - 1; ++r) {
+    red.reduce(acc, partial, src(r), m, dtype, op);
+    partial = acc;
+  }
+  red.reduce_to_all(outs, n_outs, partial, src(n - 1), m, dtype, op, 1.0 / n);
+}
+
+// The same into one output, which also holds the partial results.
 template <class Src>
 void reduce_all(Reducer& red, char* out, Src src, int n, size_t m, DType dtype, ReduceOp op) {
-  const double factor = 1.0 / n;
-  for (int r = 1; r < n; ++r) {
-    const char* acc = r == 1 ? src(0) : out;
-    if (op == ReduceOp::kAvg && r == n - 1) {
-      red.reduce_scale(out, acc, src(r), m, dtype, op, factor);
-    } else {
-      red.reduce(out, acc, src(r), m, dtype, op);
-    }
-  }
+  void* const outs[1] = {out};
+  reduce_all(red, outs, 1, out, src, n, m, dtype, op);
 }
 
 // The all-reduce over symmetric memory, after the first arrival: rank r
 // reduces chunk r of the tensor straight from every rank's copy (same order
-// as below) into a buffer of its own, in pieces that stay in L2, and writes
-// each piece into every rank's copy; a last arrival ends it. Per rank that is
-// one read of its chunk on every rank and one write of it to every rank,
-// with nothing staged: on 2 ranks half the memory traffic of the staged
-// one-shot. Nobody reads a chunk's inputs but its owner, so the owner may
-// overwrite them as it goes.
+// as below), in pieces that stay in L2 (partial results in a buffer of its
+// own), the last step writing each result into every rank's copy. Per rank
+// that is one read of its chunk on every rank and one write of it to every
+// rank, with nothing staged: on 2 ranks half the memory traffic of the
+// staged one-shot, and in one pass (reduce_to_all). Nobody reads a chunk's
+// inputs but its owner, so the owner may overwrite them as it goes.
 void symmetric_all_reduce(SharedBuffers& sb, Reducer& red, const SymmetricRegion& sym, int which,
                           int n, int me, size_t count, DType dtype, ReduceOp op) {
   const size_t es = dtype_size(dtype);
-  const size_t per = std::max<size_t>(1, sb.capacity() / es);
-  char* scratch = static_cast<char*>(sb.local(which));  // nobody reads it now
+  // Pieces keep the partial results in cache; 2 ranks have none.
+  const size_t per = n == 2 ? count : std::max<size_t>(1, sb.capacity() / es);
+  char* acc = static_cast<char*>(sb.local(which));  // nobody reads it now
   const Chunks ch = Chunks::aligned(count, n, es);
   const size_t first = ch.offset(me), len = ch.length(me);
+  std::vector<void*> outs(n);
   for (size_t done = 0; done < len; done += per) {
     const size_t m = std::min(per, len - done), off = (first + done) * es;
+    for (int r = 0; r < n; ++r) outs[r] = sym.base(r) + off;
     reduce_all(
-        red, scratch, [&](int r) { return static_cast<const char*>(sym.base(r)) + off; }, n, m,
+        red, outs.data(), n, acc, [&](int r) { return static_cast<const char*>(outs[r]); }, n, m,
         dtype, op);
-    for (int r = 0; r < n; ++r) red.copy(sym.base(r) + off, scratch, m * es);
   }
   // The same buffer and tag as the first arrival: a slower peer may not have
   // read this rank's tag yet.

@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "elementwise.h"
 
@@ -38,6 +40,19 @@ bool cpu_simd_forced_scalar() {
 template <class T, class Fn>
 void reduce_loop(T* dst, const T* a, const T* b, size_t n, Fn fn) {
   for (size_t i = 0; i < n; ++i) dst[i] = combine(a[i], b[i], fn);
+}
+
+// d0[i] = d1[i] = combine(a[i], b[i]), scaled for AVG (kScale): one pass that
+// stores each result to both outputs. Exact aliasing of an output with an
+// input is fine: each element is read before it is written.
+template <bool kScale, class T, class Fn>
+__attribute__((always_inline)) inline void reduce_to_two(T* d0, T* d1, const T* a, const T* b,
+                                                         size_t n, Fn fn, double factor) {
+  for (size_t i = 0; i < n; ++i) {
+    const T v = kScale ? scale_one(combine(a[i], b[i], fn), factor) : combine(a[i], b[i], fn);
+    d0[i] = v;
+    d1[i] = v;
+  }
 }
 
 // 16-bit floats, portable path: convert a block to fp32, combine there,
@@ -164,6 +179,13 @@ template <class T, class Fn>
 PYCOMM_AVX2 void reduce_scale_loop_avx2(T* dst, const T* a, const T* b, size_t n, Fn fn,
                                         double factor) {
   for (size_t i = 0; i < n; ++i) dst[i] = scale_one(combine(a[i], b[i], fn), factor);
+}
+
+// reduce_to_two, compiled for AVX2 (inlined here, so vectorised at its width).
+template <bool kScale, class T, class Fn>
+PYCOMM_AVX2 void reduce_to_two_avx2(T* d0, T* d1, const T* a, const T* b, size_t n, Fn fn,
+                                    double factor) {
+  reduce_to_two<kScale>(d0, d1, a, b, n, fn, factor);
 }
 
 // Wire-dtype conversions, 8 lanes at a time (same codec as above).
@@ -319,6 +341,60 @@ void CpuReducer::reduce_scale(void* dst, const void* a, const void* b, size_t co
     cpu_reduce(d + i * es, pa + i * es, pb + i * es, n, dtype, op);
     cpu_scale(d + i * es, n, dtype, factor);
   }
+}
+
+void Reducer::reduce_to_all(void* const* outs, int n_outs, const void* a, const void* b,
+                            size_t count, DType dtype, ReduceOp op, double factor) {
+  if (op == ReduceOp::kAvg) {
+    reduce_scale(outs[0], a, b, count, dtype, op, factor);
+  } else {
+    reduce(outs[0], a, b, count, dtype, op);
+  }
+  for (int k = 1; k < n_outs; ++k) copy(outs[k], outs[0], count * dtype_size(dtype));
+}
+
+void CpuReducer::reduce_to_all(void* const* outs, int n_outs, const void* a, const void* b,
+                               size_t count, DType dtype, ReduceOp op, double factor) {
+  const bool wide = dtype == DType::kFloat32 || dtype == DType::kFloat64 ||
+                    dtype == DType::kInt32 || dtype == DType::kInt64;
+  const bool avg = op == ReduceOp::kAvg;
+  if (n_outs == 1) {
+    Reducer::reduce_to_all(outs, n_outs, a, b, count, dtype, op, factor);  // no copies
+    return;
+  }
+  if (n_outs != 2 || !wide || (avg && !is_floating(dtype))) {
+    // The default, block by block, so that the copies read what the
+    // reduction just wrote from cache (64 KiB: a multiple of every SIMD width).
+    const size_t es = dtype_size(dtype), block = (64 * 1024) / es;
+    std::vector<void*> at(static_cast<size_t>(n_outs));
+    for (size_t i = 0; i < count; i += block) {
+      for (int k = 0; k < n_outs; ++k) at[k] = static_cast<char*>(outs[k]) + i * es;
+      Reducer::reduce_to_all(at.data(), n_outs, static_cast<const char*>(a) + i * es,
+                             static_cast<const char*>(b) + i * es, std::min(block, count - i),
+                             dtype, op, factor);
+    }
+    return;
+  }
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, Half> && !std::is_same_v<T, BFloat16>) {
+      T* d0 = static_cast<T*>(outs[0]);
+      T* d1 = static_cast<T*>(outs[1]);
+      const T* x = static_cast<const T*>(a);
+      const T* y = static_cast<const T*>(b);
+      dispatch_op(op, [&](auto fn) {
+#if PYCOMM_X86_SIMD
+        if (have_avx2_f16c()) {
+          if (avg) return reduce_to_two_avx2<true>(d0, d1, x, y, count, fn, factor);
+          return reduce_to_two_avx2<false>(d0, d1, x, y, count, fn, factor);
+        }
+#endif
+        if (avg) return reduce_to_two<true>(d0, d1, x, y, count, fn, factor);
+        return reduce_to_two<false>(d0, d1, x, y, count, fn, factor);
+      });
+    }
+    return 0;
+  });
 }
 
 void CpuReducer::copy(void* dst, const void* src, size_t bytes) {

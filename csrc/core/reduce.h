@@ -44,6 +44,13 @@ class Reducer {
     reduce(dst, a, b, count, dtype, op);
     scale(dst, count, dtype, factor);
   }
+  // outs[k] = op(a, b) for every k < n_outs, scaled by `factor` when op is
+  // AVG (as reduce_scale): the last step of a reduction whose result several
+  // buffers receive. Bitwise what reduce() or reduce_scale() into outs[0]
+  // then copies give, which is this default. An output may alias a or b,
+  // exactly (not partially).
+  virtual void reduce_to_all(void* const* outs, int n_outs, const void* a, const void* b,
+                             size_t count, DType dtype, ReduceOp op, double factor);
   // memcpy on the reduction stream / thread
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   // Between host memory and the memory the reducer works on (the same, on
@@ -77,6 +84,11 @@ class CpuReducer final : public Reducer {
   // on the same elements, so bitwise what reduce() then scale() give.
   void reduce_scale(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op,
                     double factor) override;
+  // Two outputs (float32/64, int32/64): each vector is stored to both while
+  // it is in registers, so the outputs' lines are written as they are read,
+  // with no pass over a result buffer. Others: the default.
+  void reduce_to_all(void* const* outs, int n_outs, const void* a, const void* b, size_t count,
+                     DType dtype, ReduceOp op, double factor) override;
   void copy(void* dst, const void* src, size_t bytes) override;
   void to_wire(void* dst, const float* src, size_t count, DType wire) override {
     cpu_to_wire(dst, src, count, wire);

@@ -83,6 +83,30 @@ void cpu_reduce_scale_(at::Tensor dst, const at::Tensor& src, int op, double fac
                                     static_cast<pycomm::ReduceOp>(op), factor);
 }
 
+// The CPU reducer's reduce into several outputs (the symmetric all-reduce's
+// last step): outs[k] = op(a, b), scaled by `factor` for AVG. An output may
+// be `a` or `b` itself.
+void cpu_reduce_to_all_(const std::vector<at::Tensor>& outs, const at::Tensor& a,
+                        const at::Tensor& b, int op, double factor) {
+  std::vector<void*> ptrs;
+  for (const at::Tensor& t : outs) {
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.is_contiguous() && t.numel() == a.numel() &&
+                          t.scalar_type() == a.scalar_type(),
+                      "reduce_to_all_: outputs must be contiguous CPU tensors like a");
+    ptrs.push_back(t.data_ptr());
+  }
+  TORCH_CHECK_VALUE(a.device().is_cpu() && b.device().is_cpu() && a.is_contiguous() &&
+                        b.is_contiguous() && a.numel() == b.numel() &&
+                        a.scalar_type() == b.scalar_type() && !outs.empty(),
+                    "reduce_to_all_: contiguous CPU a and b of equal numel and dtype, and outputs");
+  TORCH_CHECK_VALUE(op >= 0 && op < pycomm::kNumReduceOps, "reduce_to_all_: unknown op");
+  const auto dt = pycomm::to_dtype(a.scalar_type(), "a");
+  py::gil_scoped_release nogil;
+  pycomm::CpuReducer().reduce_to_all(ptrs.data(), static_cast<int>(ptrs.size()), a.data_ptr(),
+                                     b.data_ptr(), a.numel(), dt, static_cast<pycomm::ReduceOp>(op),
+                                     factor);
+}
+
 void cpu_scale_(at::Tensor dst, double factor) {
   TORCH_CHECK_VALUE(dst.device().is_cpu() && dst.is_contiguous(),
                     "scale_: contiguous CPU tensor only");
@@ -208,6 +232,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_", &cpu_scale_, py::arg("dst"), py::arg("factor"));
   m.def("reduce_scale_", &cpu_reduce_scale_, py::arg("dst"), py::arg("src"), py::arg("op"),
         py::arg("factor"));
+  m.def("reduce_to_all_", &cpu_reduce_to_all_, py::arg("outs"), py::arg("a"), py::arg("b"),
+        py::arg("op"), py::arg("factor"));
   m.def("half_to_float", [](uint16_t h) { return pycomm::half_to_float(h); });
   m.def("float_to_half", [](float f) { return pycomm::float_to_half(f); });
   m.def("bf16_to_float", [](uint16_t h) { return pycomm::bf16_to_float(h); });
