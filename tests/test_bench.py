@@ -400,3 +400,19 @@ def test_end_to_end_child_traceback_reaches_user(tmp_path):
     assert res.returncode == 1
     assert "rank 0 failed" in res.stderr and "Traceback" in res.stderr
     assert "-r 5 is not a rank" in res.stderr
+
+
+def test_memory_patterns_builds_and_prints_every_pattern(tmp_path):
+    """benchmarks/allreduce/memory_patterns.c (the 2-rank all-reduce's memory
+    patterns without pycomm, beside one core's memcpy) compiles and prints a
+    row per pattern; a bad size is refused with its usage line."""
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "allreduce" / "memory_patterns.c"
+    exe = tmp_path / "memory_patterns"
+    subprocess.run(["cc", "-O3", "-Wall", "-Werror", "-o", str(exe), str(src)], check=True,
+                   timeout=120)
+    out = subprocess.run([str(exe), "2", "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split()[0] for line in out.stdout.splitlines()[2:]]
+    assert rows == ["memcpy_alone", "inplace_both", "symmetric", "staged", "staged_local"]
+    bad = subprocess.run([str(exe), "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr

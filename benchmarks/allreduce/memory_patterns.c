@@ -1,0 +1,167 @@
+// The memory patterns of pycomm's 2-rank shm all-reduce, without pycomm: how
+// fast this machine runs them, next to one core's memcpy (issue 27's bound).
+//
+//   cc -O3 -o /tmp/memory_patterns benchmarks/allreduce/memory_patterns.c
+//   /tmp/memory_patterns [MiB=64] [reps=15]
+//
+// Two processes, pinned to cpus 0 and 1, share every buffer (MAP_SHARED).
+// Each rank's tensor is S bytes of float32. The patterns, timed from a
+// barrier to a barrier (the slower rank's time), interleaved rep by rep, the
+// median printed:
+//   memcpy_alone   rank 0 copies its tensor to private memory, rank 1 waits
+//   inplace_both   both ranks x += x over their tensors at once: each rank
+//                  reads and writes its tensor once, the least any
+//                  in-place all-reduce does per rank
+//   symmetric      pycomm's symmetric path: rank r reduces half r from both
+//                  tensors, storing each sum to both (one pass)
+//   staged         pycomm's staged one-shot (csrc/core/direct.cc): per
+//                  256 KiB piece, copy it into a shared buffer (4 rotate),
+//                  barrier, x += the peer's copy
+//   staged_local   the same, each rank reading its own copy: what staged
+//                  would take if reading lines another core just wrote
+//                  cost nothing more than reading one's own
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+enum { kPiece = 256 * 1024, kBuffers = 4, kMaxReps = 64 };
+
+static size_t S;
+static int me;
+static long epoch;
+static _Atomic long* arrived;  // [2]
+static double (*times)[8][kMaxReps];
+static char* tensor[2];
+static char* stage[2];
+static char* priv;
+
+static void* shared(size_t bytes) {
+  void* p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    perror("mmap");
+    exit(1);
+  }
+  memset(p, 0, bytes);
+  return p;
+}
+
+static void barrier(void) {
+  ++epoch;
+  atomic_store(&arrived[me], epoch);
+  while (atomic_load(&arrived[1 - me]) < epoch) _mm_pause();
+}
+
+// d = a + b, vectorised by the compiler (as pycomm's reduce loops)
+__attribute__((target("avx2"))) static void add(float* d, const float* a, const float* b,
+                                                size_t n) {
+  for (size_t i = 0; i < n; ++i) d[i] = a[i] + b[i];
+}
+__attribute__((target("avx2"))) static void add_to_two(float* d0, float* d1, const float* a,
+                                                       const float* b, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const float v = a[i] + b[i];
+    d0[i] = v;
+    d1[i] = v;
+  }
+}
+
+static void memcpy_alone(void) {
+  if (me == 0) memcpy(priv, tensor[0], S);
+}
+static void inplace_both(void) {
+  float* x = (float*)tensor[me];
+  add(x, x, x, S / 4);
+}
+static void symmetric(void) {
+  const size_t half = S / 2, off = me * half;
+  float* a = (float*)(tensor[0] + off);
+  float* b = (float*)(tensor[1] + off);
+  add_to_two(a, b, a, b, half / 4);
+}
+static void staged_from(int peer_of_me) {
+  for (size_t o = 0, w = 0; o < S; o += kPiece, w = (w + 1) % kBuffers) {
+    memcpy(stage[me] + w * kPiece, tensor[me] + o, kPiece);
+    barrier();
+    float* x = (float*)(tensor[me] + o);
+    add(x, x, (const float*)(stage[peer_of_me] + w * kPiece), kPiece / 4);
+  }
+}
+static void staged(void) { staged_from(1 - me); }
+static void staged_local(void) { staged_from(me); }
+
+static const struct {
+  const char* name;
+  void (*run)(void);
+} kPatterns[] = {{"memcpy_alone", memcpy_alone}, {"inplace_both", inplace_both},
+                 {"symmetric", symmetric},       {"staged", staged},
+                 {"staged_local", staged_local}};
+enum { kNumPatterns = sizeof(kPatterns) / sizeof(kPatterns[0]) };
+
+static int by_value(const void* x, const void* y) {
+  const double a = *(const double*)x, b = *(const double*)y;
+  return a < b ? -1 : a > b;
+}
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+int main(int argc, char** argv) {
+  const size_t mib = argc > 1 ? strtoul(argv[1], NULL, 10) : 64;
+  const int reps = argc > 2 ? atoi(argv[2]) : 15;
+  S = mib << 20;
+  if (mib == 0 || reps < 1 || reps > kMaxReps) {
+    fprintf(stderr, "usage: %s [MiB >= 1] [reps <= %d]\n", argv[0], kMaxReps);
+    return 2;
+  }
+  arrived = shared(2 * sizeof(long));
+  times = shared(2 * sizeof(*times));
+  for (int r = 0; r < 2; ++r) {
+    tensor[r] = shared(S);
+    stage[r] = shared(kBuffers * kPiece);
+  }
+  const pid_t child = fork();
+  me = child == 0 ? 1 : 0;
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  CPU_SET(me, &cpus);
+  if (sched_setaffinity(0, sizeof(cpus), &cpus) != 0) perror("sched_setaffinity (not pinned)");
+  priv = aligned_alloc(4096, S);
+  memset(priv, 1, S);
+  for (int it = 0; it < reps; ++it) {
+    for (int p = 0; p < kNumPatterns; ++p) {
+      barrier();
+      const double t0 = now();
+      kPatterns[p].run();
+      barrier();
+      times[me][p][it] = now() - t0;
+    }
+  }
+  if (me == 1) return 0;
+  waitpid(child, NULL, 0);
+  double base = 0;
+  printf("# %zu MiB per rank, 2 ranks, median of %d reps (slower rank)\n", mib, reps);
+  printf("%-14s %10s %10s %14s\n", "pattern", "us", "GB/s", "memcpy_alone/t");
+  for (int p = 0; p < kNumPatterns; ++p) {
+    double t[kMaxReps];
+    for (int it = 0; it < reps; ++it) {
+      t[it] = times[0][p][it] > times[1][p][it] ? times[0][p][it] : times[1][p][it];
+    }
+    qsort(t, reps, sizeof(double), by_value);
+    const double med = t[reps / 2];
+    if (p == 0) base = med;
+    printf("%-14s %10.0f %10.2f %14.2f\n", kPatterns[p].name, med * 1e6, S / med / 1e9, base / med);
+  }
+  return 0;
+}
