@@ -234,10 +234,15 @@ def test_table_format():
     # ratios: ring 10 us vs torch 40 us at 1 KiB, busbw 2 of a 4 GB/s memcpy at 4 KiB
     rows = [_row(time_us=10.0), _row(algo="torch", time_us=40.0),
             _row(size=4096, time_us=20.0, busbw=2.0), _row(algo="torch", size=4096, time_us=30.0, busbw=1.0)]
-    summary = report.format_summary(rows, ["ring", "torch"], memcpy_gbps=4.0, memcpy_all_gbps=2.5)
+    summary = report.format_summary(rows, ["ring", "torch"], memcpy_gbps=4.0, memcpy_all_gbps=2.5,
+                                    memcpy_beside_gbps=3.2)
     assert "# Speedup over torch (time ratio): 1K: ring 4.0x; 4K: ring 1.5x" in summary
     assert "# busbw / memcpy bandwidth at 4K: ring 50%, torch 25%" in summary
+    assert ("# busbw / memcpy timed in the same rounds (3.20 GB/s) at 4K: ring 62%, torch 31%"
+            in summary)
     assert "# busbw / memcpy of every rank at once at 4K: ring 80%, torch 40%" in summary
+    without = report.format_summary(rows, ["ring", "torch"], memcpy_gbps=4.0)
+    assert "same rounds" not in without
 
 
 def test_json_schema_roundtrip(tmp_path):
@@ -346,6 +351,9 @@ def test_end_to_end_nproc2(tmp_path):
         assert r["busbw"] == pytest.approx(r["algbw"] * 1.0)
         assert math.isfinite(r["time_us"]) and r["time_us"] > 0
     assert data["meta"]["memcpy_GBps"] > 0 and data["meta"]["memcpy_all_ranks_GBps"] > 0
+    # rank 0's memcpy of the largest size, timed in that size's rounds
+    assert data["meta"]["memcpy_beside_GBps"] > 0
+    assert "# busbw / memcpy timed in the same rounds (" in out
     # the commit of the code measured (this checkout), "-dirty" if it has changes
     assert len(data["meta"]["commit"].split("-")[0]) == 40, data["meta"]["commit"]
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -80,13 +80,14 @@ def avg_busbw(rows: Iterable[dict[str, Any]]) -> float:
 
 def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str],
                    memcpy_gbps: float | None = None, memcpy_all_gbps: float | None = None,
-                   baseline: str = "torch") -> str:
+                   baseline: str = "torch", memcpy_beside_gbps: float | None = None) -> str:
     """The closing lines: out-of-bounds count, overall and per-algo average
     bus bandwidth; then, with several algos, each algo's speedup over
     ``baseline`` (its time / the algo's time) at the smallest and largest
-    size, and with ``memcpy_gbps`` (one rank copying alone) and
-    ``memcpy_all_gbps`` (every rank copying at once) each algo's busbw at the
-    largest size as a fraction of those memcpy bandwidths."""
+    size, and with ``memcpy_gbps`` (one rank copying alone, before the
+    sweep), ``memcpy_beside_gbps`` (the same, timed in the largest size's
+    rounds) and ``memcpy_all_gbps`` (every rank copying at once) each algo's
+    busbw at the largest size as a fraction of those memcpy bandwidths."""
     wrong = sum(r["wrong"] or 0 for r in rows)
     lines = [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
              f"# Avg bus bandwidth    : {avg_busbw(rows):g}"]
@@ -110,7 +111,8 @@ def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str],
                 parts.append(f"{format_size(size)}: " + ", ".join(got))
         if parts:
             lines.append(f"# Speedup over {baseline} (time ratio): " + "; ".join(parts))
-    for bound, what in ((memcpy_gbps, "memcpy bandwidth"),
+    beside = f"memcpy timed in the same rounds ({memcpy_beside_gbps or 0:.2f} GB/s)"
+    for bound, what in ((memcpy_gbps, "memcpy bandwidth"), (memcpy_beside_gbps, beside),
                         (memcpy_all_gbps, "memcpy of every rank at once")):
         if bound and sizes:
             got = [f"{a} {by[(a, sizes[-1])]['busbw'] / bound:.0%}" for a in algos

@@ -148,6 +148,9 @@ class _Session:
     ctl: Any
     torch_backend: str
     out: TextIO
+    # One rank's memcpy of the largest size, GB/s, timed in that size's
+    # rounds beside the algos (_measure_size); None until then.
+    memcpy_beside: float | None = None
 
     @property
     def root(self) -> int:
@@ -286,7 +289,8 @@ def _timed_rounds(s: _Session, runs: dict[str, Callable[[], None]],
     a = s.args
     times: dict[str, list[float]] = {algo: [] for algo in runs}
     rounds = min(a.rounds, a.iters)
-    least = {algo: _calls_per_round(s, run, bufs[algo]) for algo, run in runs.items()}
+    least = {algo: _calls_per_round(s, run, bufs[algo], rank0_only=algo == _MEMCPY)
+             for algo, run in runs.items()}
     for k in range(rounds):
         per = a.iters // rounds + (1 if k < a.iters % rounds else 0)
         warmup = a.warmup_iters if k == 0 else min(1, a.warmup_iters)
@@ -296,14 +300,18 @@ def _timed_rounds(s: _Session, runs: dict[str, Callable[[], None]],
     return times
 
 
-def _calls_per_round(s: _Session, run: Callable[[], None], bufs: C.Buffers) -> int:
+def _calls_per_round(s: _Session, run: Callable[[], None], bufs: C.Buffers,
+                     rank0_only: bool = False) -> int:
     """Calls that fill ``--min-round-ms`` at this algo's pace (timed on a few
     warm-up calls; the largest count any rank needs, so every rank makes the
-    same calls); 0 when the option is 0."""
+    same calls); 0 when the option is 0. ``rank0_only``: only rank 0's calls
+    do work (the memcpy bound), so only its pace counts."""
     if s.args.min_round_ms <= 0:
         return 0
     probe = _time_loop(run, bufs, 5, 1, s.call.device, s.barrier)
     need = s.args.min_round_ms / 1e3 / max(statistics.median(probe), 1e-7)
+    if rank0_only and s.call.rank != 0:
+        need = 0.0
     return int(min(s.agree([need], "MAX")[0], 100_000))
 
 
@@ -323,10 +331,34 @@ def _row(s: _Session, algo: str, in_place: bool, count: int, size: int, times: l
     }
 
 
-def _measure_size(s: _Session, nbytes: int, active: list[str],
-                  bar: Progress) -> list[dict[str, Any] | None]:
+# The rounds' name for _memcpy_run (no algo has it).
+_MEMCPY = "memcpy (rank 0 alone)"
+
+
+def _memcpy_run(s: _Session, nbytes: int) -> Callable[[], None]:
+    """Rank 0 copies ``nbytes`` while the others do nothing: one core's
+    memcpy (MemcpyBounds.alone), as a call the rounds can time beside the
+    algos'."""
+    if s.call.rank != 0:
+        return lambda: None
+    src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=s.call.device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages
+
+    def copy() -> None:
+        dst.copy_(src)
+
+    return copy
+
+
+def _measure_size(s: _Session, nbytes: int, active: list[str], bar: Progress,
+                  with_memcpy: bool = False) -> list[dict[str, Any] | None]:
     """The rows of one size: every placement, every algo (check, then time);
-    None for a "symmetric" row whose calls did not all run symmetric."""
+    None for a "symmetric" row whose calls did not all run symmetric. With
+    ``with_memcpy``, the first placement's rounds also time one rank's memcpy
+    of the size (``s.memcpy_beside``): the bound in the same minutes as the
+    algos, which a bound measured once before the sweep may not be on a
+    machine whose memory bandwidth drifts."""
     es = torch.empty((), dtype=s.call.dtype).element_size()
     count, size = s.coll.counts(nbytes, es, s.call.world_size)
     expected = s.coll.expected(s.call, count) if s.args.check else None
@@ -340,7 +372,13 @@ def _measure_size(s: _Session, nbytes: int, active: list[str],
         runs = {algo: s.runner(algo, bufs[algo]) for algo in active}
         wrongs = {algo: (_check_once(runs[algo], bufs[algo], expected, s.call.device, s.barrier)
                          if expected is not None else 0) for algo in active}
+        beside = with_memcpy and in_place == s.coll.placements[0]
+        if beside:
+            runs[_MEMCPY], bufs[_MEMCPY] = _memcpy_run(s, size), shared
         times = _timed_rounds(s, runs, bufs)
+        if beside:
+            mine = statistics.median(times[_MEMCPY]) if s.call.rank == 0 else 0.0
+            s.memcpy_beside = size / s.agree([mine], "MAX")[0] / 1e9
         for algo in active:
             run = runs[algo]
             staged = isinstance(run, C.SymmetricRun) and not run.all_symmetric()
@@ -361,7 +399,7 @@ def _sweep(s: _Session, active: list[str], groups: list[tuple[str, bool]]) -> li
                    enabled=s.call.rank == 0 and want_bar)
     rows: list[dict[str, Any]] = []
     for nbytes in a.sizes:
-        line = _measure_size(s, nbytes, active, bar)
+        line = _measure_size(s, nbytes, active, bar, with_memcpy=nbytes == max(a.sizes))
         rows += [r for r in line if r is not None]
         if s.call.rank == 0:
             bar.clear()
@@ -383,7 +421,7 @@ def _meta(s: _Session, active: list[str], skipped: dict[str, str],
         "ranks_per_host": _ranks_per_host(s), "hosts": s.call.world_size // _ranks_per_host(s),
         "transport": s.pycomm_transport, "torch_backend": s.torch_backend,
         "memcpy_GBps": memcpy.alone, "memcpy_all_ranks_GBps": memcpy.together,
-        "memcpy_bytes": memcpy.nbytes,
+        "memcpy_bytes": memcpy.nbytes, "memcpy_beside_GBps": s.memcpy_beside,
         "host": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(), "torch": torch.__version__,
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -402,7 +440,8 @@ def _ranks_per_host(s: _Session) -> int:
 def _report(s: _Session, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     """Rank 0: the summary lines, then the JSON file and the plot if asked."""
     out = s.out
-    print(format_summary(rows, meta["algos"], meta["memcpy_GBps"], meta["memcpy_all_ranks_GBps"]),
+    print(format_summary(rows, meta["algos"], meta["memcpy_GBps"], meta["memcpy_all_ranks_GBps"],
+                         memcpy_beside_gbps=meta["memcpy_beside_GBps"]),
           file=out, flush=True)
     if s.args.json:
         write_json(s.args.json, meta, rows)
