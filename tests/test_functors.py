@@ -254,12 +254,14 @@ def test_fused_reduce_scale_equals_reduce_then_scale(dtype, op, n):
 def test_reduce_to_all_equals_reduce_then_copies(dtype, op, n):
     """The symmetric all-reduce's last step writes the result to every rank's
     copy at once (two outputs: one fused pass for 32/64-bit types, each
-    vector stored to both): bitwise what reduce_ (reduce_scale_ for AVG)
-    then copies give, with the outputs being the inputs themselves (as
-    there), swapped, or apart, for 1 to 3 outputs."""
+    vector stored to both; else blocks): bitwise what reduce_ (reduce_scale_
+    for AVG) then copies give. Outputs: the inputs themselves (2 ranks),
+    swapped, three with the last one b and a apart (3 ranks: a holds the
+    partial result), or 1 to 3 apart, which leave a and b unchanged; at an
+    odd element offset too (unaligned vectors)."""
     if op == "avg" and dtype not in FLOATS:
-        return
-    a, b = _inputs(dtype, n, seed=13)
+        pytest.skip("AVG needs a floating dtype")
+    a, b = _inputs(dtype, n + 1, seed=13)
     if dtype in FLOATS:
         a[:3], b[1:4] = float("nan"), float("inf")
     ref = a.clone()
@@ -267,14 +269,20 @@ def test_reduce_to_all_equals_reduce_then_copies(dtype, op, n):
         _C.reduce_scale_(ref, b, OPS[op], 1 / 3)
     else:
         _C.reduce_(ref, b, OPS[op])
-    for pattern in ("inputs", "swapped", "apart1", "apart2", "apart3"):
-        x, y = a.clone(), b.clone()
-        outs = {"inputs": [x, y], "swapped": [y, x]}.get(pattern)
-        if outs is None:
-            outs = [torch.empty_like(a) for _ in range(int(pattern[-1]))]
-        _C.reduce_to_all_(outs, x, y, OPS[op], 1 / 3)
-        for k, out in enumerate(outs):
-            assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), (pattern, k)
+    for offset in (0, 1):
+        want = ref[offset:offset + n]
+        for pattern in ("inputs", "swapped", "last is b", "apart1", "apart2", "apart3"):
+            x, y = a.clone()[offset:offset + n], b.clone()[offset:offset + n]
+            outs = {"inputs": [x, y], "swapped": [y, x],
+                    "last is b": [torch.empty_like(x), torch.empty_like(x), y]}.get(pattern)
+            if outs is None:
+                outs = [torch.empty_like(x) for _ in range(int(pattern[-1]))]
+            _C.reduce_to_all_(outs, x, y, OPS[op], 1 / 3)
+            for k, out in enumerate(outs):
+                assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), (pattern, k)
+            if pattern.startswith("apart"):
+                assert torch.equal(x.view(torch.uint8), a[offset:offset + n].view(torch.uint8))
+                assert torch.equal(y.view(torch.uint8), b[offset:offset + n].view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.uint8], ids=str)

@@ -109,9 +109,12 @@ def _kernel_results() -> dict[str, torch.Tensor]:
             dst = a.clone()
             _C.reduce_(dst[1:], b[1:].clone(), code)
             out[f"reduce {dtype} {op}"] = dst
-            if dtype.itemsize >= 4:  # the fused two-output loop
-                x, y = a[1:].clone(), b[1:].clone()
-                _C.reduce_to_all_([x, y], x, y, code, 1 / 3)
+        if dtype.itemsize >= 4:  # the fused two-output loop, AVG's scale included
+            for op, code in {**OPS, "avg": 1}.items():
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                x, y = a.clone(), b.clone()  # odd offset: unaligned vectors
+                _C.reduce_to_all_([x[1:], y[1:]], x[1:], y[1:], code, 1 / 3)
                 out[f"reduce_to_all {dtype} {op}"] = torch.cat([x, y])
         if dtype.is_floating_point:
             t = a.clone()
@@ -183,9 +186,9 @@ def _same(key: str, a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_scalar_path_equals_the_vector_path(tmp_path):
     scalar = _results_with("scalar", tmp_path / "scalar.pt")
     vector = _results_with("auto", tmp_path / "auto.pt")
-    # 10 of 16-bit kernels, 26 + 16 (reduce_to_all) of the others, 12 wire
+    # 10 of 16-bit kernels, 26 + 18 (reduce_to_all) of the others, 12 wire
     # all-reduce results
-    assert scalar.keys() == vector.keys() and len(scalar) == 64
+    assert scalar.keys() == vector.keys() and len(scalar) == 66
     bad = [k for k in scalar if not _same(k, scalar[k], vector[k])]
     assert not bad, f"scalar and vector paths differ in: {bad}"
 

@@ -47,8 +47,10 @@ class Reducer {
   // outs[k] = op(a, b) for every k < n_outs, scaled by `factor` when op is
   // AVG (as reduce_scale): the last step of a reduction whose result several
   // buffers receive. Bitwise what reduce() or reduce_scale() into outs[0]
-  // then copies give, which is this default. An output may alias a or b,
-  // exactly (not partially).
+  // then copies give, which is this default (except which NaN a SUM or
+  // PRODUCT of two NaNs returns: separately compiled loops may order the
+  // operands differently, see tests/test_reduce_simd.py). An output may
+  // alias a or b, exactly (not partially).
   virtual void reduce_to_all(void* const* outs, int n_outs, const void* a, const void* b,
                              size_t count, DType dtype, ReduceOp op, double factor);
   // memcpy on the reduction stream / thread
