@@ -660,18 +660,21 @@ class Communicator:
                 no call has raised that failure yet (an async op whose Work
                 nobody waited for); everything is released all the same. Not
                 after :meth:`abort`, nor once a call raised the failure.
+            RuntimeError: called on the communicator's worker thread (inside
+                a Future callback), where it would wait for itself; the
+                communicator stays open, and the default if it was.
         """
         try:
             self._impl.close()
         finally:
-            if os.getpid() != self._pid:
-                # A forked child's copy: the transport objects (e.g. the Gloo
-                # process group) own the parent's threads and sockets;
-                # destroying them here could hang. Keep them alive until this
-                # process exits.
-                _setup.forked_leaks.extend(self._keepalive)
-            self._keepalive.clear()
-            _setup.default.forget(self)
+            if self._impl.closed:  # not when refused on the worker thread: still open
+                if os.getpid() != self._pid:
+                    # A forked child's copy: the transport objects (e.g. the
+                    # Gloo process group) own the parent's threads and sockets;
+                    # destroying them here could hang. Keep them until exit.
+                    _setup.forked_leaks.extend(self._keepalive)
+                self._keepalive.clear()
+                _setup.default.forget(self)
 
     def abort(self, reason: str = "aborted by the user") -> None:
         """Fails pending and future operations of this communicator at once."""

@@ -332,7 +332,14 @@ def _blocking_calls_in_callback(comm, tmp):
             f_wait.wait()
         with pytest.raises(RuntimeError, match="close.*worker thread"):
             f_close.wait()
-    comm.barrier()  # still usable
+    # still usable, and still the default: the refused close() changed nothing
+    # (it once dropped the default, and the pool's next test then failed on
+    # rank 0 only)
+    import pycomm
+
+    assert not comm.closed and pycomm.get_default() is comm
+    comm.barrier()
+    pycomm.barrier()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
