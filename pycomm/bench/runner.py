@@ -56,14 +56,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _copy_pair(device: torch.device, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A source and a destination of ``nbytes`` for a memcpy bound, pages
+    touched."""
+    src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return src, dst
+
+
 def measure_memcpy(device: torch.device, nbytes: int, reps: int = 5,
                    min_seconds: float = 0.0) -> float:
     """Bandwidth of one tensor copy on this rank, in GB/s (bytes copied per
     second; a copy reads and writes each byte once), the median of ``reps``
     copies, or of as many as fill ``min_seconds`` if that is more."""
-    src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # touch the pages
+    src, dst = _copy_pair(device, nbytes)
     times: list[float] = []
     until = time.perf_counter() + min_seconds
     while len(times) < reps or time.perf_counter() < until:
@@ -341,9 +348,7 @@ def _memcpy_run(s: _Session, nbytes: int) -> Callable[[], None]:
     algos'."""
     if s.call.rank != 0:
         return lambda: None
-    src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=s.call.device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # touch the pages
+    src, dst = _copy_pair(s.call.device, nbytes)
 
     def copy() -> None:
         dst.copy_(src)
