@@ -424,3 +424,21 @@ def test_memory_patterns_builds_and_prints_every_pattern(tmp_path):
     assert rows == ["memcpy_alone", "inplace_both", "symmetric", "staged", "staged_local"]
     bad = subprocess.run([str(exe), "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_symmetric_bare_times_pycomm_beside_its_own_loop(tmp_path):
+    """benchmarks/allreduce/symmetric_bare.py checks both sums, then times
+    pycomm's symmetric all-reduce, the same loop bare and rank 0's memcpy in
+    the same rounds; its JSON has every round of every series and a commit."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "allreduce" / "symmetric_bare.py"
+    out = tmp_path / "bare.json"
+    res = subprocess.run([sys.executable, str(script), "--mib", "1", "--rounds", "3", "--warmup",
+                          "1", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = [line.split()[0] for line in res.stdout.splitlines() if not line.startswith("#")]
+    assert rows == ["series", "pycomm", "bare", "memcpy"]
+    assert "# pycomm / bare, per round (median): " in res.stdout
+    data = json.loads(out.read_text())
+    assert sorted(data["times_s"]) == ["bare", "memcpy", "pycomm"]
+    assert all(len(v) == 3 and min(v) > 0 for v in data["times_s"].values())
+    assert data["meta"]["commit"] and data["meta"]["mib"] == 1
