@@ -347,46 +347,45 @@ def test_blocking_calls_inside_callbacks(transport, world_size, tmp_path):
     run_ranks(_blocking_calls_in_callback, world_size, transport, str(tmp_path))
 
 
-def _p2p_from_p2p_callbacks(comm):
+def _p2p_from_p2p_callbacks(comm, rounds):
     """Callbacks of completed irecvs (they run on the worker while it polls
     the pending p2p ops) post an isend each and wait for an irecv there: the
-    poll must not trip over ops that its own callbacks add or complete."""
+    poll must not trip over ops that its own callbacks add or complete, and
+    an irecv that completes while an earlier one's callback waits must get
+    its own callback run by that wait's poll. Each callback's wait needs the
+    left neighbour's callback of the same index to have started, so on 3+
+    ranks a rank that held completed ops back until the waiting callback
+    returned deadlocked the ring (it did, within a few rounds)."""
     n, r = comm.world_size, comm.rank
     right, left = (r + 1) % n, (r - 1) % n
     k = 6
-    got = [torch.zeros(3) for _ in range(k)]
-    echoes = [torch.zeros(3) for _ in range(k)]
+    for _ in range(rounds):
+        got = [torch.zeros(3) for _ in range(k)]
+        echoes = [torch.zeros(3) for _ in range(k)]
 
-    def echo(i):
-        def run(f):
-            comm.isend(got[i] + 1000, right, tag=100 + i)
-            comm.irecv(echoes[i], left, tag=100 + i).wait()
-            return echoes[i]
-        return run
+        def echo(i):
+            def run(f):
+                comm.isend(got[i] + 1000, right, tag=100 + i)
+                comm.irecv(echoes[i], left, tag=100 + i).wait()
+                return echoes[i]
+            return run
 
-    sends = [comm.isend(torch.full((3,), 10.0 * r + i), right) for i in range(k)]
-    futs = [comm.irecv(got[i], left).get_future().then(echo(i)) for i in range(k)]
-    for f in futs:
-        f.wait()
-    for w in sends:
-        w.wait()
-    for i in range(k):
-        assert torch.all(got[i] == 10.0 * left + i)
-        assert torch.all(echoes[i] == 10.0 * ((left - 1) % n) + i + 1000), (i, [e[0].item() for e in echoes])
+        sends = [comm.isend(torch.full((3,), 10.0 * r + i), right) for i in range(k)]
+        futs = [comm.irecv(got[i], left).get_future().then(echo(i)) for i in range(k)]
+        for f in futs:
+            f.wait()
+        for w in sends:
+            w.wait()
+        for i in range(k):
+            assert torch.all(got[i] == 10.0 * left + i)
+            assert torch.all(echoes[i] == 10.0 * ((left - 1) % n) + i + 1000), \
+                (i, [e[0].item() for e in echoes])
     comm.barrier()
 
 
-# shm only: on the gloo transport a tagged receive waited inside nested
-# callbacks can wait for a frame another level's receive needs (3 ranks:
-# a timeout); open work. On shm, 3 ranks timed out the same way once in a
-# loaded CI run (receives that end in one poll are set aside while the
-# first one's callback waits; cpu_executor.cpp poll_deferred): a known
-# deadlock, marked until the executor completes them one by one.
-@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.xfail(
-    reason="open: nested-callback p2p waits can deadlock 3 ranks (poll_deferred)",
-    strict=False))])
-def test_p2p_posted_and_waited_in_p2p_callbacks(world_size):
-    run_ranks(_p2p_from_p2p_callbacks, world_size, "shm")
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_p2p_posted_and_waited_in_p2p_callbacks(transport, world_size):
+    run_ranks(_p2p_from_p2p_callbacks, world_size, transport, 30)
 
 
 def _barrier_and_module_level(comm):

@@ -205,11 +205,16 @@ class CpuExecutor final : public Executor {
   }
 
   // On the executing thread; true while any deferred op is pending. Ops
-  // that ended leave deferred_ before their Works complete: completing runs
-  // Future callbacks right here, which may post more (push_back) or poll
-  // (Work::wait's pump re-enters this function).
+  // that ended leave deferred_ for ready_ before their Works complete:
+  // completing runs Future callbacks right here, which may post more
+  // (push_back) or wait, and a wait polls (Work::wait's pump re-enters this
+  // function). ready_ is shared by every level of that nesting and drained
+  // one op at a time, in the order the ops ended, so an op that ended
+  // behind a waiting callback is completed by the nested poll, not held
+  // by the outer level until that callback returns: a callback that waits
+  // for a peer whose message follows from another callback on this rank
+  // would otherwise wait forever (3 ranks in a ring can do this).
   bool poll_deferred() {
-    std::vector<std::pair<Deferred, std::exception_ptr>> ended;
     for (auto it = deferred_.begin(); it != deferred_.end();) {
       bool done = false;
       std::exception_ptr error;
@@ -226,21 +231,23 @@ class CpuExecutor final : public Executor {
         error = std::current_exception();
       }
       if (done || error) {
-        ended.emplace_back(std::move(*it), error);
+        ready_.push_back({std::move(*it), error});
         it = deferred_.erase(it);
       } else {
         ++it;
       }
     }
-    for (auto& [op, error] : ended) {
-      if (!error) {
-        op.work->complete();
+    while (!ready_.empty()) {
+      Ended op = std::move(ready_.front());
+      ready_.pop_front();
+      if (!op.error) {
+        op.deferred.work->complete();
         continue;
       }
       try {
-        std::rethrow_exception(error);
+        std::rethrow_exception(op.error);
       } catch (const std::exception& e) {
-        fail_p2p(op.work, e, op.peers);
+        fail_p2p(op.deferred.work, e, op.deferred.peers);
       }
     }
     return !deferred_.empty();
@@ -251,7 +258,12 @@ class CpuExecutor final : public Executor {
   size_t slice_bytes_;
   CpuReducer reducer_;
   std::vector<char> scratch_;
+  struct Ended {
+    Deferred deferred;
+    std::exception_ptr error;  // null: it completed
+  };
   std::deque<Deferred> deferred_;  // touched only by the executing thread
+  std::deque<Ended> ready_;        // ended, not yet completed; the same thread
   std::unique_ptr<Worker> worker_;
   std::atomic<bool> aborted_{false};
   mutable std::mutex abort_mu_;
