@@ -388,6 +388,62 @@ def test_p2p_posted_and_waited_in_p2p_callbacks(transport, world_size):
     run_ranks(_p2p_from_p2p_callbacks, world_size, transport, 30)
 
 
+def _callback_waits_then_sends(comm, rounds):
+    """Rank 0's first callback waits for a message and then sends the one
+    rank 1 waits for before it sends what the second callback waits for: the
+    second callback must not run (and wait) inside the first one's wait,
+    though its irecv may have ended in the same poll."""
+    for _ in range(rounds):
+        if comm.rank == 0:
+            first, second = torch.zeros(1), torch.zeros(1)
+            x, y = torch.zeros(1), torch.zeros(1)
+
+            def wait_then_send(f):
+                comm.irecv(x, 1, tag=1).wait()
+                comm.isend(x + 1, 1, tag=2)
+                return x
+
+            def wait(f):
+                comm.irecv(y, 1, tag=3).wait()
+                return y
+
+            futs = [comm.irecv(first, 1).get_future().then(wait_then_send),
+                    comm.irecv(second, 1).get_future().then(wait)]
+            for f in futs:
+                f.wait()
+            assert [first.item(), second.item(), x.item(), y.item()] == [1.0, 2.0, 10.0, 12.0]
+        else:
+            comm.send(torch.ones(1), 0)
+            comm.send(torch.full((1,), 2.0), 0)
+            comm.send(torch.full((1,), 10.0), 0, tag=1)
+            z = torch.zeros(1)
+            comm.recv(z, 0, tag=2)
+            comm.send(z + 1, 0, tag=3)
+    comm.barrier()
+
+
+def test_p2p_callback_waits_then_sends(transport):
+    run_ranks(_callback_waits_then_sends, 2, transport, 20)
+
+
+def _callback_waits_for_older_op(comm):
+    """A callback waits for an irecv posted before it began (and which may
+    have ended in the same poll as the callback's own op)."""
+    if comm.rank == 0:
+        a, b = torch.zeros(1), torch.zeros(1)
+        wa, wb = comm.irecv(a, 1), comm.irecv(b, 1, tag=5)
+        fut = wa.get_future().then(lambda f: (wb.wait(), b)[1])
+        assert fut.wait().item() == 7.0 and a.item() == 3.0
+    else:
+        comm.send(torch.full((1,), 3.0), 0)
+        comm.send(torch.full((1,), 7.0), 0, tag=5)
+    comm.barrier()
+
+
+def test_p2p_callback_waits_for_older_op(transport):
+    run_ranks(_callback_waits_for_older_op, 2, transport)
+
+
 def _barrier_and_module_level(comm):
     import pycomm
 
