@@ -444,6 +444,71 @@ def test_p2p_callback_waits_for_older_op(transport):
     run_ranks(_callback_waits_for_older_op, 2, transport)
 
 
+def _callback_waits_behind_older_same_key(comm):
+    """Two irecvs of the same key end in one poll; the first one's callback
+    waits for a third of that key, posted inside it. The second, set aside
+    until the callback returns, must not hold the third back (it did: a
+    timeout)."""
+    if comm.rank == 0:
+        ready = torch.zeros(1)
+        comm.recv(ready, 1, tag=9)  # both messages below are on their way
+        a, b, c = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+        wa, wb = comm.irecv(a, 1), comm.irecv(b, 1)  # b posted before c, always
+        fut = wa.get_future().then(lambda f: (comm.irecv(c, 1).wait(), c)[1])
+        assert fut.wait().item() == 3.0
+        wb.wait()
+        assert [a.item(), b.item()] == [1.0, 2.0]
+    else:
+        ws = [comm.isend(torch.full((1,), float(v)), 0) for v in (1, 2, 3)]
+        comm.send(torch.ones(1), 0, tag=9)
+        for w in ws:
+            w.wait()
+    comm.barrier()
+
+
+def test_p2p_callback_waits_behind_older_same_key(transport):
+    run_ranks(_callback_waits_behind_older_same_key, 2, transport)
+
+
+def _callback_waits_for_queued_op_while_older_pending(comm):
+    """Inside an irecv's callback, a wait for a collective queued behind it
+    raises (it would wait for itself) also while an older irecv is pending,
+    which that callback's polls leave for later (they spun for ever)."""
+    import threading
+    import time
+
+    z, a, c = torch.zeros(1), torch.zeros(1), torch.ones(2)
+    if comm.rank == 0:
+        wz = comm.irecv(z, 1, tag=7)  # older, pending until the end
+        entered, issued, queued = threading.Event(), threading.Event(), {}
+
+        def wait_queued(f):
+            entered.set()
+            while not issued.is_set():
+                time.sleep(0.001)
+            queued["work"].wait()
+
+        fut = comm.irecv(a, 1).get_future().then(wait_queued)
+        entered.wait(60)
+        queued["work"] = comm.all_reduce(c, async_op=True)  # behind the callback
+        issued.set()
+        with pytest.raises(RuntimeError, match="queued behind"):
+            fut.wait()
+        queued["work"].wait()
+        wz.wait()
+        assert [a.item(), z.item()] == [1.0, 7.0]
+    else:
+        comm.send(torch.ones(1), 0)
+        comm.all_reduce(c)
+        comm.send(torch.full((1,), 7.0), 0, tag=7)
+    assert torch.all(c == 2.0)
+    comm.barrier()
+
+
+def test_p2p_callback_waits_for_queued_op_while_older_pending(transport):
+    run_ranks(_callback_waits_for_queued_op_while_older_pending, 2, transport)
+
+
 def _barrier_and_module_level(comm):
     import pycomm
 

@@ -251,6 +251,16 @@ class CpuExecutor final : public Executor {
   // order no other rank followed (3 ranks, each callback sending an echo and
   // waiting for one: a deadlock in about half the runs). An op is not tested
   // while an earlier one it pairs in order with is pending.
+  //
+  // In a poll nested in a deferred op's callbacks, only ops posted since
+  // they began, and the op waited for, are tested (finish). No order serves
+  // every pattern: a callback that waits for a message that depends on
+  // another op's callback, one that ended after its own op, waits until the
+  // timeout; chaining with then() instead of waiting avoids it.
+  //
+  // Returns true while an op this poll may complete is pending: a wait on
+  // anything else (an op queued behind the running one) must stop pumping
+  // and raise rather than spin.
   bool poll_deferred(const Work* target = nullptr) {
     // The waited op may have ended in an outer poll (this is re-entered from
     // callbacks), which set it aside: it completes here, the outer poll skips it.
@@ -262,10 +272,14 @@ class CpuExecutor final : public Executor {
       }
     }
     // Keys that must not be overtaken: the ops that outer polls set aside
-    // and have not completed yet, then the pending ones met so far.
+    // and have not completed yet, then the pending ones met so far. Those
+    // older than the running callback complete after it, so they cannot
+    // hold back the ops it waits for (that would wait until the timeout).
     std::vector<MatchKey> pending;
     for (const Ending& e : ending_) {
-      if (!e.taken) pending.insert(pending.end(), e.op.keys.begin(), e.op.keys.end());
+      if (!e.taken && e.op.seq >= floor_) {
+        pending.insert(pending.end(), e.op.keys.begin(), e.op.keys.end());
+      }
     }
     std::vector<std::list<Ending>::iterator> ended;
     for (auto it = deferred_.begin(); it != deferred_.end();) {
@@ -291,7 +305,10 @@ class CpuExecutor final : public Executor {
       }
       ending_.erase(e);
     }
-    return !deferred_.empty();
+    for (const Deferred& d : deferred_) {
+      if (d.seq >= floor_ || d.work.get() == target) return true;
+    }
+    return false;
   }
 
   // Whether deferred op `d` has ended: its transfers are done (a true test()
@@ -317,9 +334,10 @@ class CpuExecutor final : public Executor {
 
   // Completes (or fails) an op that ended. Its callbacks run now; a poll
   // nested in them (a wait) completes only the ops posted from here on and
-  // the one it waits for, so an older op's callbacks never run inside this
-  // one's (which may yet send what a peer waits for before it answers an
-  // older one).
+  // the one it waits for, so an older deferred op's callbacks never run
+  // inside this one's (which may yet send what a peer waits for before it
+  // answers an older one). A collective's callbacks (run()) and a failed
+  // op's do not set this floor: the failure aborts the communicator anyway.
   void finish(Ending& e) {
     if (e.error) {
       try {
