@@ -483,12 +483,14 @@ def _callback_waits_for_queued_op_while_older_pending(comm):
         entered, issued, queued = threading.Event(), threading.Event(), {}
 
         def wait_queued(f):
+            assert threading.current_thread() is not threading.main_thread()
             entered.set()
             while not issued.is_set():
                 time.sleep(0.001)
             queued["work"].wait()
 
         fut = comm.irecv(a, 1).get_future().then(wait_queued)
+        comm.send(torch.ones(1), 1, tag=8)  # now rank 1 sends a: the worker runs the callback
         entered.wait(60)
         queued["work"] = comm.all_reduce(c, async_op=True)  # behind the callback
         issued.set()
@@ -498,6 +500,7 @@ def _callback_waits_for_queued_op_while_older_pending(comm):
         wz.wait()
         assert [a.item(), z.item()] == [1.0, 7.0]
     else:
+        comm.recv(torch.zeros(1), 0, tag=8)
         comm.send(torch.ones(1), 0)
         comm.all_reduce(c)
         comm.send(torch.full((1,), 7.0), 0, tag=7)
