@@ -347,46 +347,169 @@ def test_blocking_calls_inside_callbacks(transport, world_size, tmp_path):
     run_ranks(_blocking_calls_in_callback, world_size, transport, str(tmp_path))
 
 
-def _p2p_from_p2p_callbacks(comm):
+def _p2p_from_p2p_callbacks(comm, rounds):
     """Callbacks of completed irecvs (they run on the worker while it polls
     the pending p2p ops) post an isend each and wait for an irecv there: the
-    poll must not trip over ops that its own callbacks add or complete."""
+    poll must not trip over ops that its own callbacks add or complete, and
+    an irecv that completes while an earlier one's callback waits must get
+    its own callback run by that wait's poll. Each callback's wait needs the
+    left neighbour's callback of the same index to have started, so on 3+
+    ranks a rank that held completed ops back until the waiting callback
+    returned deadlocked the ring (it did, within a few rounds)."""
     n, r = comm.world_size, comm.rank
     right, left = (r + 1) % n, (r - 1) % n
     k = 6
-    got = [torch.zeros(3) for _ in range(k)]
-    echoes = [torch.zeros(3) for _ in range(k)]
+    for _ in range(rounds):
+        got = [torch.zeros(3) for _ in range(k)]
+        echoes = [torch.zeros(3) for _ in range(k)]
 
-    def echo(i):
-        def run(f):
-            comm.isend(got[i] + 1000, right, tag=100 + i)
-            comm.irecv(echoes[i], left, tag=100 + i).wait()
-            return echoes[i]
-        return run
+        def echo(i):
+            def run(f):
+                comm.isend(got[i] + 1000, right, tag=100 + i)
+                comm.irecv(echoes[i], left, tag=100 + i).wait()
+                return echoes[i]
+            return run
 
-    sends = [comm.isend(torch.full((3,), 10.0 * r + i), right) for i in range(k)]
-    futs = [comm.irecv(got[i], left).get_future().then(echo(i)) for i in range(k)]
-    for f in futs:
-        f.wait()
-    for w in sends:
-        w.wait()
-    for i in range(k):
-        assert torch.all(got[i] == 10.0 * left + i)
-        assert torch.all(echoes[i] == 10.0 * ((left - 1) % n) + i + 1000), (i, [e[0].item() for e in echoes])
+        sends = [comm.isend(torch.full((3,), 10.0 * r + i), right) for i in range(k)]
+        futs = [comm.irecv(got[i], left).get_future().then(echo(i)) for i in range(k)]
+        for f in futs:
+            f.wait()
+        for w in sends:
+            w.wait()
+        for i in range(k):
+            assert torch.all(got[i] == 10.0 * left + i)
+            assert torch.all(echoes[i] == 10.0 * ((left - 1) % n) + i + 1000), \
+                (i, [e[0].item() for e in echoes])
     comm.barrier()
 
 
-# shm only: on the gloo transport a tagged receive waited inside nested
-# callbacks can wait for a frame another level's receive needs (3 ranks:
-# a timeout); open work. On shm, 3 ranks timed out the same way once in a
-# loaded CI run (receives that end in one poll are set aside while the
-# first one's callback waits; cpu_executor.cpp poll_deferred): a known
-# deadlock, marked until the executor completes them one by one.
-@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.xfail(
-    reason="open: nested-callback p2p waits can deadlock 3 ranks (poll_deferred)",
-    strict=False))])
-def test_p2p_posted_and_waited_in_p2p_callbacks(world_size):
-    run_ranks(_p2p_from_p2p_callbacks, world_size, "shm")
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_p2p_posted_and_waited_in_p2p_callbacks(transport, world_size):
+    run_ranks(_p2p_from_p2p_callbacks, world_size, transport, 30)
+
+
+def _callback_waits_then_sends(comm, rounds):
+    """Rank 0's first callback waits for a message and then sends the one
+    rank 1 waits for before it sends what the second callback waits for: the
+    second callback must not run (and wait) inside the first one's wait,
+    though its irecv may have ended in the same poll."""
+    for _ in range(rounds):
+        if comm.rank == 0:
+            first, second = torch.zeros(1), torch.zeros(1)
+            x, y = torch.zeros(1), torch.zeros(1)
+
+            def wait_then_send(f):
+                comm.irecv(x, 1, tag=1).wait()
+                comm.isend(x + 1, 1, tag=2)
+                return x
+
+            def wait(f):
+                comm.irecv(y, 1, tag=3).wait()
+                return y
+
+            futs = [comm.irecv(first, 1).get_future().then(wait_then_send),
+                    comm.irecv(second, 1).get_future().then(wait)]
+            for f in futs:
+                f.wait()
+            assert [first.item(), second.item(), x.item(), y.item()] == [1.0, 2.0, 10.0, 12.0]
+        else:
+            comm.send(torch.ones(1), 0)
+            comm.send(torch.full((1,), 2.0), 0)
+            comm.send(torch.full((1,), 10.0), 0, tag=1)
+            z = torch.zeros(1)
+            comm.recv(z, 0, tag=2)
+            comm.send(z + 1, 0, tag=3)
+    comm.barrier()
+
+
+def test_p2p_callback_waits_then_sends(transport):
+    run_ranks(_callback_waits_then_sends, 2, transport, 20)
+
+
+def _callback_waits_for_older_op(comm):
+    """A callback waits for an irecv posted before it began (and which may
+    have ended in the same poll as the callback's own op)."""
+    if comm.rank == 0:
+        a, b = torch.zeros(1), torch.zeros(1)
+        wa, wb = comm.irecv(a, 1), comm.irecv(b, 1, tag=5)
+        fut = wa.get_future().then(lambda f: (wb.wait(), b)[1])
+        assert fut.wait().item() == 7.0 and a.item() == 3.0
+    else:
+        comm.send(torch.full((1,), 3.0), 0)
+        comm.send(torch.full((1,), 7.0), 0, tag=5)
+    comm.barrier()
+
+
+def test_p2p_callback_waits_for_older_op(transport):
+    run_ranks(_callback_waits_for_older_op, 2, transport)
+
+
+def _callback_waits_behind_older_same_key(comm):
+    """Two irecvs of the same key end in one poll; the first one's callback
+    waits for a third of that key, posted inside it. The second, set aside
+    until the callback returns, must not hold the third back (it did: a
+    timeout)."""
+    if comm.rank == 0:
+        ready = torch.zeros(1)
+        comm.recv(ready, 1, tag=9)  # both messages below are on their way
+        a, b, c = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+        wa, wb = comm.irecv(a, 1), comm.irecv(b, 1)  # b posted before c, always
+        fut = wa.get_future().then(lambda f: (comm.irecv(c, 1).wait(), c)[1])
+        assert fut.wait().item() == 3.0
+        wb.wait()
+        assert [a.item(), b.item()] == [1.0, 2.0]
+    else:
+        ws = [comm.isend(torch.full((1,), float(v)), 0) for v in (1, 2, 3)]
+        comm.send(torch.ones(1), 0, tag=9)
+        for w in ws:
+            w.wait()
+    comm.barrier()
+
+
+def test_p2p_callback_waits_behind_older_same_key(transport):
+    run_ranks(_callback_waits_behind_older_same_key, 2, transport)
+
+
+def _callback_waits_for_queued_op_while_older_pending(comm):
+    """Inside an irecv's callback, a wait for a collective queued behind it
+    raises (it would wait for itself) also while an older irecv is pending,
+    which that callback's polls leave for later (they spun for ever)."""
+    import threading
+    import time
+
+    z, a, c = torch.zeros(1), torch.zeros(1), torch.ones(2)
+    if comm.rank == 0:
+        wz = comm.irecv(z, 1, tag=7)  # older, pending until the end
+        entered, issued, queued = threading.Event(), threading.Event(), {}
+
+        def wait_queued(f):
+            assert threading.current_thread() is not threading.main_thread()
+            entered.set()
+            while not issued.is_set():
+                time.sleep(0.001)
+            queued["work"].wait()
+
+        fut = comm.irecv(a, 1).get_future().then(wait_queued)
+        comm.send(torch.ones(1), 1, tag=8)  # now rank 1 sends a: the worker runs the callback
+        entered.wait(60)
+        queued["work"] = comm.all_reduce(c, async_op=True)  # behind the callback
+        issued.set()
+        with pytest.raises(RuntimeError, match="queued behind"):
+            fut.wait()
+        queued["work"].wait()
+        wz.wait()
+        assert [a.item(), z.item()] == [1.0, 7.0]
+    else:
+        comm.recv(torch.zeros(1), 0, tag=8)
+        comm.send(torch.ones(1), 0)
+        comm.all_reduce(c)
+        comm.send(torch.full((1,), 7.0), 0, tag=7)
+    assert torch.all(c == 2.0)
+    comm.barrier()
+
+
+def test_p2p_callback_waits_for_queued_op_while_older_pending(transport):
+    run_ranks(_callback_waits_for_queued_op_while_older_pending, 2, transport)
 
 
 def _barrier_and_module_level(comm):

@@ -47,7 +47,7 @@ void Work::wait() {
   if (worker_ && worker_->is_current() && !future_->completed()) {
     // A Future callback runs on the worker that completes ops. A pending
     // isend/irecv it issued completes as we poll the transport here.
-    while (pump_ && !future_->completed() && pump_()) std::this_thread::yield();
+    while (pump_ && !future_->completed() && pump_(this)) std::this_thread::yield();
   }
   if (worker_ && worker_->is_current() && !future_->completed()) {
     // An op queued behind the running one: waiting for it here would wait

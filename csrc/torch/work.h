@@ -56,7 +56,7 @@ class Work : public c10::intrusive_ptr_target {
   // returns whether any is still pending) until it completes; anything else
   // (an op queued behind the running one) throws instead of deadlocking.
   void set_worker(const Worker* w) { worker_ = w; }
-  void set_pump(std::function<bool()> pump) { pump_ = std::move(pump); }
+  void set_pump(std::function<bool(const Work* target)> pump) { pump_ = std::move(pump); }
   // Called (with a reason) when wait() on the main thread is interrupted
   // by SIGINT before the op completed: the communicator aborts it.
   void set_on_interrupt(std::function<void(const std::string&)> f) { on_interrupt_ = std::move(f); }
@@ -94,7 +94,7 @@ class Work : public c10::intrusive_ptr_target {
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   const Worker* worker_ = nullptr;
-  std::function<bool()> pump_;
+  std::function<bool(const Work*)> pump_;  // polls, driving `target` (this Work) too
   std::function<void(const std::string&)> on_interrupt_;
   std::shared_ptr<std::atomic<bool>> reported_;
   bool waits_on_host_ = false;
