@@ -41,7 +41,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 SERIES = ("pycomm", "bare", "memcpy")
-_SUM = 0  # pycomm::ReduceOp::kSum
 
 
 def _shared_copies(store: dist.Store, rank: int, numel: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -82,7 +81,7 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, out: Path) -> Non
         comm.all_reduce(t)
 
     def run_bare() -> None:
-        _C.reduce_to_all_([a, b], a, b, _SUM, 1.0)
+        _C.reduce_to_all_([a, b], a, b, int(pycomm.ReduceOp.SUM), 1.0)
         comm.barrier()
 
     def run_memcpy() -> None:
