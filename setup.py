@@ -47,6 +47,14 @@ _spec = importlib.util.spec_from_file_location("_pycomm_build_info", ROOT / "pyc
 info = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(info)
 
+if not info.torch_in_range(torch.__version__):
+    (lo_major, lo_minor), (hi_major, hi_minor) = info.TORCH_RANGE
+    sys.exit(
+        f"pycomm: torch {torch.__version__} is outside the supported range "
+        f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor} (README, 'Supported torch'); "
+        f"install one inside it, e.g. pip install torch==2.13.0"
+    )
+
 os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
 
 
@@ -138,6 +146,6 @@ setup(
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.10",
-    install_requires=["torch>=2.4"],
+    install_requires=[info.torch_requirement()],
     entry_points={"console_scripts": ["pycomm-bench=pycomm.bench.__main__:main"]},
 )

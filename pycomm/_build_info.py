@@ -9,7 +9,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 
-CXX_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+# The torch releases pycomm builds and is tested against (README, "Supported
+# torch"): scripts/torch_range_check.sh checks both ends, and
+# scripts/cuda_build_check.sh builds the CUDA extension against the lower one,
+# the GPU machine's. setup.py refuses a torch outside the range.
+TORCH_RANGE = ((2, 11), (2, 14))
+
+# No -std here: torch's BuildExtension adds the standard its headers need
+# (C++17 up to torch 2.11, C++20 from 2.13 on; 2.14's headers refuse C++17).
+# csrc/core and csrc/cuda are C++17 and build under either.
+CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
 # -fmad=false: no FMA contraction in our kernels, so GPU reductions are bitwise
 # the CPU ones (csrc/core/elementwise.h is shared).
 NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-fmad=false", "-lineinfo"]
@@ -46,3 +55,16 @@ def nccl_home() -> Path | None:
     except ImportError:
         pass
     return None
+
+
+def torch_in_range(version: str) -> bool:
+    """Whether torch ``version`` (e.g. "2.13.0+cpu") is inside TORCH_RANGE."""
+    major_minor = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    low, high = TORCH_RANGE
+    return low <= major_minor <= high
+
+
+def torch_requirement() -> str:
+    """TORCH_RANGE as a pip requirement: "torch>=2.11,<2.15"."""
+    (lo_major, lo_minor), (hi_major, hi_minor) = TORCH_RANGE
+    return f"torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}"

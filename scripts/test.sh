@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The test command: sets up .venv from scratch, runs the static checks
-# (ruff, mypy, clang-format: scripts/lint.sh), checks that every CUDA/NCCL
-# source compiles (nvcc, no GPU needed), then runs the test suite.
+# (ruff, mypy, clang-format: scripts/lint.sh), builds and links the complete
+# CUDA extension against the GPU machine's torch (scripts/cuda_build_check.sh:
+# nvcc and the CUDA torch's headers, no GPU needed), checks both ends of the
+# supported torch range (scripts/torch_range_check.sh), then runs the suite.
 #   bash scripts/test.sh [--full] [extra pytest args]
 # --full also runs the `slow` variants (more fault trials, sizes and
 # examples), which the default run skips; it takes several times longer.
+# PYCOMM_SKIP_TORCH_RANGE=1 skips the range check (it sets up two venvs of
+# several GB the first time; later runs reuse them from ~/.cache/pycomm).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -13,9 +17,12 @@ bash scripts/setup_env.sh
 source .venv/bin/activate
 bash scripts/lint.sh
 if command -v nvcc >/dev/null; then
-  bash scripts/compile_cuda.sh
+  bash scripts/cuda_build_check.sh
 else
-  echo "test: nvcc not found, skipping the CUDA compile check" >&2
+  echo "test: nvcc not found, skipping the CUDA build check" >&2
+fi
+if [[ "${PYCOMM_SKIP_TORCH_RANGE:-0}" != 1 ]]; then
+  bash scripts/torch_range_check.sh
 fi
 if [[ "${1:-}" == "--full" ]]; then
   shift
