@@ -50,10 +50,11 @@ DEFAULT_CUDA_SLICE_BYTES = 4 * 1024 * 1024
 
 #: algo="auto" on GPU: per op, the first rule whose max_bytes (None = no limit)
 #: is >= the message size picks the algorithm. The default crossover, 1 MiB, is
-#: an estimate until measured (scripts/gpu_check.sh writes a measured table to
-#: OUTDIR/auto_table.json): below it a collective is latency-bound and NCCL's
-#: single fused kernel wins over our 2(n-1) grouped launches; above it the ring
-#: is bandwidth-bound and is meant to match NCCL.
+#: an estimate until measured (scripts/gpu_check.sh --rest records a measured
+#: table in OUTDIR/summary.json, benchmarks.allreduce.auto_table): below it a
+#: collective is latency-bound and NCCL's single fused kernel wins over our
+#: 2(n-1) grouped launches; above it the ring is bandwidth-bound and is meant
+#: to match NCCL.
 #: Override with PYCOMM_AUTO_TABLE=path.json ({"all_reduce": [[bytes|null, algo], ...]}).
 DEFAULT_AUTO_TABLE: dict[str, list[tuple[int | None, str]]] = {
     "all_reduce": [(1 << 20, "nccl"), (None, "ring")],
