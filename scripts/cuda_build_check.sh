@@ -118,6 +118,9 @@ mapfile -t CXX_FLAGS < <(read_list CXX_FLAGS)
 mapfile -t NVCC_FLAGS < <(read_list NVCC_FLAGS)
 mapfile -t CXX_SOURCES < <(read_list core_sources; read_list torch_sources)
 mapfile -t CU_SOURCES < <(read_list cuda_sources)
+# (a failure inside <(...) escapes set -e: check what came out)
+(( ${#CXX_FLAGS[@]} && ${#NVCC_FLAGS[@]} && ${#CXX_SOURCES[@]} && ${#CU_SOURCES[@]} )) ||
+  die 1 "cannot read the flags and sources from pycomm/_build_info.py"
 PY_INC="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
 DEFINES=(-DPYCOMM_WITH_CUDA=1 -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H
          -D_GLIBCXX_USE_CXX11_ABI=1)
@@ -174,6 +177,9 @@ if ! g++ -shared -o "$OUT/_C.so" "$OUT"/obj/*.o \
   die 1 "FAILED (link)"
 fi
 mapfile -t undefined < <(sed -n "s/.*undefined reference to \`\(.*\)'$/\1/p" "$LINK_LOG" | sort -u)
+# An extension module always uses the Python C API: none reported means the
+# linker's wording changed and this check would pass blind.
+(( ${#undefined[@]} )) || die 1 "no undefined reference recognised in $LINK_LOG (has ld's wording changed?)"
 foreign=()
 for sym in "${undefined[@]}"; do
   [[ "$sym" =~ ^_?Py ]] || foreign+=("$sym")
