@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GPU check's driver: timed steps, every failure recorded, summary.json.
 
-    python3 scripts/gpu_check.py run --mode quick|rest --out OUTDIR [--total 470]
+    python3 scripts/gpu_check.py run --mode quick|rest --out OUTDIR [--total 465]
     python3 scripts/gpu_check.py render SUMMARY.json [SUMMARY.json ...]
 
 ``scripts/gpu_check.sh`` is the entry point (its header says what each mode
@@ -16,16 +16,21 @@ Time: ``--total`` seconds for the whole run. A step's limit is its cap, and
 never more than the time left minus the minimum that every later step is
 promised; the worlds' steps take a share of what is left (world2 of quick:
 65 %, it has the most cases, and world3 keeps the rest). With too little
-time for every step's minimum the last steps are skipped. A step that
-fails does not stop the run, except the build and the extension check
-(nothing else can run); summary.json is rewritten after every step, so even
-a run killed from outside leaves one.
+time for every step's minimum the last steps are *cut* (not run for lack of
+time; a step whose cases the budget cut is *incomplete*): the run is then
+``incomplete``, exit status 1, never "passed". A step that fails, or whose
+code raises (recorded as a failure of that step), does not stop the run,
+except the build and the extension check (nothing else can run); a build
+killed at its limit is recorded as ``timeout``. summary.json is rewritten
+(atomically) after every step; SIGTERM or SIGINT (the outer ``timeout``)
+kills the running step's process group and saves it with status "killed".
 
 ``render`` prints the README's GPU paragraph from summaries (what ran,
 where, at which commit, what failed, the kernel's speed).
 
-Exit status of ``run``: 0 all passed, 1 something failed, 2 no GPU here
-(one line says why; summary.json says it too).
+Exit status of ``run``: 0 all passed; 1 something failed, was cut for time
+or the run was killed; 2 no GPU here, or no ninja (one line says why;
+summary.json says it too).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +61,18 @@ KERNEL_TESTS = "test_kernel_bitwise_equals_cpu or test_scale_and_fused_reduce_sc
 class NoGPU(Exception):
     """This machine cannot run the GPU check (the message says why)."""
 
+    status, label = "no_gpu", "no GPU"
+
+
+class NoNinja(NoGPU):
+    """A GPU, but no ninja: the build would be serial and miss its time."""
+
+    status, label = "no_ninja", "no ninja"
+
+
+class Killed(BaseException):
+    """The driver got SIGTERM or SIGINT (not an Exception: no step catches it)."""
+
 
 # ------------------------------------------------------------------ the run
 
@@ -65,7 +83,7 @@ class Step:
     Attributes:
         cap_s: the most it may take. share: of the time left (after what
         later steps are promised). min_s: promised to it by earlier steps;
-        skipped with less. fatal: a failure ends the run.
+        cut with less. fatal: a failure ends the run.
     """
 
     name: str
@@ -90,11 +108,13 @@ class Run:
         # Where the worlds' ranks run, and which cases (all when empty): the
         # CPU tests point a run at gloo and a few device-generic cases.
         self.transport, self.device, self.only = "nccl", "cuda:0", ""
+        self.current: subprocess.Popen | None = None  # the step's process running now
         self.summary: dict[str, Any] = {
             "mode": mode, "commit": commit(), "status": "running",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "python": platform.python_version(), "wall_s": 0.0, "steps": [],
-            "tests": {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "skips": []},
+            "tests": {"passed": 0, "failed": 0, "skipped": 0, "cut": 0, "failures": [],
+                      "skips": [], "cuts": []},
             "benchmarks": {},
         }
 
@@ -107,20 +127,28 @@ class Run:
         return self.total_s - (time.monotonic() - self.start)
 
     def save(self) -> None:
+        """Writes summary.json atomically (a reader never sees half of it)."""
         self.summary["wall_s"] = round(time.monotonic() - self.start, 1)
-        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1) + "\n")
+        path = self.out / "summary.json"
+        tmp = path.with_name(f".summary.json.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.summary, indent=1) + "\n")
+        os.replace(tmp, path)
 
     def log(self, msg: str) -> None:
         print(f"gpu_check: {msg}", flush=True)
 
     def test(self, name: str, status: str, detail: str = "", step: str = "") -> None:
-        """Counts one test (status passed, failed, hung, died or skipped)."""
+        """Counts one test: passed; skipped (declined by the test); cut (not
+        run for lack of time); else a failure (failed, hung, died, timeout, killed)."""
         t = self.summary["tests"]
         if status == "passed":
             t["passed"] += 1
         elif status == "skipped":
             t["skipped"] += 1
             t["skips"].append({"name": name, "reason": detail[:500]})
+        elif status == "cut":
+            t["cut"] += 1
+            t["cuts"].append({"name": name, "step": step, "reason": detail[:500]})
         else:
             t["failed"] += 1
             t["failures"].append({"name": name, "step": step, "status": status,
@@ -139,12 +167,15 @@ class Run:
             proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                     env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
                                     start_new_session=True)
+            self.current = proc  # for the signal handler: kill its group too
             try:
                 rc: int | None = proc.wait(timeout=max(limit, 1.0))
             except subprocess.TimeoutExpired:
                 rc = None
                 _kill_group(proc)
                 log.write(f"\ngpu_check: step {step} ran past its {limit:.0f} s and was killed\n")
+            finally:
+                self.current = None
         return rc, _tail(log_path, start)
 
 
@@ -193,13 +224,16 @@ def commit() -> str:
 # ------------------------------------------------------------------ steps
 
 def probe_gpu(info: dict[str, Any]) -> None:
-    """Adds torch, CUDA, NCCL and this machine's GPU to ``info``; NoGPU if
-    there is none (``info`` then says what there is)."""
+    """Adds torch, CUDA, ninja, NCCL and this machine's GPU to ``info``;
+    NoGPU if there is none, NoNinja without ninja (``info`` then says what
+    there is)."""
     try:
         import torch
     except Exception as e:  # noqa: BLE001
         raise NoGPU(f"cannot import torch ({e}); install a CUDA build of torch") from e
-    info.update(torch=torch.__version__, cuda=torch.version.cuda)
+    from torch.utils.cpp_extension import is_ninja_available
+
+    info.update(torch=torch.__version__, cuda=torch.version.cuda, ninja=bool(is_ninja_available()))
     if torch.version.cuda is None:
         raise NoGPU(f"torch {torch.__version__} is a CPU build (torch.version.cuda is None), "
                     "so no GPU can be used here; run it on a machine with an NVIDIA GPU "
@@ -213,6 +247,10 @@ def probe_gpu(info: dict[str, Any]) -> None:
     info["device"] = torch.cuda.get_device_name(0)
     major, minor = torch.cuda.get_device_capability(0)
     info["arch"] = f"{major}.{minor}"
+    if not info["ninja"]:
+        raise NoNinja("ninja is not available (torch.utils.cpp_extension.is_ninja_available() "
+                      "is False): the build needs ninja's parallel jobs to fit its time; "
+                      "pip install ninja")
 
 
 def step_build(run: Run, limit: float) -> bool:
@@ -221,11 +259,16 @@ def step_build(run: Run, limit: float) -> bool:
            "MAX_JOBS": os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)}
     run.log(f"build: TORCH_CUDA_ARCH_LIST={env['TORCH_CUDA_ARCH_LIST']} MAX_JOBS={env['MAX_JOBS']}")
     rc, tail = run.execute("build", [run.py, "setup.py", "build_ext", "--inplace"], limit, env)
-    if rc != 0:
+    if rc is None:
+        run.test("build", "timeout", f"the build ran past its {limit:.0f} s and was killed\n{tail}",
+                 "build")
+    elif rc != 0:
         run.test("build", "failed", tail, "build")
     return rc == 0
 
 
+# argv[1]: where to write what it found (JSON): not the log, whose last line
+# may be any warning printed at exit.
 _EXTENSION_PROBE = """
 import json, pathlib, sys
 import torch
@@ -235,18 +278,22 @@ from pycomm._ext import _C
 if not getattr(_C, "WITH_CUDA", False):
     sys.exit("pycomm._C was built without CUDA (see build.log, lines 'pycomm:')")
 import pycomm
-print(json.dumps({"with_cuda": True, "nccl_headers": int(getattr(_C, "NCCL_VERSION", 0)),
-                  "pycomm": getattr(pycomm, "__version__", "?")}))
+pathlib.Path(sys.argv[1]).write_text(json.dumps({
+    "with_cuda": True, "nccl_headers": int(getattr(_C, "NCCL_VERSION", 0)),
+    "pycomm": getattr(pycomm, "__version__", "?")}))
 """
 
 
 def step_extension(run: Run, limit: float) -> bool:
     """``import pycomm`` with ``pycomm._C.WITH_CUDA`` (never JIT-compiles)."""
-    rc, tail = run.execute("extension", [run.py, "-c", _EXTENSION_PROBE], limit, log_name="build")
-    if rc != 0:
-        run.test("import pycomm (WITH_CUDA)", "failed", tail, "extension")
+    found = run.tmp / "extension.json"
+    found.unlink(missing_ok=True)
+    rc, tail = run.execute("extension", [run.py, "-c", _EXTENSION_PROBE, str(found)], limit,
+                           log_name="build")
+    if rc != 0 or not found.exists():
+        run.test("import pycomm (WITH_CUDA)", "failed" if rc is not None else "hung", tail, "extension")
         return False
-    info = json.loads(tail.splitlines()[-1])
+    info = json.loads(found.read_text())
     code = info["nccl_headers"]
     run.summary["nccl_headers"] = f"{code // 10000}.{code // 100 % 100}.{code % 100}"
     run.test("import pycomm (WITH_CUDA)", "passed")
@@ -254,7 +301,8 @@ def step_extension(run: Run, limit: float) -> bool:
 
 
 def parse_junit(path: Path) -> list[tuple[str, str, str]]:
-    """(name, status, detail) of every test in a pytest JUnit XML file."""
+    """(name, status, detail) of every test in a pytest JUnit XML file
+    (ET.ParseError when it is not whole: pytest killed while writing it)."""
     out = []
     for case in ET.parse(path).getroot().iter("testcase"):
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
@@ -270,7 +318,9 @@ def parse_junit(path: Path) -> list[tuple[str, str, str]]:
 
 
 def pytest_step(run: Run, step: str, limit: float, select: str) -> bool:
-    """tests/test_gpu.py -k ``select``, each test a record of the summary."""
+    """tests/test_gpu.py -k ``select``, each test a record of the summary;
+    passes only when at least one test passed and none failed (a selection
+    that matches nothing, or all skipped, fails)."""
     xml = run.tmp / f"{step}.xml"
     argv = [run.py, "-m", "pytest", "tests/test_gpu.py", "-m", "gpu", "-k", select, "-q", "-rs",
             "-p", "no:cacheprovider", f"--junitxml={xml}"]
@@ -280,11 +330,22 @@ def pytest_step(run: Run, step: str, limit: float, select: str) -> bool:
     if not xml.exists():
         run.test(step, "failed" if rc is not None else "hung", tail, step)
         return False
-    for name, status, detail in parse_junit(xml):
+    try:
+        records = parse_junit(xml)
+    except ET.ParseError as e:
+        run.test(step, "failed" if rc is not None else "hung",
+                 f"pytest's JUnit XML is not whole ({e})\n{tail}", step)
+        return False
+    for name, status, detail in records:
         run.test(name, status, detail, step)
     if rc is None:
         run.test(step, "hung", f"pytest ran past {limit:.0f} s\n{tail}", step)
-    return rc in (0, 5)  # 5: nothing selected
+        return False
+    if not any(status == "passed" for _, status, _ in records):
+        run.test(step, "failed", f"no test passed (pytest status {rc}: nothing selected by "
+                 f"-k {select!r}, or all skipped)\n{tail}", step)
+        return False
+    return rc == 0
 
 
 def _has(module: str) -> bool:
@@ -309,7 +370,11 @@ def world_step(size: int) -> Callable[[Run, float], bool]:
                 "--gpus", str(run.summary["gpus"]), "--transport", run.transport,
                 "--device", run.device] + (["--cases", run.only] if run.only else [])
         rc, tail = run.execute(name, argv, limit)
-        results = json.loads(out.read_text()) if out.exists() else []
+        try:
+            results = json.loads(out.read_text()) if out.exists() else []
+        except ValueError as e:  # written atomically: should not happen
+            run.test(name, "failed", f"unreadable results {out} ({e})\n{tail}", name)
+            return False
         for res in results:
             run.test(f"{name}/{res['name']}", res["status"], res["detail"], name)
         if rc != 0 and not any(r["status"] in ("failed", "hung", "died") for r in results):
@@ -383,25 +448,79 @@ def step_limit(step: Step, later: Sequence[Step], left: float) -> float:
 
 
 def run_steps(run: Run, steps: Sequence[Step]) -> None:
-    """Runs ``steps`` in order under the run's clock, saving after each."""
+    """Runs ``steps`` in order under the run's clock, saving after each. A
+    step's status: passed, failed, incomplete (cases cut for time), cut (not
+    run for time), skipped (after a fatal failure)."""
     stopped = ""
     for i, step in enumerate(steps):
         limit = step_limit(step, steps[i + 1:], run.left())
         rec: dict[str, Any] = {"name": step.name, "limit_s": round(limit)}
-        if stopped or limit < max(step.min_s, 1.0):
-            rec["status"] = "skipped"
-            rec["reason"] = stopped or f"out of time ({limit:.0f} s left for it)"
-            run.test(step.name, "skipped", rec["reason"], step.name)
+        if stopped:
+            rec.update(status="skipped", reason=stopped)
+            run.test(step.name, "skipped", stopped, step.name)
+        elif limit < max(step.min_s, 1.0):
+            rec.update(status="cut", reason=f"out of time ({limit:.0f} s left for it)")
+            run.test(step.name, "cut", rec["reason"], step.name)
         else:
             run.log(f"{step.name}: up to {limit:.0f} s")
-            t0 = time.monotonic()
-            ok = step.fn(run, limit)
-            rec.update(status="passed" if ok else "failed", seconds=round(time.monotonic() - t0, 1))
+            t0, cut = time.monotonic(), run.summary["tests"]["cut"]
+            run.summary["running"] = step.name
+            try:
+                ok = step.fn(run, limit)
+            except Exception:  # noqa: BLE001 - a bug in one step must not end the run
+                run.test(step.name, "failed", f"the step raised:\n{traceback.format_exc()}", step.name)
+                ok = False
+            run.summary.pop("running", None)
+            status = "failed" if not ok else "incomplete" if run.summary["tests"]["cut"] > cut else "passed"
+            rec.update(status=status, seconds=round(time.monotonic() - t0, 1))
             run.log(f"{step.name}: {rec['status']} in {rec['seconds']} s")
             if not ok and step.fatal:
                 stopped = f"not run: step {step.name} failed"
         run.summary["steps"].append(rec)
         run.save()
+
+
+def finish(run: Run) -> int:
+    """Sets the run's status (failed, incomplete: something cut for time,
+    passed), saves, logs; the exit status (1 unless passed)."""
+    t = run.summary["tests"]
+    run.summary["status"] = "failed" if t["failed"] else "incomplete" if t["cut"] else "passed"
+    run.save()
+    run.log(f"{run.summary['status']}: {t['passed']} passed, {t['failed']} failed, "
+            f"{t['skipped']} skipped, {t['cut']} cut for time in {run.summary['wall_s']} s; "
+            f"summary in {run.out / 'summary.json'}")
+    for f in t["failures"]:
+        run.log(f"FAILED {f['name']} ({f['status']})")
+    for c in t["cuts"]:
+        run.log(f"CUT {c['name']}: {c['reason']}")
+    return 0 if run.summary["status"] == "passed" else 1
+
+
+def _on_signal(run: Run) -> Callable[[int, Any], None]:
+    """The SIGTERM/SIGINT handler: kills the running step's process group
+    (it lives in a session of its own, out of reach of the outer timeout),
+    saves the summary as "killed", and ends the driver (exit status 1)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        proc, name = run.current, signal.Signals(signum).name
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        step = run.summary.pop("running", "")
+        if step:
+            run.test(step, "killed", f"the driver got {name} during this step (the outer time "
+                     "limit?); the step's processes were killed", step)
+            run.summary["steps"].append({"name": step, "status": "killed"})
+        run.summary.update(status="killed", reason=f"{name} after {time.monotonic() - run.start:.0f} s")
+        run.save()
+        run.log(f"killed by {name}: step {step or '-'} stopped; summary in {run.out / 'summary.json'}")
+        raise Killed(name)
+
+    return handler
 
 
 def main_run(mode: str, out: Path, total_s: float) -> int:
@@ -411,30 +530,30 @@ def main_run(mode: str, out: Path, total_s: float) -> int:
         probe_gpu(run.summary)
     except NoGPU as e:
         run.close()
-        run.summary.update(status="no_gpu", reason=str(e))
+        run.summary.update(status=e.status, reason=str(e))
         run.save()
-        print(f"gpu_check: no GPU: {e}", flush=True)
+        print(f"gpu_check: {e.label}: {e}", flush=True)
         return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _on_signal(run))
     try:
         return _run_mode(run)
+    except Killed:
+        return 1
     finally:
         run.close()
 
 
 def _run_mode(run: Run) -> int:
-    mode, out, total_s = run.mode, run.out, run.total_s
+    mode, total_s = run.mode, run.total_s
+    if run.summary["commit"] == "unknown":
+        run.log("WARNING: COMMIT UNKNOWN: this tree has no .git and GPU_CHECK_COMMIT is not set; "
+                "rerun with GPU_CHECK_COMMIT=<sha from git rev-parse HEAD on your machine>")
     run.log(f"{mode} on {run.summary['device']} (torch {run.summary['torch']}, NCCL "
             f"{run.summary['nccl']}, {run.summary['gpus']} GPU(s)), commit {run.summary['commit']}, "
             f"{total_s:.0f} s")
     run_steps(run, MODES[mode])
-    t = run.summary["tests"]
-    run.summary["status"] = "failed" if t["failed"] else "passed"
-    run.save()
-    run.log(f"{run.summary['status']}: {t['passed']} passed, {t['failed']} failed, "
-            f"{t['skipped']} skipped in {run.summary['wall_s']} s; summary in {out / 'summary.json'}")
-    for f in t["failures"]:
-        run.log(f"FAILED {f['name']} ({f['status']})")
-    return 1 if t["failed"] else 0
+    return finish(run)
 
 
 # ------------------------------------------------------------------ render
@@ -447,12 +566,15 @@ def render(summaries: Sequence[dict[str, Any]]) -> str:
         if s.get("status") == "no_gpu":
             parts.append(f"- `--{s['mode']}` on {s['date'][:10]}: not run ({s['reason']}).")
             continue
+        cut = f", {t['cut']} cut for time" if t.get("cut") else ""
+        status = f" ({s['status']})" if s.get("status") in ("incomplete", "killed") else ""
         head = (f"- `scripts/gpu_check.sh --{s['mode']}` on {s['date'][:10]}, commit "
                 f"`{s['commit'][:12]}`, {s.get('device', '?')} (torch {s.get('torch')}, NCCL "
                 f"{s.get('nccl')}, Python {s.get('python')}): {t['passed']} passed, "
-                f"{t['failed']} failed, {t['skipped']} skipped in {s['wall_s']:.0f} s.")
+                f"{t['failed']} failed, {t['skipped']} skipped{cut} in {s['wall_s']:.0f} s{status}.")
         lines = [head]
         lines += [f"  - failed: `{f['name']}` ({f['status']}): {_gist(f)}" for f in t["failures"]]
+        lines += [f"  - cut for time: `{c['name']}`" for c in t.get("cuts", [])]
         kernel = s.get("benchmarks", {}).get("kernel")
         if kernel:
             cells = ", ".join(f"{r['dtype']} {r['reduce_GBps']} GB/s = {r['reduce_over_torch_add']}x"
@@ -470,7 +592,7 @@ def _gist(failure: dict[str, Any]) -> str:
              if ln.strip() and not ln.startswith("---")]
     if not lines:
         return "(no traceback)"
-    return (lines[0] if failure["status"] in ("hung", "died") else lines[-1])[:200]
+    return (lines[0] if failure["status"] in ("hung", "died", "killed") else lines[-1])[:200]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -479,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = sub.add_parser("run", help="run the check, write OUTDIR/summary.json")
     r.add_argument("--mode", choices=sorted(MODES), required=True)
     r.add_argument("--out", required=True, type=Path)
-    r.add_argument("--total", type=float, default=470.0, help="seconds for the whole run")
+    r.add_argument("--total", type=float, default=465.0, help="seconds for the whole run")
     p = sub.add_parser("render", help="the README's GPU paragraph from summaries")
     p.add_argument("summaries", nargs="+", type=Path)
     args = ap.parse_args(argv)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tests.gpu_cases import prefixed, synchronize
+from tests.test_hooks import _max_diff  # the CPU tests' parameter distance
 
 # ---------------------------------------------------------------- pipeline
 
@@ -119,10 +120,6 @@ def _train_torch_ddp(comm: Any, hook: Any = None, state: Any = None, bucket_mb: 
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
     return [p.detach().cpu() for p in model.parameters()]
-
-
-def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
 def ddp_hooks(comm: Any, store: Any) -> None:

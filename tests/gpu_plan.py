@@ -3,8 +3,12 @@
 ``quick`` is what ``scripts/gpu_check.sh --quick`` runs at 2 and 3 ranks
 sharing one GPU (within its 8 minutes, after the build and the kernel
 tests); ``rest`` is what ``--rest`` adds: 4 ranks, the CUDA backend sweeps
-and the remaining variants. Between them they cover every multi-rank test of
-tests/test_gpu.py (tests/test_gpu_check.py checks this).
+and the remaining variants. Between them they run every body of
+tests/test_gpu.py's multi-rank tests at each world size that test runs it at
+(tests/test_gpu_check.py checks the (body, world size) pairs), and some at
+more sizes (world 4 runs the whole collective sweep). Not every body runs at
+4 ranks: the wire-dtype all-reduce, for one, runs at 2 and 3 (as in
+tests/test_gpu.py), which is enough for its odd and even ring orders.
 
 Order within a world: cheap cases first (a fault early costs a respawn, not
 the world's time), the timeout/abort case last (it aborts a communicator on

@@ -24,14 +24,18 @@ that did not finish for their Python stacks (faulthandler, SIGUSR1), kills
 the world, records the case with those stacks and spawns a fresh world for
 the remaining cases. A rank that dies (SIGSEGV, SIGABRT, os._exit) makes
 the case *died*, with the exit status, and the world is replaced the same
-way. ``budget_s`` bounds the whole run: cases that cannot start in time are
-recorded as skipped.
+way. ``budget_s`` bounds the whole run: a case that had started and is
+still running when the budget ends is *hung* too (its stacks say where it
+was), and the cases that could not start in time are *cut* (a status of
+their own: not a skip, the run is incomplete). *skipped* is only what the
+case itself declines (``min_gpus``, ``pytest.skip`` in its body).
 
 ``python -m tests.gpu_world --plan quick --size 2 --json OUT`` runs one world
 of a plan (tests/gpu_plan.py) and writes the results as JSON after every
-case; ``run_world`` is the same from Python (tests/test_gpu.py runs one case
-per world through it). Case bodies are module-level functions
-``fn(comm, store, **kwargs)`` (they travel to the ranks by pickling).
+case (atomically: a reader never sees half a file); ``run_world`` is the
+same from Python (tests/test_gpu.py runs one case per world through it).
+Case bodies are module-level functions ``fn(comm, store, **kwargs)`` (they
+travel to the ranks by pickling).
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, cast
 
 _CTX = mp.get_context("spawn")
-STATUSES = ("passed", "failed", "hung", "died", "skipped")
+# cut: not run (or its world not started) because the run's budget ran out.
+STATUSES = ("passed", "failed", "hung", "died", "skipped", "cut")
 # Seconds granted to a fresh world before its first case's clock starts
 # (spawn, import torch and pycomm, CUDA context).
 DEFAULT_STARTUP_S = 60.0
@@ -345,17 +350,22 @@ def _watch(world: _World, todo: Sequence[tuple[int, Case]], stop_at: float, star
             continue
         per_rank = done.get(index, {})
         running = [r for r in range(world.size) if r not in per_rank]
-        if clock + case.deadline_s > stop_at:  # the run's budget, not the case, ran out
-            status = "skipped"
-            why = f"stopped: the run's time ran out ({max(now - clock, 0):.0f} s into this case)"
-        elif len(ready) < world.size:
+        started = pos > 0 or len(ready) == world.size
+        if not started and now < clock + case.deadline_s:  # the budget ended the startup
+            for i, c in todo[pos:]:
+                record(i, CaseResult(c.name, world.size, "cut", 0.0,
+                                     "not started: the run's time ran out while its world started"))
+            return False
+        if not started:
             raise _Broken(f"the world did not start within {startup_s:.0f} s: ranks "
                           f"{sorted(set(range(world.size)) - ready)} never reached the store")
+        if now < clock + case.deadline_s:  # started, and still running when the budget ended
+            why = (f"hung: ranks {running} still running when the run's time ran out, "
+                   f"{max(now - clock, 0):.0f} s into this case (its deadline: {case.deadline_s:.0f} s)")
         else:
-            status = "hung"
             why = (f"hung: ranks {running} did not finish within the case's deadline "
                    f"({case.deadline_s:.0f} s)")
-        record(index, _finish(case, world.size, per_rank, status, f"{why}\n{world.stacks(running)}",
+        record(index, _finish(case, world.size, per_rank, "hung", f"{why}\n{world.stacks(running)}",
                               seconds=now - clock))
         return False
     return True
@@ -372,7 +382,7 @@ def run_world(size: int, cases: Sequence[Case], *, transport: str, device: str,
         transport, device, comm_timeout: every case's ``pycomm.init`` defaults.
         env_for_rank: environment variables of rank r's process (NCCL_HOSTID...).
         budget_s: the whole run's time; cases that cannot start in it are
-            skipped, a case cut by it is skipped with the time it had run.
+            ``cut``, a case still running when it ends is ``hung``.
         gpus: visible GPUs, for ``Case.min_gpus``.
         on_result: called with each result as it comes (progress, saving).
 
@@ -402,7 +412,7 @@ def run_world(size: int, cases: Sequence[Case], *, transport: str, device: str,
                 break
             if time.monotonic() + 5 > stop_at:
                 for i, c in todo:
-                    record(i, CaseResult(c.name, size, "skipped", 0.0,
+                    record(i, CaseResult(c.name, size, "cut", 0.0,
                                          "not started: the run's time ran out"))
                 break
             world = _World(size, todo, init, env_for_rank, tmp)
@@ -435,13 +445,22 @@ def gpu_rank_env(rank: int) -> dict[str, str]:
     return env
 
 
+def write_json(path: Path, data: Any) -> None:
+    """Writes ``data`` as JSON to ``path`` atomically (a temporary file
+    beside it, then a rename): a reader sees the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
 def counts(results: Sequence[CaseResult]) -> dict[str, int]:
     """How many results have each status."""
     return {s: sum(r.status == s for r in results) for s in STATUSES}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs one world of a plan; exit status 0 when nothing failed, hung or died."""
+    """Runs one world of a plan; exit status 0 when nothing failed, hung or
+    died (cases cut for time are in the JSON: the driver counts them)."""
     from tests.gpu_plan import PLANS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -475,13 +494,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpu_world: world{res.world}/{res.name}: {res.status} ({res.seconds:.1f} s)", flush=True)
         if res.status in ("failed", "hung", "died"):
             print(res.detail, flush=True)
-        out.write_text(json.dumps([r.to_json() for r in done], indent=1))
+        write_json(out, [r.to_json() for r in done])
 
     cuda = args.device.startswith("cuda")
     results = run_world(args.size, cases, transport=args.transport, device=args.device,
                         env_for_rank=gpu_rank_env if cuda else None, budget_s=args.budget,
                         gpus=args.gpus, on_result=on_result)
-    out.write_text(json.dumps([r.to_json() for r in results], indent=1))
+    write_json(out, [r.to_json() for r in results])
     n = counts(results)
     print(f"gpu_world: world{args.size} ({args.plan}): " + ", ".join(f"{v} {k}" for k, v in n.items()),
           flush=True)

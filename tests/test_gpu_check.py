@@ -8,12 +8,16 @@ imported and, where it takes any device, run here before a GPU comes.
   plan use the same bodies;
 * the world runner on gloo: a failing, a hanging and a dying case are
   recorded (traceback, stacks, signal) and the cases after them still run;
-  the run's budget skips what does not fit;
-* the device-generic bodies of the plan pass on gloo (2 ranks here; 3 and 4
-  as ``slow``);
+  the run's budget: a case running when it ends is hung, what cannot start
+  is cut (not skipped);
+* the device-generic bodies of the plan pass on gloo (2 ranks here, and the
+  3-rank-only groups and NaN cases; all of 3 and 4 as ``slow``);
 * the driver: its steps' time limits add up to its total, a step past its
-  limit is killed with its children, pytest's and the worlds' results land
-  in the summary, and the README paragraph renders from it.
+  limit is killed with its children, a step that raises is recorded and the
+  next one runs, anything cut for time makes the run incomplete (exit 1),
+  SIGTERM kills the running step and saves a "killed" summary, pytest's and
+  the worlds' results land in the summary, and the README paragraph renders
+  from it.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def test_quick_without_a_gpu_exits_2_with_one_line(tmp_path):
 
 
 def test_usage_errors_exit_2(tmp_path):
-    for args in ([], ["--fast", str(tmp_path)], ["--quick"]):
+    for args in ([], ["--fast", str(tmp_path)], ["--quick"], ["--all", str(tmp_path)]):
         proc = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), *args],
                               capture_output=True, text=True, timeout=30)
         assert proc.returncode == 2 and "usage:" in proc.stderr, args
@@ -115,6 +119,38 @@ def test_test_gpu_and_the_plans_run_the_same_bodies():
     planned = {case.fn.__name__ for plan in PLANS.values() for cases in plan.values()
                for case in cases}
     assert _bodies_of_test_gpu() == planned
+
+
+def _worlds_of(fn: ast.FunctionDef, arg: ast.expr) -> list[int]:
+    """The world sizes a test of tests/test_gpu.py passes as run_ranks' first
+    argument: a number, or its ``world`` parameter (from its parametrize)."""
+    if isinstance(arg, ast.Constant):
+        assert isinstance(arg.value, int), arg.value
+        return [arg.value]
+    assert isinstance(arg, ast.Name), ast.dump(arg)
+    for deco in fn.decorator_list:
+        if isinstance(deco, ast.Call) and isinstance(deco.args[0], ast.Constant):
+            names = [n.strip() for n in str(deco.args[0].value).split(",")]
+            if arg.id in names:
+                values = ast.literal_eval(deco.args[1])
+                k = names.index(arg.id)
+                return [v[k] if len(names) > 1 else v for v in values]
+    raise AssertionError(f"{fn.name}: no parametrize for {arg.id}")
+
+
+def test_the_plans_run_each_body_at_every_world_size_test_gpu_does():
+    tree = ast.parse((ROOT / "tests/test_gpu.py").read_text())
+    wanted: set[tuple[str, int]] = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_"):
+            for call in ast.walk(fn):
+                if isinstance(call, ast.Call) and getattr(call.func, "id", "") == "run_ranks":
+                    body = call.args[1]
+                    assert isinstance(body, ast.Attribute), ast.dump(body)
+                    wanted |= {(body.attr, w) for w in _worlds_of(fn, call.args[0])}
+    planned = {(case.fn.__name__, size) for plan in PLANS.values()
+               for size, cases in plan.items() for case in cases}
+    assert len(wanted) > 20 and wanted <= planned, sorted(wanted - planned)
 
 
 def test_plans_are_well_formed():
@@ -190,13 +226,18 @@ def test_world_runner_records_failures_hangs_and_deaths_and_goes_on():
     assert time.monotonic() - start < 90
 
 
-def test_world_runner_skips_what_the_budget_leaves_no_time_for():
-    cases = [Case("sleeps", _sleeps, {"seconds": 60}, deadline_s=120), Case("after", _passes)]
+def test_world_runner_cuts_what_the_budget_leaves_no_time_for():
+    # a case still running when the budget ends is hung (with its stacks),
+    # even with a deadline past the budget; what cannot start is cut, not skipped
+    cases = [Case("sleeps", _sleeps, {"seconds": 60}, deadline_s=120), Case("after", _passes),
+             Case("two_gpus", _passes, min_gpus=2)]
     start = time.monotonic()
     res = run_world(2, cases, transport="gloo", device="cpu", budget_s=12)
     took = time.monotonic() - start
-    assert _statuses(res) == ["skipped", "skipped"], [(r.name, r.detail) for r in res]
-    assert "time ran out" in res[0].detail and "not started" in res[1].detail
+    assert _statuses(res) == ["hung", "cut", "skipped"], [(r.name, r.detail) for r in res]
+    assert "still running when the run's time ran out" in res[0].detail
+    assert "_sleeps" in res[0].detail and res[0].ranks == {0: "running", 1: "running"}
+    assert "not started" in res[1].detail and "needs 2 GPUs" in res[2].detail
     assert 12 <= took < 30
 
 
@@ -234,6 +275,14 @@ def test_plan_bodies_pass_on_gloo_2_ranks(group):
     _run_on_gloo(2, [c for c in _cpu_cases([QUICK, REST], 2) if _group(c) == group])
 
 
+def test_three_rank_only_bodies_pass_on_gloo():
+    # groups (new_group / split) and the NaN propagation run at 3 ranks only
+    cases = [c for c in _cpu_cases([QUICK, REST], 3)
+             if c.fn in (gpu_cases.groups, gpu_cases.nan_propagation)]
+    assert len(cases) == 2
+    _run_on_gloo(3, cases)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [3, 4])
 def test_plan_bodies_pass_on_gloo(size):
@@ -242,7 +291,7 @@ def test_plan_bodies_pass_on_gloo(size):
 
 # ---------------------------------------------------------------- the driver
 
-@pytest.mark.parametrize("total", [470.0, 240.0])
+@pytest.mark.parametrize("total", [465.0, 240.0])
 def test_step_limits_fit_the_total_whatever_each_step_takes(driver, total):
     for mode, steps in driver.MODES.items():
         for build_s in (20.0, 200.0, 1000.0):  # the build takes this (at most its limit) ...
@@ -259,7 +308,7 @@ def test_step_limits_fit_the_total_whatever_each_step_takes(driver, total):
             assert sum(used) <= total - driver.RESERVE_S, (mode, total, build_s, used)
             # the steps that go without are the last ones
             assert ran == [s.name for s in steps[:len(ran)]], (mode, total, build_s, ran)
-            if total == 470 or build_s == 20:
+            if total == 465 or build_s == 20:
                 assert len(ran) >= len(steps) - 1, (mode, total, build_s, ran)
 
 
@@ -292,11 +341,109 @@ def test_extension_step_says_when_the_build_has_no_cuda(driver, tmp_path):
 
 def test_kernel_step_records_pytest_results(driver, tmp_path):
     run = driver.Run("quick", tmp_path, 100, tmp=tmp_path)
-    driver.pytest_step(run, "kernels", 60, driver.KERNEL_TESTS)
+    ok = driver.pytest_step(run, "kernels", 60, driver.KERNEL_TESTS)
     t = run.summary["tests"]
     assert (tmp_path / "kernels.log").exists()
-    if NO_GPU:  # tests/test_gpu.py skips as a whole
-        assert t["passed"] == t["failed"] == 0 and t["skipped"] >= 1, t
+    if NO_GPU:  # tests/test_gpu.py skips as a whole: nothing passed, so the step fails
+        assert not ok and t["passed"] == 0 and t["skipped"] >= 1, t
+        (failure,) = t["failures"]
+        assert failure["name"] == "kernels" and "no test passed" in failure["traceback"]
+
+
+def test_kernel_tests_exist_in_test_gpu(driver):
+    tree = ast.parse((ROOT / "tests/test_gpu.py").read_text())
+    tests = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+    names = [n.strip() for n in driver.KERNEL_TESTS.split(" or ")]
+    assert names and set(names) <= tests, set(names) - tests
+
+
+def _fake_step(driver, name, fn, min_s=0.0):
+    return driver.Step(name, fn, cap_s=30, min_s=min_s)
+
+
+def test_anything_cut_for_time_makes_the_run_incomplete(driver, tmp_path):
+    def cuts_a_case(run, limit):
+        run.test("world2/slow", "cut", "not started: the run's time ran out", "world2")
+        return True
+
+    def declines(run, limit):
+        run.test("world2/two_gpus", "skipped", "needs 2 GPUs")
+        return True
+
+    run = driver.Run("quick", tmp_path, 2000, tmp=tmp_path)  # c needs 1000 s, gets its cap of 30
+    driver.run_steps(run, [_fake_step(driver, "a", declines), _fake_step(driver, "b", cuts_a_case),
+                           _fake_step(driver, "c", declines, min_s=1000)])
+    assert [s["status"] for s in run.summary["steps"]] == ["passed", "incomplete", "cut"]
+    assert driver.finish(run) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "incomplete"
+    t = summary["tests"]
+    assert (t["passed"], t["failed"], t["skipped"], t["cut"]) == (0, 0, 1, 2), t
+    assert [c["name"] for c in t["cuts"]] == ["world2/slow", "c"]
+    # a min_gpus skip alone is no cut: passed, exit 0
+    run = driver.Run("quick", tmp_path, 100, tmp=tmp_path)
+    driver.run_steps(run, [_fake_step(driver, "a", declines)])
+    assert driver.finish(run) == 0 and run.summary["status"] == "passed"
+
+
+def test_a_step_that_raises_is_recorded_and_the_next_runs(driver, tmp_path):
+    def raises(run, limit):
+        raise ValueError("bad JSON on purpose")
+
+    def passes(run, limit):
+        run.test("after", "passed")
+        return True
+
+    run = driver.Run("quick", tmp_path, 100, tmp=tmp_path)
+    driver.run_steps(run, [_fake_step(driver, "boom", raises), _fake_step(driver, "next", passes)])
+    assert [s["status"] for s in run.summary["steps"]] == ["failed", "passed"]
+    (failure,) = run.summary["tests"]["failures"]
+    assert failure["name"] == failure["step"] == "boom"
+    assert "ValueError: bad JSON on purpose" in failure["traceback"]
+    assert driver.finish(run) == 1 and run.summary["tests"]["passed"] == 1
+
+
+_SIGTERM_RUN = """
+import signal, sys
+sys.path.insert(0, {root!r})
+import importlib.util
+spec = importlib.util.spec_from_file_location("gpu_check_sig", {driver!r})
+d = importlib.util.module_from_spec(spec); sys.modules[spec.name] = d; spec.loader.exec_module(d)
+from pathlib import Path
+out = Path({out!r})
+run = d.Run("quick", out, 100, tmp=out)
+signal.signal(signal.SIGTERM, d._on_signal(run))
+def sleepy(run, limit):
+    run.execute("sleepy", ["bash", "-c", "sleep 100 & echo $! > " + str(out / "child.pid") + "; wait"], 60)
+    return True
+try:
+    d.run_steps(run, [d.Step("sleepy", sleepy, cap_s=60)])
+except d.Killed:
+    sys.exit(1)
+"""
+
+
+def test_sigterm_kills_the_running_step_and_saves_a_killed_summary(tmp_path):
+    code = _SIGTERM_RUN.format(root=str(ROOT), driver=str(ROOT / "scripts/gpu_check.py"),
+                               out=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    pid_file = tmp_path / "child.pid"
+    for _ in range(300):
+        if pid_file.exists() and pid_file.read_text().strip():
+            break
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "killed" and "SIGTERM" in summary["reason"]
+    assert summary["steps"] == [{"name": "sleepy", "status": "killed"}]
+    assert summary["tests"]["failures"][0]["status"] == "killed"
+    for _ in range(100):  # the step ran in a session of its own: killed all the same
+        if not Path(f"/proc/{child}").exists():
+            break
+        time.sleep(0.05)
+    assert not Path(f"/proc/{child}").exists(), "the step's child outlived the driver"
 
 
 def test_world_step_records_each_case(driver, tmp_path):
