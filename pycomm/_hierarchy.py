@@ -398,33 +398,34 @@ class HierarchicalComm:
 
     # -- collectives
     def all_reduce(self, t: torch.Tensor, op: int, algo: str, async_op: bool,
-                   wire_dtype: int = -1, offer: bool = False) -> Any:
+                   wire_dtype: int = -1, register: bool = False) -> Any:
         """Steps 1-3 of the module docstring. The tail of fewer than L
         elements (and, up to SMALL_BYTES, the whole tensor) is all-reduced
         between hosts by every column alike."""
         if wire_dtype != -1 or not self._composable(t, algo, op):
-            return self._on_flat("all_reduce", t, op, algo, async_op, wire_dtype, offer)
+            return self._on_flat("all_reduce", t, op, algo, async_op, wire_dtype, register)
         # register=True may move t's storage: decided before the call returns.
-        work = self._submit(lambda: self._all_reduce(t, op, algo, offer), async_op or offer)
-        if offer:
+        work = self._submit(lambda: self._all_reduce(t, op, algo, register), async_op or register)
+        if register:
             work.wait()
         return work if async_op else None
 
-    def _all_reduce(self, t: torch.Tensor, op: int, algo: str, offer: bool) -> list[torch.Tensor]:
+    def _all_reduce(self, t: torch.Tensor, op: int, algo: str,
+                    register: bool) -> list[torch.Tensor]:
         flat = t.view(-1)
         m = 0 if t.nbytes <= SMALL_BYTES else flat.numel() // self._n_local  # ALL_REDUCE_STEPS
         whole = m * self._n_local
         mine = flat[self._local * m:(self._local + 1) * m]
         # 1. In place: a reduce-scatter leaves this rank its block summed over
         # the host, then the tail of fewer than L elements. Every rank takes
-        # the same ops whatever it offers or registered (`offer` counts only
+        # the same ops whatever it registers or registered (`register` counts only
         # in the small all-reduce, which negotiates it).
         if m:
             self.intra.reduce_scatter(mine, flat[:whole], op, algo, False)
             if whole < flat.numel():
                 self.intra.all_reduce(flat[whole:], op, algo, False)
         else:
-            self.intra.all_reduce(flat, op, algo, False, -1, offer)
+            self.intra.all_reduce(flat, op, algo, False, -1, register)
         if m:
             self.inter.all_reduce(mine, op, "ring", False)  # 2.
         if whole < flat.numel():

@@ -179,17 +179,17 @@ class Communicator:
                 wire dtype too, so every rank ends with the same bits:
                 ``wire(op over ranks)``. Ring only: ``algo="auto"`` takes the
                 ring, ``"direct"`` and ``"nccl"`` are refused.
-            register: on ``shm``, offer to move ``tensor``'s storage into
+            register: on ``shm``, register ``tensor``: move its storage into
                 symmetric memory during this op (as :meth:`register_tensor`
                 does), for a buffer that is reduced again and again (a
-                gradient bucket). It moves only if every rank offers, with
+                gradient bucket). It moves only if every rank registers, with
                 ``algo`` "auto" or "direct", and ``tensor`` is all of a
                 storage that torch's CPU allocator made; otherwise nothing
                 moves and the op stages as usual, so ranks cannot disagree.
                 With ``async_op=True`` the call returns once the op has
                 decided (ops issued later must see the new address; with one
                 rank, once the op is done). A storage some rank declined
-                does not offer again. Ignored elsewhere, inside Future
+                is not registered again. Ignored elsewhere, inside Future
                 callbacks (on the worker thread), and for a tensor already
                 registered.
 
@@ -444,7 +444,7 @@ class Communicator:
     # -- groups -----------------------------------------------------------
     def new_group(
         self, ranks: Sequence[int], *, timeout: timedelta | float | None = None
-    ) -> "Communicator | None":
+    ) -> Communicator | None:
         """A communicator over ``ranks`` of this one, renumbered in the given
         order (``ranks[i]`` becomes rank ``i``), on the same transport, device,
         slice size and checked mode.
@@ -482,7 +482,7 @@ class Communicator:
     def split(
         self, color: int | None, key: int | None = None, *,
         timeout: timedelta | float | None = None,
-    ) -> "Communicator | None":
+    ) -> Communicator | None:
         """Partitions the ranks by ``color``, like ``MPI_Comm_split``.
 
         A collective of this communicator: every rank calls it, in the same
@@ -528,7 +528,7 @@ class Communicator:
         return self._create_group(tuple(r for _, r in members), timeout)
 
     def _nccl_split(self, color: int, key: int,
-                    timeout: timedelta | float | None) -> "Communicator | None":
+                    timeout: timedelta | float | None) -> Communicator | None:
         """split() through ncclCommSplit on the collectives' communicator."""
         for name, value in (("color", color), ("key", key)):
             if not -2**31 <= value < 2**31:
@@ -558,7 +558,7 @@ class Communicator:
                                f"cannot be used in a forked child (pid {os.getpid()})")
 
     def _create_group(self, members: tuple[int, ...],
-                      timeout: timedelta | float | None) -> "Communicator | None":
+                      timeout: timedelta | float | None) -> Communicator | None:
         """Builds the group ``members`` (ordered ranks of this communicator)
         on the members; None elsewhere. The rendezvous prefix names the
         member list and this rank's count of groups with that member list."""
@@ -576,7 +576,7 @@ class Communicator:
                             f"ranks[i]) on rank {self.rank}: {e}") from e
 
     def shrink(self, exclude: Sequence[int] | None = None, *,
-               timeout: timedelta | float | None = None) -> "Communicator":
+               timeout: timedelta | float | None = None) -> Communicator:
         """A new communicator over the ranks that continue after a failure:
         a collective of the survivors, the idea of NCCL's ``ncclCommShrink``.
 
@@ -685,7 +685,7 @@ class Communicator:
         """Fails pending and future operations of this communicator at once."""
         self._impl.abort(reason)
 
-    def __enter__(self) -> "Communicator":
+    def __enter__(self) -> Communicator:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
