@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from pycomm import _setup, _store
+from pycomm import CommError, _store
 from pycomm._setup import BUILDERS, Plan, Settings, plan_transport
 
 
@@ -43,7 +43,7 @@ def test_wait_for_names_the_missing_ranks():
     store = dist.HashStore()
     store.set_timeout(timedelta(milliseconds=200))
     store.set("k/0", "x")
-    with pytest.raises(_setup.CommError, match=r"setting up: ranks \[1\] did not arrive"):
+    with pytest.raises(CommError, match=r"setting up: ranks \[1\] did not arrive"):
         _store.wait_for(store, {0: "k/0", 1: "k/1"}, "setting up")
 
 
