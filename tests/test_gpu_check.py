@@ -312,6 +312,17 @@ def test_step_limits_fit_the_total_whatever_each_step_takes(driver, total):
                 assert len(ran) >= len(steps) - 1, (mode, total, build_s, ran)
 
 
+def _gone(pid: int, limit_s: float = 5.0) -> bool:
+    """Whether process ``pid`` is gone within ``limit_s`` (a killed orphan is
+    reaped by init shortly after)."""
+    deadline = time.monotonic() + limit_s
+    while Path(f"/proc/{pid}").exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_a_step_past_its_limit_is_killed_with_its_children(driver, tmp_path):
     run = driver.Run("quick", tmp_path, 100, tmp=tmp_path)
     pid_file = tmp_path / "child.pid"
@@ -319,12 +330,7 @@ def test_a_step_past_its_limit_is_killed_with_its_children(driver, tmp_path):
     rc, tail = run.execute("sleepy", ["bash", "-c", f"sleep 100 & echo $! > {pid_file}; wait"], 1.0)
     assert rc is None and time.monotonic() - start < 20
     assert "ran past its 1 s and was killed" in (tmp_path / "sleepy.log").read_text()
-    child = int(pid_file.read_text())
-    for _ in range(100):  # reaped by init once killed
-        if not Path(f"/proc/{child}").exists():
-            break
-        time.sleep(0.05)
-    assert not Path(f"/proc/{child}").exists(), "the step's child outlived it"
+    assert _gone(int(pid_file.read_text())), "the step's child outlived it"
 
 
 def test_extension_step_says_when_the_build_has_no_cuda(driver, tmp_path):
@@ -439,11 +445,8 @@ def test_sigterm_kills_the_running_step_and_saves_a_killed_summary(tmp_path):
     assert summary["status"] == "killed" and "SIGTERM" in summary["reason"]
     assert summary["steps"] == [{"name": "sleepy", "status": "killed"}]
     assert summary["tests"]["failures"][0]["status"] == "killed"
-    for _ in range(100):  # the step ran in a session of its own: killed all the same
-        if not Path(f"/proc/{child}").exists():
-            break
-        time.sleep(0.05)
-    assert not Path(f"/proc/{child}").exists(), "the step's child outlived the driver"
+    # the step ran in a session of its own: killed all the same
+    assert _gone(child), "the step's child outlived the driver"
 
 
 def test_world_step_records_each_case(driver, tmp_path):
