@@ -176,11 +176,20 @@ def _allreduce_avg(comm: Communicator, tensor: torch.Tensor,
 
 
 def _then_async(fut: torch.futures.Future,
-                fn: Callable[[torch.futures.Future], torch.futures.Future]) -> torch.futures.Future:
+                fn: Callable[[torch.futures.Future], torch.futures.Future],
+                device: torch.device) -> torch.futures.Future:
     """``fut.then(fn)`` for an ``fn`` that issues an asynchronous op and
     returns its future: the result completes with that future's value, without
-    any thread waiting for it. An exception in ``fut`` or ``fn`` fails it."""
-    out: torch.futures.Future = torch.futures.Future()
+    any thread waiting for it. An exception in ``fut`` or ``fn`` fails it.
+
+    On CUDA the result is a CUDA-aware future on ``device``: it is completed
+    in the inner future's callback, whose current stream waits for the op, so
+    it records that ordering and its own callbacks' streams wait for it. A
+    plain future would hand its callbacks the value with no ordering at all:
+    they would read the tensors while the all-reduce still writes them (the
+    GPU check caught PowerSGD differing from torch's by 0.1)."""
+    out: torch.futures.Future = torch.futures.Future(
+        devices=[device] if device.type == "cuda" else None)
 
     def forward(inner: torch.futures.Future) -> None:
         try:
@@ -663,6 +672,6 @@ def powerSGD_hook(state: PowerSGDState,
         return buffer
 
     first = comm.all_reduce(uncompressed, async_op=True).get_future()
-    reduced_ps = _then_async(first, unpack_then_reduce_ps)
-    reduced_qs = _then_async(reduced_ps, compute_then_reduce_qs)
+    reduced_ps = _then_async(first, unpack_then_reduce_ps, buffer.device)
+    reduced_qs = _then_async(reduced_ps, compute_then_reduce_qs, buffer.device)
     return reduced_qs.then(decompress)

@@ -176,6 +176,9 @@ def _rank_main(rank: int, world: int, port: int, init: Mapping[str, Any], env: M
     os.environ.update(env)
     stacks = open(stack_file, "w")  # noqa: SIM115 - open for the process's lifetime
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    # A fatal signal (SIGSEGV, SIGABRT, ...) prints every thread's Python
+    # stack to stderr, the step's log: the "last words" a died case names.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     try:
         import torch.distributed as dist
 

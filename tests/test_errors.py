@@ -383,3 +383,22 @@ def test_every_call_after_close_or_abort_raises_at_once():
         with pytest.raises(pycomm.CommError, match="aborted.*test abort"):
             call(comm2)
     comm2.close()
+
+
+def test_messages_are_built_without_iostreams():
+    """csrc builds its messages with cat() (core/types.h), never with
+    std::stringstream: on the GPU machine every failure whose message streamed
+    an integer killed the process with SIGSEGV instead of raising (a peer out
+    of range, checked mode's report, the timeout; GPU check of 2026-11-26)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "csrc"
+    offenders = []
+    for path in sorted(root.rglob("*")):
+        if path.suffix not in {".h", ".cc", ".cpp", ".cu"}:
+            continue
+        code = re.sub(r"//[^\n]*", "", path.read_text())  # comments may name it
+        if re.search(r"stringstream|<sstream>", code):
+            offenders.append(str(path.relative_to(root)))
+    assert offenders == [], f"use pycomm::cat() instead of a stringstream in {offenders}"

@@ -563,6 +563,28 @@ def _hook_errors(comm):
     return msgs
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda:1"])
+def test_powerSGD_chain_futures_name_the_cuda_device(monkeypatch, device):
+    """The futures chaining PowerSGD's all-reduces are CUDA-aware on CUDA: a
+    plain future hands its callbacks the tensors without ordering their
+    streams after the all-reduce, which then still writes them (the GPU check
+    of 2026-11-26: PowerSGD differed from torch's by 0.1 on an H100)."""
+    made: list = []
+    plain = torch.futures.Future
+
+    def recording(*args, **kwargs):
+        made.append(kwargs.get("devices"))
+        return plain()
+
+    monkeypatch.setattr(torch.futures, "Future", recording)
+    first, inner = plain(), plain()
+    out = hooks._then_async(first, lambda done: inner, torch.device(device))
+    assert made == [[torch.device(device)] if device != "cpu" else None]
+    first.set_result(1)
+    inner.set_result([torch.ones(2)])
+    assert torch.equal(out.wait()[0], torch.ones(2))
+
+
 def test_bucket_on_another_device_is_a_clear_error():
     for msg in run_ranks(_hook_errors, 2, "shm")[0]:
         assert "bucket 0 is on meta" in msg and "communicator runs on cpu" in msg, msg

@@ -3,7 +3,6 @@
 // See collectives.h for the contract.
 #include <algorithm>
 #include <cstring>
-#include <sstream>
 #include <vector>
 
 #include "collectives.h"
@@ -50,26 +49,26 @@ void verify_all_to_all_counts(const Context& ctx, const size_t* send_count,
     }
   }
   // Every rank holds the same tables, so every rank throws the same error.
-  std::ostringstream msg;
+  std::string msg;
   int bad = 0;
   for (size_t i = 0; i < un; ++i) {
     for (size_t j = 0; j < un; ++j) {
       const uint64_t s = sends[i * un + j], e = recvs[j * un + i];
       if (s == e) continue;
       if (bad < 8) {
-        msg << (bad ? "; " : "") << "rank " << i << " sends " << s << " elements to rank " << j
-            << ", which expects " << e;
+        msg += cat(bad ? "; " : "", "rank ", i, " sends ", s, " elements to rank ", j,
+                   ", which expects ", e);
       }
       ++bad;
     }
   }
   if (bad == 0) return;
-  std::ostringstream out;
-  out << "all_to_all: split sizes differ between senders and receivers (a sender's input split "
-         "for a peer must equal that peer's output split for the sender): "
-      << msg.str();
-  if (bad > 8) out << "; ... (" << bad << " mismatched pairs in all)";
-  throw CommError(out.str());
+  std::string out =
+      cat("all_to_all: split sizes differ between senders and receivers (a sender's input split "
+          "for a peer must equal that peer's output split for the sender): ",
+          msg);
+  if (bad > 8) out += cat("; ... (", bad, " mismatched pairs in all)");
+  throw CommError(out);
 }
 
 void all_to_all(const Context& ctx, const void* const* send, const size_t* send_count,

@@ -1,7 +1,6 @@
 #include "check.h"
 
 #include <cstring>
-#include <sstream>
 #include <vector>
 
 namespace pycomm {
@@ -21,20 +20,12 @@ Fingerprint Fingerprint::of(const OpHeader& h, uint64_t slice_bytes, uint64_t di
 }
 
 std::string Fingerprint::str() const {
-  std::ostringstream s;
-  if (magic != kMagic) {
-    s << "<not a checked-mode fingerprint: is check enabled on every rank?>";
-    return s.str();
-  }
-  s << OpHeader::unpack(seq, count, packed).str() << " [slice_bytes=" << slice_bytes
-    << ", PYCOMM_DIRECT_MAX_BYTES=";
-  if (direct_max_bytes == ~uint64_t{0}) {
-    s << "unset";
-  } else {
-    s << direct_max_bytes;
-  }
-  s << "]";
-  return s.str();
+  if (magic != kMagic) return "<not a checked-mode fingerprint: is check enabled on every rank?>";
+  return cat(
+      OpHeader::unpack(seq, count, packed).str(), " [slice_bytes=", slice_bytes,
+      ", PYCOMM_DIRECT_MAX_BYTES=",
+      direct_max_bytes == ~uint64_t{0} ? std::string("unset") : std::to_string(direct_max_bytes),
+      "]");
 }
 
 void check_fingerprints(const Context& ctx, Fingerprint mine) {
@@ -58,25 +49,25 @@ void check_fingerprints(const Context& ctx, Fingerprint mine) {
   for (int i = 1; i < n; ++i) same = same && all[i] == all[0];
   if (same) return;
   // Every rank holds the same table, so every rank builds the same report.
-  std::ostringstream msg;
-  msg << "checked mode: ranks called mismatched collectives (nothing was sent; the "
-         "communicator is still usable): ";
+  std::string msg =
+      "checked mode: ranks called mismatched collectives (nothing was sent; the "
+      "communicator is still usable): ";
   int shown = 0;
   for (int i = 0; i < n; ++i) {
     // rank 0, then every rank that differs from rank 0 (at most 16 lines)
     if (i > 0 && all[i] == all[0]) continue;
     if (shown == 16) {
-      msg << "; ...";
+      msg += "; ...";
       break;
     }
-    msg << (shown ? "; " : "") << "rank " << i << ": " << all[i].str();
+    msg += cat(shown ? "; " : "", "rank ", i, ": ", all[i].str());
     ++shown;
   }
   int agree = 0;
   for (int i = 0; i < n; ++i) agree += all[i] == all[0];
-  if (n > 2) msg << " (" << agree << " of " << n << " ranks match rank 0)";
+  if (n > 2) msg += cat(" (", agree, " of ", n, " ranks match rank 0)");
   (void)r;
-  throw UsageError(msg.str());
+  throw UsageError(msg);
 }
 
 }  // namespace pycomm

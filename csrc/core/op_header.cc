@@ -1,7 +1,5 @@
 #include "op_header.h"
 
-#include <sstream>
-
 #include "types.h"
 
 namespace pycomm {
@@ -64,26 +62,22 @@ OpHeader OpHeader::unpack(uint64_t seq, uint64_t count, uint64_t p) {
 }
 
 std::string OpHeader::str() const {
-  std::ostringstream s;
-  s << kind_name(kind) << " #" << seq;
-  if (kind == static_cast<int32_t>(CollKind::kBarrier)) return s.str();
-  s << " (count=" << count;
-  if (dtype >= 0 && dtype < kNumDTypes) s << ", dtype=" << dtype_name(static_cast<DType>(dtype));
-  if (op >= 0 && op < kNumReduceOps) s << ", op=" << op_name(static_cast<ReduceOp>(op));
-  if (root >= 0) s << ", root=" << root;
-  if (algo != 0) s << ", algo=" << algo_name(algo);
-  s << ")";
-  return s.str();
+  std::string s = cat(kind_name(kind), " #", seq);
+  if (kind == static_cast<int32_t>(CollKind::kBarrier)) return s;
+  s += cat(" (count=", count);
+  if (dtype >= 0 && dtype < kNumDTypes) s += cat(", dtype=", dtype_name(static_cast<DType>(dtype)));
+  if (op >= 0 && op < kNumReduceOps) s += cat(", op=", op_name(static_cast<ReduceOp>(op)));
+  if (root >= 0) s += cat(", root=", root);
+  if (algo != 0) s += cat(", algo=", algo_name(algo));
+  return s + ")";
 }
 
 std::string mismatch_message(int me, const OpHeader& mine, int peer, const OpHeader& theirs) {
-  std::ostringstream s;
-  s << "mismatched collective calls: rank " << me << " called " << mine.str() << " but rank "
-    << peer << " called " << theirs.str() << ":";
+  std::string s = cat("mismatched collective calls: rank ", me, " called ", mine.str(),
+                      " but rank ", peer, " called ", theirs.str(), ":");
   const char* sep = " ";
   auto differs = [&](const char* what, const std::string& a, const std::string& b) {
-    s << sep << what << " differs (" << a << " on rank " << me << " vs " << b << " on rank " << peer
-      << ")";
+    s += cat(sep, what, " differs (", a, " on rank ", me, " vs ", b, " on rank ", peer, ")");
     sep = ", ";
   };
   if (mine.seq != theirs.seq) {
@@ -110,9 +104,9 @@ std::string mismatch_message(int me, const OpHeader& mine, int peer, const OpHea
     if (mine.algo != theirs.algo) differs("algo", algo_name(mine.algo), algo_name(theirs.algo));
   }
   if (mine.seq != theirs.seq) {
-    s << " (a rank skipped or added a collective call, or ranks issue them in different orders)";
+    s += " (a rank skipped or added a collective call, or ranks issue them in different orders)";
   }
-  return s.str();
+  return s;
 }
 
 }  // namespace pycomm

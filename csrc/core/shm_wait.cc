@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <limits>
-#include <sstream>
 
 #include "shm_layout.h"
 #include "stop_signals.h"
@@ -162,45 +161,44 @@ void ShmTransport::check_health(const char* what, int64_t deadline_ns) {
 }
 
 std::string ShmTransport::pending_desc() const {
-  std::ostringstream s;
-  s << "pending:";
+  std::string s = "pending:";
   bool any = false;
   for (size_t qi = 0; qi < sendq_.size(); ++qi) {
     const int r = static_cast<int>(qi) / kNumChannels;
     const char* ch = qi % kNumChannels == kUser ? " [user p2p]" : "";
     if (!sendq_[qi].empty()) {
-      s << " send to rank " << r << ch << " (" << sendq_[qi].front().done << "/"
-        << sendq_[qi].front().bytes << " bytes)";
+      s += cat(" send to rank ", r, ch, " (", sendq_[qi].front().done, "/",
+               sendq_[qi].front().bytes, " bytes)");
       any = true;
     }
     if (!recvq_[qi].empty()) {
       const Op& o = recvq_[qi].front();
-      s << " recv from rank " << r << ch;
-      if (o.tag != 0) s << " tag " << o.tag;
-      s << " (" << o.done << "/" << o.bytes << " bytes)";
+      s += cat(" recv from rank ", r, ch);
+      if (o.tag != 0) s += cat(" tag ", o.tag);
+      s += cat(" (", o.done, "/", o.bytes, " bytes)");
       any = true;
     }
   }
   for (const Op& o : any_recvq_) {
-    s << " recv from any rank [user p2p]";
-    if (o.tag != 0) s << " tag " << o.tag;
-    s << " (" << o.bytes << " bytes)";
+    s += " recv from any rank [user p2p]";
+    if (o.tag != 0) s += cat(" tag ", o.tag);
+    s += cat(" (", o.bytes, " bytes)");
     any = true;
   }
   for (int r = 0; r < size_; ++r) {
     if (rx_[r].busy) {
-      s << " recv from rank " << r << " [user p2p] under way (" << rx_[r].op.done << "/"
-        << rx_[r].op.bytes << " bytes)";
+      s += cat(" recv from rank ", r, " [user p2p] under way (", rx_[r].op.done, "/",
+               rx_[r].op.bytes, " bytes)");
       any = true;
     }
   }
-  if (!any) s << " waiting for peers to arrive";
-  s << "; this rank " << (op_.seq ? "runs " + op_.str() : std::string("ran no collective yet"));
+  if (!any) s += " waiting for peers to arrive";
+  s += cat("; this rank ", op_.seq ? "runs " + op_.str() : std::string("ran no collective yet"));
   for (int r = 0; r < size_; ++r) {
     OpHeader h;
-    if (r != rank_ && peer_op(r, &h)) s << ", rank " << r << " runs " << h.str();
+    if (r != rank_ && peer_op(r, &h)) s += cat(", rank ", r, " runs ", h.str());
   }
-  return s.str();
+  return s;
 }
 
 // ------------------------------------------------------------ waiting

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace pycomm {
 
@@ -35,6 +36,32 @@ size_t dtype_size(DType t);
 const char* dtype_name(DType t);
 const char* op_name(ReduceOp op);
 bool is_floating(DType t);
+
+// Messages (errors, timeouts' descriptions) are built with cat(), never
+// with std::ostringstream: on the GPU machine (torch 2.11, the extension
+// built by its own g++ in /opt/gcc) each failure whose message streamed an
+// integer into an ostringstream killed the process with SIGSEGV (a peer out
+// of range, checked mode's report, the timeout), while messages of strings
+// only were raised. cat() needs no iostream or locale: std::to_string.
+namespace detail {
+inline void cat_one(std::string& s, const std::string& v) { s += v; }
+inline void cat_one(std::string& s, const char* v) { s += v; }
+inline void cat_one(std::string& s, char v) { s += v; }
+template <typename T,
+          typename = std::enable_if_t<std::is_arithmetic_v<T> && !std::is_same_v<T, bool>>>
+inline void cat_one(std::string& s, T v) {
+  s += std::to_string(v);
+}
+}  // namespace detail
+
+// The concatenation of strings, C strings, chars and numbers (as std::to_string
+// writes them).
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::string s;
+  (detail::cat_one(s, args), ...);
+  return s;
+}
 
 // Every failure of a collective (timeout, dead peer, transport error, misuse
 // detected in the core) is a CommError. The binding maps it to

@@ -1,7 +1,5 @@
 #include "check.h"
 
-#include <sstream>
-
 namespace pycomm {
 namespace cuda {
 
@@ -20,28 +18,26 @@ const char* nccl_result_name(ncclResult_t res) {
 }
 
 void throw_cuda_error(cudaError_t err, const char* call, const char* file, int line) {
-  std::ostringstream msg;
-  msg << "CUDA error in " << call << " at " << file << ":" << line << ": "
-      << cudaGetErrorString(err) << " (" << cudaGetErrorName(err) << ", code "
-      << static_cast<int>(err) << ")";
+  const std::string msg =
+      cat("CUDA error in ", call, " at ", file, ":", line, ": ", cudaGetErrorString(err), " (",
+          cudaGetErrorName(err), ", code ", static_cast<int>(err), ")");
   // Clear a sticky-free error so that later unrelated checks do not report it
   // again (sticky errors, e.g. an illegal address, stay and are reported anew).
   (void)cudaGetLastError();
-  throw CommError(msg.str());
+  throw CommError(msg);
 }
 
 std::string nccl_error_message(ncclResult_t res, const char* call, const char* file, int line,
                                ncclComm_t comm) {
-  std::ostringstream msg;
-  msg << "NCCL error in " << call << " at " << file << ":" << line << ": "
-      << ncclGetErrorString(res) << " (" << nccl_result_name(res) << ", code "
-      << static_cast<int>(res) << ")";
+  std::string msg =
+      cat("NCCL error in ", call, " at ", file, ":", line, ": ", ncclGetErrorString(res), " (",
+          nccl_result_name(res), ", code ", static_cast<int>(res), ")");
   const char* last = ncclGetLastError(comm);
-  if (last != nullptr && last[0] != '\0') msg << "; NCCL last error: " << last;
+  if (last != nullptr && last[0] != '\0') msg += cat("; NCCL last error: ", last);
   if (res == ncclSystemError || res == ncclRemoteError) {
-    msg << " (a peer may have died or the network failed; NCCL_DEBUG=INFO shows more)";
+    msg += " (a peer may have died or the network failed; NCCL_DEBUG=INFO shows more)";
   }
-  return msg.str();
+  return msg;
 }
 
 void throw_nccl_error(ncclResult_t res, const char* call, const char* file, int line,

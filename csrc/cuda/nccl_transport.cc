@@ -1,7 +1,6 @@
 #include "nccl_transport.h"
 
 #include <cstring>
-#include <sstream>
 #include <thread>
 
 #include "check.h"
@@ -22,11 +21,7 @@ void backoff(int& spins) {
   }
 }
 
-std::string ms_str(std::chrono::milliseconds t) {
-  std::ostringstream s;
-  s << t.count() << " ms";
-  return s.str();
-}
+std::string ms_str(std::chrono::milliseconds t) { return cat(t.count(), " ms"); }
 
 // The asynchronous state of communicator `c`: ncclSuccess, or ncclInProgress
 // while its last nonblocking call runs; `*err` is set instead when NCCL

@@ -5,7 +5,6 @@
 
 #include <condition_variable>
 #include <mutex>
-#include <sstream>
 #include <thread>
 
 #include "backend_util.h"

@@ -1,7 +1,5 @@
 #include "checks.h"
 
-#include <sstream>
-
 #include "executor.h"
 
 namespace pycomm {
@@ -18,10 +16,9 @@ DType to_dtype(at::ScalarType t, const char* arg) {
     case at::kChar: return DType::kInt8;
     default: break;
   }
-  std::ostringstream msg;
-  msg << arg << " has unsupported dtype " << c10::toString(t)
-      << "; pycomm supports float32, float64, float16, bfloat16, int32, int64, uint8, int8";
-  throw UsageTypeError(msg.str());
+  throw UsageTypeError(
+      cat(arg, " has unsupported dtype ", c10::toString(t),
+          "; pycomm supports float32, float64, float16, bfloat16, int32, int64, uint8, int8"));
 }
 
 std::string join_msg(std::initializer_list<std::string> parts) {
@@ -48,14 +45,11 @@ void check_tensor(const at::Tensor& t, const char* arg, const char* op, const c1
 
 void check_peer(int peer, const char* arg, const char* op, int rank, int size, bool allow_self) {
   if (peer < 0 || peer >= size) {
-    std::ostringstream msg;
-    msg << op << ": " << arg << "=" << peer << " is out of range for world_size " << size;
-    throw UsageError(msg.str());
+    throw UsageError(cat(op, ": ", arg, "=", peer, " is out of range for world_size ", size));
   }
   if (!allow_self && peer == rank) {
-    std::ostringstream msg;
-    msg << op << ": " << arg << "=" << peer << " is this rank; point-to-point needs another rank";
-    throw UsageError(msg.str());
+    throw UsageError(
+        cat(op, ": ", arg, "=", peer, " is this rank; point-to-point needs another rank"));
   }
 }
 
@@ -67,11 +61,8 @@ void check_scatter_sizes(const at::Tensor& big, const char* big_arg, const at::T
                   small_arg, " dtype ", c10::toString(small.scalar_type())}));
   }
   if (big.numel() != small.numel() * world_size) {
-    std::ostringstream msg;
-    msg << op << ": " << big_arg << " must have world_size * " << small_arg
-        << ".numel() = " << world_size << " * " << small.numel() << " elements, got "
-        << big.numel();
-    throw UsageError(msg.str());
+    throw UsageError(cat(op, ": ", big_arg, " must have world_size * ", small_arg, ".numel() = ",
+                         world_size, " * ", small.numel(), " elements, got ", big.numel()));
   }
 }
 
@@ -106,10 +97,8 @@ std::optional<DType> to_wire_dtype(int wire_dtype, DType tensor_dtype, const cha
 
 std::string failure_message(const Work& work, int rank, const std::string& transport,
                             int world_size, const std::string& device, const std::string& why) {
-  std::ostringstream msg;
-  msg << work.op() << " #" << work.seq() << " on rank " << rank << " (" << transport
-      << " transport, world_size " << world_size << ", " << device << ") failed: " << why;
-  return msg.str();
+  return cat(work.op(), " #", work.seq(), " on rank ", rank, " (", transport,
+             " transport, world_size ", world_size, ", ", device, ") failed: ", why);
 }
 
 UsageError usage_failure(const Work& work, int rank, const std::exception& e) {

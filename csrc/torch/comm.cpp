@@ -6,7 +6,6 @@
 #include <cstdlib>
 #include <limits>
 #include <optional>
-#include <sstream>
 
 #include "../core/huge_pages.h"
 
@@ -56,12 +55,11 @@ bool Comm::forked() const { return static_cast<long>(::getpid()) != pid_; }
 
 void Comm::check_open(const char* op) const {
   if (forked()) {
-    std::ostringstream msg;
-    msg << op << ": this communicator was created in process " << pid_
-        << " and cannot be used in a forked child (pid " << ::getpid()
-        << "): its threads and connections belong to the parent. Call pycomm.init() in the "
-           "child (or use the 'spawn' start method)";
-    throw std::runtime_error(msg.str());
+    throw std::runtime_error(
+        cat(op, ": this communicator was created in process ", pid_,
+            " and cannot be used in a forked child (pid ", static_cast<long>(::getpid()),
+            "): its threads and connections belong to the parent. Call pycomm.init() in the "
+            "child (or use the 'spawn' start method)"));
   }
   if (closed_) throw std::runtime_error(join_msg({op, ": the communicator is closed"}));
   if (exec_->aborted()) {

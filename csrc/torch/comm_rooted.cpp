@@ -3,7 +3,6 @@
 // Like the other ops in comm.cpp, no algorithm logic lives here: the core
 // picks reduce's algorithm by size. Their op headers carry AlgoKind::kNone:
 // the core decides, alike on every rank.
-#include <sstream>
 
 #include "../core/collectives.h"
 #include "comm.h"
@@ -20,10 +19,8 @@ void check_list(const std::vector<at::Tensor>& list, const char* name, const at:
                 const char* like_name, int world_size, const char* op,
                 const std::function<void(const at::Tensor&, const std::string&)>& check) {
   if (list.size() != static_cast<size_t>(world_size)) {
-    std::ostringstream msg;
-    msg << op << ": " << name << " must hold world_size = " << world_size << " tensors, got "
-        << list.size();
-    throw UsageError(msg.str());
+    throw UsageError(
+        cat(op, ": ", name, " must hold world_size = ", world_size, " tensors, got ", list.size()));
   }
   for (size_t i = 0; i < list.size(); ++i) {
     const std::string arg = indexed(name, i);
@@ -34,10 +31,8 @@ void check_list(const std::vector<at::Tensor>& list, const char* name, const at:
                     " differs from ", like_name, " dtype ", c10::toString(like.scalar_type())}));
     }
     if (list[i].numel() != like.numel()) {
-      std::ostringstream msg;
-      msg << op << ": " << arg << " has " << list[i].numel() << " elements but " << like_name
-          << " has " << like.numel() << "; every tensor of " << name << " must match it";
-      throw UsageError(msg.str());
+      throw UsageError(cat(op, ": ", arg, " has ", list[i].numel(), " elements but ", like_name,
+                           " has ", like.numel(), "; every tensor of ", name, " must match it"));
     }
   }
 }
@@ -47,11 +42,9 @@ void check_list(const std::vector<at::Tensor>& list, const char* name, const at:
 void check_no_list(const std::vector<at::Tensor>& list, const char* name, const char* root_arg,
                    int root, int rank, const char* op) {
   if (list.empty()) return;
-  std::ostringstream msg;
-  msg << op << ": " << name << " must be None on ranks other than " << root_arg << "=" << root
-      << " (this is rank " << rank << "); only the root " << (op[0] == 'g' ? "receives" : "sends")
-      << " a list";
-  throw UsageError(msg.str());
+  throw UsageError(cat(op, ": ", name, " must be None on ranks other than ", root_arg, "=", root,
+                       " (this is rank ", rank, "); only the root ",
+                       (op[0] == 'g' ? "receives" : "sends"), " a list"));
 }
 
 // Rows of `splits` (dim 0 of a tensor of `rows` rows) -> element counts of
@@ -62,35 +55,28 @@ std::vector<size_t> split_counts(const std::vector<int64_t>& splits, const char*
   std::vector<size_t> counts(static_cast<size_t>(world_size));
   if (splits.empty()) {
     if (rows % world_size != 0) {
-      std::ostringstream msg;
-      msg << op << ": " << tensor_arg << ".size(0) = " << rows
-          << " is not divisible by world_size = " << world_size << "; pass " << splits_arg;
-      throw UsageError(msg.str());
+      throw UsageError(cat(op, ": ", tensor_arg, ".size(0) = ", rows,
+                           " is not divisible by world_size = ", world_size, "; pass ",
+                           splits_arg));
     }
     for (auto& c : counts) c = static_cast<size_t>(rows / world_size * row);
     return counts;
   }
   if (splits.size() != static_cast<size_t>(world_size)) {
-    std::ostringstream msg;
-    msg << op << ": " << splits_arg << " must have world_size = " << world_size << " entries, got "
-        << splits.size();
-    throw UsageError(msg.str());
+    throw UsageError(cat(op, ": ", splits_arg, " must have world_size = ", world_size,
+                         " entries, got ", splits.size()));
   }
   int64_t sum = 0;
   for (size_t p = 0; p < splits.size(); ++p) {
     if (splits[p] < 0) {
-      std::ostringstream msg;
-      msg << op << ": " << splits_arg << "[" << p << "] = " << splits[p] << " is negative";
-      throw UsageError(msg.str());
+      throw UsageError(cat(op, ": ", splits_arg, "[", p, "] = ", splits[p], " is negative"));
     }
     sum += splits[p];
     counts[p] = static_cast<size_t>(splits[p] * row);
   }
   if (sum != rows) {
-    std::ostringstream msg;
-    msg << op << ": " << splits_arg << " sum to " << sum << " but " << tensor_arg
-        << ".size(0) = " << rows;
-    throw UsageError(msg.str());
+    throw UsageError(
+        cat(op, ": ", splits_arg, " sum to ", sum, " but ", tensor_arg, ".size(0) = ", rows));
   }
   return counts;
 }
@@ -186,10 +172,8 @@ c10::intrusive_ptr<Work> Comm::all_to_all(const std::vector<at::Tensor>& outs,
   for (const auto& [list, name] :
        {std::pair{&outs, "output_tensor_list"}, std::pair{&ins, "input_tensor_list"}}) {
     if (list->size() != n) {
-      std::ostringstream msg;
-      msg << kOp << ": " << name << " must hold world_size = " << size_ << " tensors, got "
-          << list->size();
-      throw UsageError(msg.str());
+      throw UsageError(
+          cat(kOp, ": ", name, " must hold world_size = ", size_, " tensors, got ", list->size()));
     }
   }
   std::vector<const void*> send(n);
@@ -213,11 +197,9 @@ c10::intrusive_ptr<Work> Comm::all_to_all(const std::vector<at::Tensor>& outs,
     recv_count[p] = outs[p].numel();
   }
   if (send_count[rank_] != recv_count[rank_]) {
-    std::ostringstream msg;
-    msg << kOp << ": input_tensor_list[" << rank_ << "] has " << send_count[rank_]
-        << " elements but output_tensor_list[" << rank_ << "] has " << recv_count[rank_]
-        << " (this rank's block to itself)";
-    throw UsageError(msg.str());
+    throw UsageError(cat(kOp, ": input_tensor_list[", rank_, "] has ", send_count[rank_],
+                         " elements but output_tensor_list[", rank_, "] has ", recv_count[rank_],
+                         " (this rank's block to itself)"));
   }
   const DType dt = to_dtype(st, "input_tensor_list[0]");
   const size_t es = ins[0].element_size();
@@ -258,11 +240,9 @@ c10::intrusive_ptr<Work> Comm::all_to_all_single(const at::Tensor& out, const at
   const std::vector<size_t> recv_count = split_counts(out_splits, "output_split_sizes", out.size(0),
                                                       row_elems(out), "output", size_, kOp);
   if (send_count[rank_] != recv_count[rank_]) {
-    std::ostringstream msg;
-    msg << kOp << ": this rank's block to itself has " << send_count[rank_]
-        << " elements in input (input_split_sizes[" << rank_ << "]) but " << recv_count[rank_]
-        << " in output (output_split_sizes[" << rank_ << "])";
-    throw UsageError(msg.str());
+    throw UsageError(cat(kOp, ": this rank's block to itself has ", send_count[rank_],
+                         " elements in input (input_split_sizes[", rank_, "]) but ",
+                         recv_count[rank_], " in output (output_split_sizes[", rank_, "])"));
   }
   const size_t n = static_cast<size_t>(size_), es = in.element_size();
   std::vector<const void*> send(n);

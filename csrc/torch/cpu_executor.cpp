@@ -4,7 +4,6 @@
 #include <deque>
 #include <list>
 #include <mutex>
-#include <sstream>
 
 #include "../core/check.h"
 #include "../core/reduce.h"
@@ -112,17 +111,14 @@ class CpuExecutor final : public Executor {
           std::move(keep));
       return;
     }
-    std::ostringstream peers;
+    std::string peers;
     for (size_t i = 0; i < ops.size(); ++i) {
-      peers << (i ? ", " : "") << (ops[i].kind == P2POp::kSend ? "send to " : "recv from ");
-      if (ops[i].peer == kAnySource) {
-        peers << "any rank";
-      } else {
-        peers << "rank " << ops[i].peer;
-      }
-      if (ops[i].tag != 0) peers << " with tag " << ops[i].tag;
+      peers += cat(i ? ", " : "", ops[i].kind == P2POp::kSend ? "send to " : "recv from ");
+      peers += ops[i].peer == kAnySource ? std::string("any rank") : cat("rank ", ops[i].peer);
+      if (ops[i].tag != 0) peers += cat(" with tag ", ops[i].tag);
     }
-    std::function<void()> post = [this, work, ops, peers = peers.str(), keep = std::move(keep)] {
+    std::function<void()> post = [this, work, ops, peers = std::move(peers),
+                                  keep = std::move(keep)] {
       if (fail_if_aborted(work)) return;
       try {
         const Handle h = transport_->post(ops.data(), ops.size());
@@ -320,10 +316,9 @@ class CpuExecutor final : public Executor {
       if (aborted_) throw CommError("communicator aborted (" + abort_reason() + ")");
       if (!ahead_of(d, pending) && transport_->test(d.handle)) return true;
       if (std::chrono::steady_clock::now() > d.deadline) {
-        std::ostringstream msg;
-        msg << "timed out after " << timeout_.count() << " ms, the timeout of this communicator ("
-            << d.peers << "); is the peer alive and did it post the matching operation?";
-        throw CommError(msg.str());
+        throw CommError(cat("timed out after ", timeout_.count(),
+                            " ms, the timeout of this communicator (", d.peers,
+                            "); is the peer alive and did it post the matching operation?"));
       }
       return false;
     } catch (const std::exception&) {

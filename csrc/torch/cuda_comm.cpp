@@ -104,7 +104,6 @@
 #include <deque>
 #include <functional>
 #include <map>
-#include <sstream>
 #include <thread>
 
 #include "../core/algorithms.h"
@@ -567,9 +566,8 @@ class CudaExecutor final : public Executor {
       }
     }
     for (auto& p : failed) {
-      std::ostringstream msg;
-      msg << p.work->op() << " #" << p.work->seq() << " on rank " << rank() << " failed: " << why;
-      p.work->fail(std::make_exception_ptr(CommError(msg.str())));
+      p.work->fail(std::make_exception_ptr(CommError(
+          cat(p.work->op(), " #", p.work->seq(), " on rank ", rank(), " failed: ", why))));
     }
   }
 
@@ -622,12 +620,9 @@ class CudaExecutor final : public Executor {
           }
           if (waiting == nullptr) waiting = &f;
           if (Clock::now() - f.start > timeout_) {
-            std::ostringstream msg;
-            msg << "timed out after " << timeout_.count()
-                << " ms, the timeout of this communicator, waiting for the GPU (a peer may be "
-                   "dead or not calling the same "
-                   "operation); the communicator was aborted";
-            err = msg.str();
+            err = cat("timed out after ", timeout_.count(),
+                      " ms, the timeout of this communicator, waiting for the GPU (a peer may be "
+                      "dead or not calling the same operation); the communicator was aborted");
             abort(f.work->op() + " #" + std::to_string(f.work->seq()) + ": " + err);
           }
         }

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <sstream>
 
 namespace pycomm {
 
@@ -163,14 +162,12 @@ void ProcessGroupTransport::accept_header(Message& m) {
     reject("gloo transport: " + mismatch_message(rank_, m.hdr, m.peer, theirs));
   }
   if (w.bytes != m.bytes) {
-    std::ostringstream msg;
-    msg << "gloo transport: rank " << rank_ << " expected a message of " << m.bytes
-        << " bytes from rank " << m.peer
-        << (m.tag != 0 ? " with tag " + std::to_string(m.tag) : std::string()) << " but it sent "
-        << w.bytes << " bytes"
-        << (m.channel == kUser ? " (point-to-point: the send and the recv tensors differ in size)"
-                               : " (mismatched collective calls across ranks?)");
-    reject(msg.str());
+    reject(
+        cat("gloo transport: rank ", rank_, " expected a message of ", m.bytes, " bytes from rank ",
+            m.peer, m.tag != 0 ? " with tag " + std::to_string(m.tag) : std::string(),
+            " but it sent ", w.bytes, " bytes",
+            m.channel == kUser ? " (point-to-point: the send and the recv tensors differ in size)"
+                               : " (mismatched collective calls across ranks?)"));
   }
   if (m.bytes <= kInline) {
     std::memcpy(m.buf, inline_bytes, m.bytes);
@@ -307,20 +304,19 @@ void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeo
           deadline - std::chrono::steady_clock::now());
       w->wait(std::max(left, std::chrono::milliseconds(1)));
     } catch (const std::exception& e) {
-      std::ostringstream msg;
-      msg << "gloo " << describe(m.kind, m.peer, m.tag) << " failed (" << part << ", timeout "
-          << timeout.count() << " ms): " << e.what();
+      std::string msg = cat("gloo ", describe(m.kind, m.peer, m.tag), " failed (", part,
+                            ", timeout ", timeout.count(), " ms): ", e.what());
       if (m.kind == P2POp::kSend) {
-        msg << " (a gloo send waits for the matching receive: did rank " << m.peer
-            << " fail, or does it run a different operation, e.g. a broadcast with another "
-               "root?)";
+        msg += cat(" (a gloo send waits for the matching receive: did rank ", m.peer,
+                   " fail, or does it run a different operation, e.g. a broadcast with another "
+                   "root?)");
       }
       for (auto& o : p.msgs) {
         for (auto* x : {&o.header_work, &o.payload_work}) {
           if (*x && x != &w) (*x)->abort();
         }
       }
-      throw CommError(msg.str());
+      throw CommError(msg);
     }
   };
   // Receives' headers first, posting their payloads: a send's payload
