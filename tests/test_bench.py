@@ -325,6 +325,29 @@ def test_model_cli(tmp_path, capsys):
     assert out.count("1024      1M") == 1
 
 
+# ------------------------------------------------------------------ optional dependencies
+
+_NO_MATPLOTLIB = "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = {argv!r}; "
+
+
+@pytest.mark.parametrize("argv, runner", [
+    (["pycomm.bench", "allreduce", "--nproc", "2", "--plot", "r.png"], "runpy.run_module"),
+    ([str(ROOT / "benchmarks" / "ddp" / "bench.py"), "--json", "r.json"], "runpy.run_path"),
+    ([str(ROOT / "benchmarks" / "pipeline" / "bench_pipeline.py"), "--out", "."], "runpy.run_path"),
+], ids=["bench-plot", "ddp-bench", "pipeline-bench"])
+def test_missing_matplotlib_fails_at_parsing(tmp_path, argv, runner):
+    """A plot without matplotlib ends the command before anything runs, with
+    one line naming the fix (it once crashed every rank after the sweep)."""
+    code = _NO_MATPLOTLIB.format(argv=argv) + f"{runner}({argv[0]!r}, run_name='__main__')"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "matplotlib" in lines[0] and "pip install matplotlib" in lines[0], lines
+    assert res.stdout == "" and list(tmp_path.iterdir()) == []  # nothing ran, nothing written
+
+
 # ------------------------------------------------------------------ end to end
 
 def _bench(args, tmp_path, timeout=240):

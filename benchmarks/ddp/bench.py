@@ -68,6 +68,7 @@ sys.path.insert(0, str(ROOT))
 
 import pycomm  # noqa: E402  (also registers backend="pycomm")
 from pycomm import hooks  # noqa: E402
+from pycomm.bench.cli import require_module  # noqa: E402
 from pycomm.bench.report import git_commit  # noqa: E402
 from pycomm.parallel import DistributedDataParallel as PycommDDP  # noqa: E402
 
@@ -544,8 +545,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", default=str(Path(__file__).with_name("results_cpu_2ranks.json")))
-    p.add_argument("--plot", default=str(Path(__file__).with_name("step_time_cpu_2ranks.png")))
+    p.add_argument("--plot", default=str(Path(__file__).with_name("step_time_cpu_2ranks.png")),
+                   help="the step-time figure ('' for none)")
     args = p.parse_args(argv)
+    if args.plot:
+        require_module(p, "--plot", "matplotlib", "pip install matplotlib (or --plot '' for none)")
     args.mode = _csv(args.mode)
     args.variants = _csv(args.variants)
     args.sweep_variants = _csv(args.sweep_variants)

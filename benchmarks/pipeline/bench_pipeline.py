@@ -238,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(HERE))
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     args = ap.parse_args(argv)
+    from pycomm.bench.cli import require_module
+
+    require_module(ap, "the figure (always drawn)", "matplotlib")
     for m in args.microbatches:
         if args.batch % m:
             ap.error(f"--batch {args.batch} must be a multiple of every microbatch count ({m})")

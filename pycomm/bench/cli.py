@@ -7,6 +7,7 @@ every flag without starting a rank.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 from typing import Callable, Sequence
 
@@ -22,6 +23,7 @@ __all__ = [
     "format_size",
     "parse_args",
     "parse_size",
+    "require_module",
     "size_sweep",
 ]
 
@@ -221,6 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def require_module(parser: argparse.ArgumentParser, flag: str, module: str,
+                   fix: str | None = None) -> None:
+    """Ends the program at argument parsing, with one line naming the fix,
+    when ``flag`` needs the optional ``module`` and it cannot be imported:
+    never after the measurements are done. ``fix`` defaults to
+    ``pip install <module>``. Exit status 2, as argparse's own errors."""
+    if importlib.util.find_spec(module) is None:
+        parser.exit(2, f"{parser.prog}: error: {flag} needs {module}, which is not installed: "
+                       f"{fix or 'pip install ' + module}\n")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses and cross-checks the flags; exits with a usage error (code 2)
     on a bad combination. Adds ``sizes``, ``dtype`` (torch name) and
@@ -246,4 +259,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(str(e))
     if not SPECS[args.collective].reduces:
         args.op = "none"  # no reduction; printed as nccl-tests does
+    if args.plot:
+        require_module(p, "--plot", "matplotlib")
     return args
