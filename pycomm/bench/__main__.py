@@ -3,6 +3,7 @@
     python -m pycomm.bench allreduce --nproc 2 -b 1K -e 64M -f 4 --json r.json --plot r.png
     torchrun --nproc-per-node 2 -m pycomm.bench allreduce -b 1K -e 64M -f 4
     python -m pycomm.bench model r.json
+    python -m pycomm.bench soak --nproc 3 --duration 60
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .model import main as model_main
 
         return model_main(argv[1:])
+    if argv and argv[0] == "soak":
+        from .soak import main as soak_main
+
+        return soak_main(argv[1:])
     from .cli import parse_args
     from .launch import launch
 

@@ -43,10 +43,11 @@ def _rank_timeout(args: Any) -> timedelta:
 
 
 def _run_here(args: Any) -> int:
+    """This rank's part: ``args.rank_main`` (e.g. the soak's) or the benchmark."""
     from .runner import run_benchmark
 
     try:
-        return run_benchmark(args)
+        return getattr(args, "rank_main", run_benchmark)(args)
     finally:
         import torch.distributed as dist
 

@@ -1,0 +1,529 @@
+"""``python -m pycomm.bench soak``: mixed traffic for a given time, every
+result checked against a float64 reference.
+
+    python -m pycomm.bench soak --nproc 3 --transport shm --duration 60 --seed 1
+
+Every rank draws the same program from ``random.Random(seed)``, one step at a
+time, so the ranks issue matching calls: a collective of any kind (every
+dtype, every op the dtype allows, sizes from 0 elements to ``--max-bytes``,
+sync or async), p2p around a ring with a tag (some receives from any
+source), batched p2p, a chain of all-reduces issued from Future callbacks
+(PowerSGD's pattern), an all-reduce on a subgroup, and one on a buffer
+registered in symmetric memory. Async ops stay in flight for a few steps
+and are waited in a random order.
+
+A step's input on rank r is a function of (seed, step, r) alone: small
+integers, whose sums, maxima and products every dtype holds exactly. So each
+rank rebuilds every rank's input, computes the expected result in float64
+and compares (exactly; AVG within the dtype's rounding): nothing is trusted
+from the run. A wrong result is counted and printed, and the run goes on.
+
+Rank 0 prints a progress line every ``--report`` seconds (steps, ops/s,
+latency percentiles, wrong results); at the end every rank's counts are
+gathered: steps and ops completed and verified, wrong results, memory growth
+(max RSS), open file descriptors and threads (start vs end), and the
+``/dev/shm`` segments of pycomm left once the communicators are closed. The
+exit status is 1 when a result was wrong or something leaked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["main", "parse_args", "run_soak"]
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+          torch.uint8, torch.int8)
+KINDS = ("all_reduce", "broadcast", "reduce_scatter", "all_gather", "reduce", "gather", "scatter",
+         "all_to_all", "barrier", "p2p_ring", "batch_p2p", "callback_chain", "group_all_reduce",
+         "registered_all_reduce")
+# How often each kind is drawn (all_reduce, the one users call most, most often).
+WEIGHTS = (6, 2, 2, 2, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1)
+MAX_IN_FLIGHT = 4  # async steps waited later, in a random order
+MAX_WORLD = 6  # the value ranges below keep every reduction exact up to this
+ANY_SOURCE_TAGS = 1000  # an any-source receive's tag: 1000 + the step's index
+
+
+@dataclass
+class Step:
+    """One drawn step: what every rank calls, and how it checks it."""
+    index: int
+    kind: str
+    dtype: torch.dtype
+    op: str
+    count: int
+    root: int
+    async_op: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Check = Callable[[], None]  # a step's check of its result, run once it is done
+
+
+@dataclass
+class Pending:
+    """An issued step: its Works (or future) and the check to run once done."""
+    step: Step
+    wait: Callable[[], None]
+    check: Check
+    start: float
+
+
+def _ops_for(dtype: torch.dtype) -> tuple[str, ...]:
+    floating = dtype.is_floating_point
+    return ("sum", "max", "min", "product") + (("avg",) if floating else ())
+
+
+def _value_range(dtype: torch.dtype, op: str) -> tuple[int, int]:
+    """Integers whose reduction over up to MAX_WORLD ranks is exact in
+    ``dtype`` (int8: |sum| <= 18, |product| <= 64; bfloat16: integers up to
+    256 are exact)."""
+    if op == "product":
+        return (0, 2) if dtype == torch.uint8 else (-2, 2)
+    return (0, 3) if dtype == torch.uint8 else (-3, 3)
+
+
+def draw(rng: random.Random, index: int, world: int, max_bytes: int) -> Step:
+    """The step every rank takes at ``index`` (``rng`` is the same on every rank)."""
+    kind = rng.choices(KINDS, WEIGHTS)[0]
+    dtype = rng.choice(DTYPES)
+    op = rng.choice(_ops_for(dtype))
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    r = rng.random()
+    if r < 0.6:
+        count = rng.randint(0, 1024)
+    elif r < 0.9:
+        count = rng.randint(1025, 1 << 16)
+    else:
+        count = rng.randint(1 << 16, max(1 << 16, max_bytes // itemsize))
+    count = min(count, max(1, max_bytes // (itemsize * world)))
+    step = Step(index, kind, dtype, op, count, rng.randrange(world), rng.random() < 0.5)
+    if kind == "all_to_all":
+        step.extra["splits"] = [[rng.randint(0, 64) for _ in range(world)] for _ in range(world)]
+    if kind in ("p2p_ring", "batch_p2p"):
+        step.extra["shift"] = rng.randint(1, max(1, world - 1))
+        step.extra["any_source"] = kind == "p2p_ring" and rng.random() < 0.3
+        # An any-source receive takes the first message with its tag from
+        # anyone: its tag is the step's own, so no other step's message (in
+        # flight before or issued after it) can match it.
+        step.extra["tag"] = ANY_SOURCE_TAGS + index if step.extra["any_source"] else rng.randint(0, 7)
+    if kind in ("p2p_ring", "batch_p2p", "callback_chain"):
+        step.async_op = True
+    return step
+
+
+def rank_input(seed: int, step: Step, rank: int, count: int | None = None) -> torch.Tensor:
+    """What ``rank`` contributes to ``step``: a function of (seed, step, rank)."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step.index) * 1031 + rank)
+    lo, hi = _value_range(step.dtype, step.op)
+    n = step.count if count is None else count
+    return torch.randint(lo, hi + 1, (n,), generator=g).to(step.dtype)
+
+
+def reference(inputs: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """``op`` over the ranks' inputs, in float64."""
+    x = torch.stack([t.double() for t in inputs]) if inputs else torch.empty(0)
+    if op == "sum":
+        return x.sum(0)
+    if op == "avg":
+        return x.sum(0) / len(inputs)
+    if op == "max":
+        return x.max(0).values
+    if op == "min":
+        return x.min(0).values
+    return x.prod(0)
+
+
+def same(got: torch.Tensor, want: torch.Tensor, op: str) -> bool:
+    """Exact, except AVG (one rounding in the dtype, or two in 16-bit)."""
+    if got.numel() != want.numel():
+        return False
+    if op != "avg":
+        return torch.equal(got.double(), want.double())
+    tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(got.dtype, 1e-6)
+    return torch.allclose(got.double(), want.double(), rtol=tol, atol=tol)
+
+
+def _keep(works: list[Any], w: Any) -> None:
+    """Adds what an op returned (a Work, a list of them, or None) to ``works``."""
+    if w is not None:
+        works.extend(w if isinstance(w, list) else [w])
+
+
+class Soak:
+    """One rank's run: draws, issues, waits, checks and counts."""
+
+    def __init__(self, comm: Any, args: argparse.Namespace) -> None:
+        self.comm, self.args = comm, args
+        self.rank, self.world = comm.rank, comm.world_size
+        self.seed = args.seed
+        self.rng = random.Random(args.seed)
+        self.in_flight: list[Pending] = []
+        self.latencies: list[float] = []
+        self.steps = self.ops = self.verified = self.wrong = 0
+        self.first_wrong: list[str] = []
+        # the even ranks (both ranks of a world of two), renumbered
+        self.members = list(range(0, self.world, 2)) if self.world > 2 else list(range(self.world))
+        self.group = comm.new_group(self.members) if len(self.members) > 1 else None
+        self.registered = torch.zeros(1 << 14, dtype=torch.float32)
+        self.registered_ok = comm.transport == "shm" and comm.register_tensor(self.registered)
+
+    # -- issuing -------------------------------------------------------
+    def inputs(self, step: Step, count: int | None = None) -> list[torch.Tensor]:
+        return [rank_input(self.seed, step, q, count) for q in range(self.world)]
+
+    def expect(self, step: Step, what: str, got: torch.Tensor, want: torch.Tensor,
+               op: str = "sum") -> None:
+        if same(got, want, op):
+            self.verified += 1
+            return
+        self.wrong += 1
+        if len(self.first_wrong) < 5:
+            self.first_wrong.append(
+                f"step {step.index} {step.kind} {what} ({step.dtype}, op {step.op}, count "
+                f"{step.count}, root {step.root}) on rank {self.rank}: got {got[:8].tolist()}, "
+                f"want {want[:8].tolist()}")
+
+    def issue(self, step: Step) -> Pending:
+        """Issues ``step`` on this rank: its Works and the check of its result."""
+        works: list[Any] = []
+        check = getattr(self, "_" + step.kind)(step, rank_input(self.seed, step, self.rank), works)
+
+        def wait() -> None:
+            for w in works:
+                w.wait()
+
+        return Pending(step, wait, check, time.perf_counter())
+
+    # One method per kind: issues it (its Works into ``works``) and returns
+    # the check of its result. ``mine`` is this rank's input.
+
+    def _all_reduce(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        t = mine.clone()
+        _keep(works, self.comm.all_reduce(t, op=step.op, async_op=step.async_op))
+        return lambda: self.expect(step, "tensor", t, reference(self.inputs(step), step.op), step.op)
+
+    def _broadcast(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        t = mine.clone()
+        _keep(works, self.comm.broadcast(t, src=step.root, async_op=step.async_op))
+        return lambda: self.expect(step, "tensor", t, rank_input(self.seed, step, step.root))
+
+    def _reduce_scatter(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        n, m, r = self.world, step.count, self.rank
+        out = torch.empty(m, dtype=step.dtype)
+        op = step.op if step.op != "avg" else "sum"
+        _keep(works, self.comm.reduce_scatter(out, rank_input(self.seed, step, r, m * n), op=op,
+                                              async_op=step.async_op))
+        return lambda: self.expect(step, "output", out,
+                                   reference(self.inputs(step, m * n), op)[r * m:(r + 1) * m], op)
+
+    def _all_gather(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        out = torch.empty(step.count * self.world, dtype=step.dtype)
+        _keep(works, self.comm.all_gather(out, mine, async_op=step.async_op))
+        return lambda: self.expect(step, "output", out, torch.cat(self.inputs(step)))
+
+    def _reduce(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        t = mine.clone()
+        _keep(works, self.comm.reduce(t, dst=step.root, op=step.op, async_op=step.async_op))
+        if self.rank != step.root:
+            return lambda: None  # only the root's tensor is defined
+        return lambda: self.expect(step, "tensor", t, reference(self.inputs(step), step.op), step.op)
+
+    def _gather(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        root = self.rank == step.root
+        outs = [torch.empty(step.count, dtype=step.dtype) for _ in range(self.world)] if root else None
+        _keep(works, self.comm.gather(outs, mine, dst=step.root, async_op=step.async_op))
+        if outs is None:
+            return lambda: None
+        return lambda: self.expect(step, "gather_list", torch.cat(outs), torch.cat(self.inputs(step)))
+
+    def _scatter(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        pieces = [rank_input(self.seed, step, 100 + q) for q in range(self.world)]
+        out = torch.empty(step.count, dtype=step.dtype)
+        _keep(works, self.comm.scatter(out, pieces if self.rank == step.root else None, src=step.root,
+                                       async_op=step.async_op))
+        return lambda: self.expect(step, "tensor", out, pieces[self.rank])
+
+    def _all_to_all(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        n, r = self.world, self.rank
+        splits = step.extra["splits"]  # splits[i][j]: what rank i sends to rank j
+
+        def block(i: int, j: int) -> torch.Tensor:
+            return rank_input(self.seed, step, i * n + j, splits[i][j])
+
+        outs = [torch.empty(splits[i][r], dtype=step.dtype) for i in range(n)]
+        _keep(works, self.comm.all_to_all(outs, [block(r, j) for j in range(n)],
+                                          async_op=step.async_op))
+        return lambda: self.expect(step, "outputs", torch.cat(outs),
+                                   torch.cat([block(i, r) for i in range(n)]))
+
+    def _barrier(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        self.comm.barrier()
+        return lambda: None
+
+    def _p2p(self, step: Step, mine: torch.Tensor, works: list[Any], batched: bool) -> Check:
+        n, r = self.world, self.rank
+        shift, tag = step.extra["shift"], step.extra["tag"]
+        dst, src = (r + shift) % n, (r - shift) % n
+        got = torch.empty(step.count, dtype=step.dtype)
+        if n == 1:
+            got.copy_(mine)
+        elif batched:
+            from pycomm import P2POp
+
+            _keep(works, self.comm.batch_isend_irecv([P2POp("irecv", got, src, tag),
+                                                      P2POp("isend", mine, dst, tag)]))
+        else:
+            _keep(works, self.comm.isend(mine, dst, tag=tag))
+            _keep(works, self.comm.irecv(got, None if step.extra["any_source"] else src, tag=tag))
+        return lambda: self.expect(step, "received", got, rank_input(self.seed, step, src))
+
+    def _p2p_ring(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        return self._p2p(step, mine, works, batched=False)
+
+    def _batch_p2p(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        return self._p2p(step, mine, works, batched=True)
+
+    def _callback_chain(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        """PowerSGD's pattern: the second all-reduce is issued from the first's
+        Future callback, and the chain's future is what the caller waits."""
+        from pycomm.hooks import _then_async
+
+        c = self.comm
+        t1, t2 = mine.clone(), mine.clone()
+        op = "sum" if step.op == "avg" else step.op
+        first = c.all_reduce(t1, op=op, async_op=True).get_future()
+        works.append(_then_async(first, lambda _: c.all_reduce(t2, op=op, async_op=True).get_future(),
+                                 torch.device("cpu")))
+
+        def check() -> None:
+            want = reference(self.inputs(step), op)
+            self.expect(step, "first", t1, want, op)
+            self.expect(step, "chained", t2, want, op)
+        return check
+
+    def _group_all_reduce(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        t = mine.clone()
+        if self.group is None:
+            return lambda: self.expect(step, "tensor", t, mine)  # not a member: untouched
+        _keep(works, self.group.all_reduce(t, op=step.op, async_op=step.async_op))
+        want = reference([rank_input(self.seed, step, q) for q in self.members], step.op)
+        return lambda: self.expect(step, "tensor", t, want, step.op)
+
+    def _registered_all_reduce(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        """float32 sums in the buffer registered at the start (symmetric memory
+        on shm); waited at once, since the next such step reuses it."""
+        k = min(step.count, self.registered.numel())
+        f32 = Step(step.index, step.kind, torch.float32, "sum", k, 0, False)
+        self.registered[:k].copy_(rank_input(self.seed, f32, self.rank))
+        self.registered[k:].zero_()
+        _keep(works, self.comm.all_reduce(self.registered, async_op=step.async_op))
+        step.async_op = False
+        return lambda: self.expect(step, "registered", self.registered[:k].clone(),
+                                   reference(self.inputs(f32), "sum"))
+
+    # -- completing ----------------------------------------------------
+    def finish(self, p: Pending) -> None:
+        p.wait()
+        self.latencies.append(time.perf_counter() - p.start)
+        p.check()
+        self.ops += 1
+
+    def run_step(self, index: int) -> None:
+        step = draw(self.rng, index, self.world, self.args.max_bytes)
+        p = self.issue(step)
+        if step.async_op and len(self.in_flight) < MAX_IN_FLIGHT:
+            self.in_flight.append(p)
+        else:
+            self.finish(p)
+        # Waited in a random order (the same on every rank, though it need not be).
+        while self.in_flight and (len(self.in_flight) >= MAX_IN_FLIGHT or self.rng.random() < 0.4):
+            self.finish(self.in_flight.pop(self.rng.randrange(len(self.in_flight))))
+        self.steps += 1
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self.finish(self.in_flight.pop(0))
+
+
+# ---------------------------------------------------------------------- resources
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _threads() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    return threading.active_count()
+
+
+def _max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def shm_segments(pids: Sequence[int]) -> list[str]:
+    """The shared-memory segments in /dev/shm that processes ``pids`` created
+    (pycomm names them ``pycomm-<creator's pid>-...``): other jobs' are not
+    this run's leaks."""
+    prefixes = tuple(f"pycomm-{pid}-" for pid in pids)
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefixes))
+    except FileNotFoundError:
+        return []
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# ---------------------------------------------------------------------- the run
+
+def run_soak(args: argparse.Namespace) -> int:
+    """One rank of the soak (torch.distributed is initialized): returns the
+    exit code, 1 on a wrong result or a leak."""
+    import pycomm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before = {"fds": _fds(), "threads": _threads(), "rss_mb": _max_rss_mb()}
+    comm = pycomm.init(group=dist.group.WORLD, transport=args.transport, set_default=False)
+    soak = Soak(comm, args)
+    start = last_report = time.monotonic()
+    flag = torch.zeros(1, dtype=torch.int32)
+    index = 0
+    while True:
+        if index % 16 == 0:  # rank 0's clock decides, for every rank at once
+            flag.fill_(int(time.monotonic() - start >= args.duration or
+                           (args.steps is not None and index >= args.steps)))
+            comm.broadcast(flag, src=0)
+            if flag.item():
+                break
+        soak.run_step(index)
+        index += 1
+        now = time.monotonic()
+        if rank == 0 and now - last_report >= args.report:
+            last_report = now
+            lat = soak.latencies[-2000:]
+            print(f"soak: {now - start:7.1f} s  steps {soak.steps}  ops/s {soak.ops / (now - start):8.1f}  "
+                  f"p50 {_percentile(lat, 0.5) * 1e3:.3f} ms  p99 {_percentile(lat, 0.99) * 1e3:.3f} ms  "
+                  f"wrong {soak.wrong}", flush=True)
+    soak.drain()
+    elapsed = time.monotonic() - start
+    if soak.group is not None:
+        soak.group.close()
+    comm.close()
+    after = {"fds": _fds(), "threads": _threads(), "rss_mb": _max_rss_mb()}
+    mine = [soak.steps, soak.ops, soak.verified, soak.wrong, after["fds"] - before["fds"],
+            after["threads"] - before["threads"], after["rss_mb"] - before["rss_mb"]]
+    rows: list[Any] = [None] * world
+    dist.all_gather_object(rows, {"counts": mine, "wrong": soak.first_wrong,
+                                  "latencies": soak.latencies[-5000:], "pid": os.getpid()})
+    dist.barrier()  # every rank has closed its communicators
+    segments = shm_segments([row["pid"] for row in rows]) if rank == 0 else []
+    code = 0
+    if rank == 0:
+        code = _report(args, rows, elapsed, segments)
+    flag = torch.tensor([code], dtype=torch.int32)
+    dist.broadcast(flag, src=0)
+    return int(flag.item())
+
+
+def _report(args: argparse.Namespace, rows: list[Any], elapsed: float, segments: list[str]) -> int:
+    """Rank 0: the summary (and the JSON); the exit code."""
+    names = ("steps", "ops", "verified", "wrong", "fd_growth", "thread_growth", "max_rss_growth_mb")
+    per_rank = [dict(zip(names, row["counts"])) for row in rows]
+    lat = [x for row in rows for x in row["latencies"]]
+    total = {k: sum(r[k] for r in per_rank) for k in ("ops", "verified", "wrong")}
+    leaks = {"fd_growth": max(r["fd_growth"] for r in per_rank),
+             "thread_growth": max(r["thread_growth"] for r in per_rank),
+             "shm_segments_left": segments}
+    summary = {
+        "transport": args.transport, "world_size": len(rows), "seed": args.seed,
+        "duration_s": round(elapsed, 1), "steps": per_rank[0]["steps"], **total,
+        "ops_per_s": round(total["ops"] / max(elapsed, 1e-9), 1),
+        "latency_ms": {"p50": _percentile(lat, 0.5) * 1e3, "p99": _percentile(lat, 0.99) * 1e3,
+                       "mean": statistics.fmean(lat) * 1e3 if lat else float("nan")},
+        "max_rss_growth_mb": max(r["max_rss_growth_mb"] for r in per_rank), **leaks,
+        "first_wrong": [w for row in rows for w in row["wrong"]][:10],
+        "per_rank": per_rank,
+    }
+    print(f"soak: {summary['steps']} steps, {total['ops']} ops completed, {total['verified']} results "
+          f"verified, {total['wrong']} wrong, in {elapsed:.1f} s on {len(rows)} ranks over "
+          f"{args.transport} (seed {args.seed})", flush=True)
+    print(f"soak: latency p50 {summary['latency_ms']['p50']:.3f} ms, p99 "
+          f"{summary['latency_ms']['p99']:.3f} ms; max RSS growth {summary['max_rss_growth_mb']:.1f} MB; "
+          f"fd growth {leaks['fd_growth']}, thread growth {leaks['thread_growth']}, "
+          f"/dev/shm segments left {len(segments)}", flush=True)
+    for w in summary["first_wrong"]:
+        print(f"soak: WRONG {w}", flush=True)
+    if args.json:
+        from .report import git_commit
+
+        summary["commit"] = git_commit()
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+            f.write("\n")
+    leaked = leaks["fd_growth"] > 0 or leaks["thread_growth"] > 0 or segments
+    return 1 if total["wrong"] or leaked else 0
+
+
+# ---------------------------------------------------------------------- command line
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The soak's flags; ``rank_main`` tells the launcher what each rank runs."""
+    from .cli import parse_size
+
+    p = argparse.ArgumentParser(prog="python -m pycomm.bench soak",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=None, help="local ranks to spawn (default 2)")
+    p.add_argument("--transport", default="shm", choices=("shm", "gloo"))
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic")
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps instead")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-bytes", type=parse_size, default=parse_size("4M"),
+                   help="largest tensor of a step (e.g. 64M)")
+    p.add_argument("--report", type=float, default=10.0, help="seconds between progress lines")
+    p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
+    p.add_argument("-T", "--timeout", type=float, default=None,
+                   help="overall limit (default: duration + 300 s); ranks are killed past it")
+    args = p.parse_args(argv)
+    if args.nproc is not None and not 1 <= args.nproc <= MAX_WORLD:
+        p.error(f"--nproc must be 1 to {MAX_WORLD} (the inputs keep every reduction exact up to it)")
+    if args.timeout is None:
+        args.timeout = args.duration + 300.0
+    args.device = "cpu"
+    args.argv = list(argv) if argv is not None else None
+    args.rank_main = run_soak
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pycomm.bench soak ...``: returns the exit code."""
+    from .launch import launch
+
+    args = parse_args(argv)
+    if args.nproc is None and "RANK" not in os.environ:
+        args.nproc = 2
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
