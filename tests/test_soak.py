@@ -53,22 +53,26 @@ def test_program_is_the_same_on_every_rank_and_exact():
         assert soak.same(got, want, step.op), (step, got[:4], want[:4])
 
 
-def _one_rank_soak():
+def _one_rank_soak(steps: int, patch=None) -> soak.Soak:
+    """``steps`` steps of a one-rank soak in this process (``patch(comm)``
+    first, if given); the finished Soak."""
     import pycomm
 
     comm = pycomm.init(rank=0, world_size=1, store=torch.distributed.HashStore(), set_default=False)
-    args = argparse.Namespace(seed=3, max_bytes=1 << 16)
-    return comm, soak.Soak(comm, args)
-
-
-def test_every_kind_runs_and_verifies_on_one_rank():
-    comm, s = _one_rank_soak()
+    s = soak.Soak(comm, argparse.Namespace(seed=3, max_bytes=1 << 16))
+    if patch is not None:
+        patch(comm)
     try:
-        for i in range(400):
+        for i in range(steps):
             s.run_step(i)
         s.drain()
     finally:
         comm.close()
+    return s
+
+
+def test_every_kind_runs_and_verifies_on_one_rank():
+    s = _one_rank_soak(400)
     assert s.wrong == 0, s.first_wrong
     assert s.ops == 400 and s.verified > 300
 
@@ -76,24 +80,20 @@ def test_every_kind_runs_and_verifies_on_one_rank():
 def test_a_wrong_result_is_caught():
     """The harness can fail: an all-reduce that adds one is counted wrong,
     named, and the run goes on."""
-    comm, s = _one_rank_soak()
-    real = comm.all_reduce
+    def patch(comm):
+        real = comm.all_reduce
 
-    def off_by_one(t, *args, **kwargs):
-        work = real(t, *args, **kwargs)
-        if work is not None:
-            work.wait()
-        if t.numel():
-            t.add_(1)
-        return work  # done already
+        def off_by_one(t, *args, **kwargs):
+            work = real(t, *args, **kwargs)
+            if work is not None:
+                work.wait()
+            if t.numel():
+                t.add_(1)
+            return work  # done already
 
-    comm.all_reduce = off_by_one
-    try:
-        for i in range(200):
-            s.run_step(i)
-        s.drain()
-    finally:
-        comm.close()
+        comm.all_reduce = off_by_one
+
+    s = _one_rank_soak(200, patch)
     assert s.wrong > 0 and s.first_wrong and "all_reduce" in s.first_wrong[0]
     assert s.verified > 0  # the other kinds still verify
 
