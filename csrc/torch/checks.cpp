@@ -4,7 +4,7 @@
 
 namespace pycomm {
 
-DType to_dtype(at::ScalarType t, const char* arg) {
+DType to_dtype(at::ScalarType t, const char* arg, const char* op) {
   switch (t) {
     case at::kFloat: return DType::kFloat32;
     case at::kDouble: return DType::kFloat64;
@@ -17,7 +17,7 @@ DType to_dtype(at::ScalarType t, const char* arg) {
     default: break;
   }
   throw UsageTypeError(
-      cat(arg, " has unsupported dtype ", c10::toString(t),
+      cat(op ? op : "", op ? ": " : "", arg, " has unsupported dtype ", c10::toString(t),
           "; pycomm supports float32, float64, float16, bfloat16, int32, int64, uint8, int8"));
 }
 
@@ -30,7 +30,7 @@ std::string join_msg(std::initializer_list<std::string> parts) {
 void check_tensor(const at::Tensor& t, const char* arg, const char* op, const c10::Device& device) {
   if (!t.defined()) throw UsageError(join_msg({op, ": ", arg, " is an undefined tensor"}));
   if (t.is_sparse()) throw UsageError(join_msg({op, ": ", arg, " must be a dense tensor"}));
-  to_dtype(t.scalar_type(), arg);
+  to_dtype(t.scalar_type(), arg, op);
   // A CPU communicator takes any CPU tensor; a CUDA one, its own device only.
   if (t.device().type() != device.type() ||
       (device.has_index() && t.device().index() != device.index())) {

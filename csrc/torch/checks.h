@@ -16,7 +16,8 @@
 namespace pycomm {
 
 // at::ScalarType -> DType; throws UsageTypeError (-> TypeError) for the rest.
-DType to_dtype(at::ScalarType t, const char* arg);
+// `op`, when given, prefixes the error ("all_reduce: tensor has unsupported dtype ...").
+DType to_dtype(at::ScalarType t, const char* arg, const char* op = nullptr);
 
 std::string join_msg(std::initializer_list<std::string> parts);
 void check_tensor(const at::Tensor& t, const char* arg, const char* op, const c10::Device& device);
