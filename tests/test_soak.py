@@ -78,8 +78,8 @@ def test_every_kind_runs_and_verifies_on_one_rank():
 
 
 def test_a_wrong_result_is_caught():
-    """The harness can fail: an all-reduce that adds one is counted wrong,
-    named, and the run goes on."""
+    """The harness can fail: an all-reduce that adds one to floating tensors
+    is counted wrong, named, and the run goes on."""
     def patch(comm):
         real = comm.all_reduce
 
@@ -87,14 +87,14 @@ def test_a_wrong_result_is_caught():
             work = real(t, *args, **kwargs)
             if work is not None:
                 work.wait()
-            if t.numel():
+            if t.numel() and t.is_floating_point():  # not DDP's int bookkeeping
                 t.add_(1)
             return work  # done already
 
         comm.all_reduce = off_by_one
 
     s = _one_rank_soak(200, patch)
-    assert s.wrong > 0 and s.first_wrong and "all_reduce" in s.first_wrong[0]
+    assert s.wrong > 0 and any(" all_reduce " in w for w in s.first_wrong), s.first_wrong
     assert s.verified > 0  # the other kinds still verify
 
 

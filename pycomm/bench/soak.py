@@ -8,8 +8,9 @@ time, so the ranks issue matching calls: a collective of any kind (every
 dtype, every op the dtype allows, sizes from 0 elements to ``--max-bytes``,
 sync or async), p2p around a ring with a tag (some receives from any
 source), batched p2p, a chain of all-reduces issued from Future callbacks
-(PowerSGD's pattern), an all-reduce on a subgroup, and one on a buffer
-registered in symmetric memory. Async ops stay in flight for a few steps
+(PowerSGD's pattern), an all-reduce on a subgroup, one on a buffer
+registered in symmetric memory, and a DDP step (pycomm.parallel, small
+buckets). Async ops stay in flight for a few steps
 and are waited in a random order.
 
 A step's input on rank r is a function of (seed, step, r) alone: small
@@ -29,6 +30,7 @@ exit status is 1 when a result was wrong or something leaked.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -49,9 +51,9 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
           torch.uint8, torch.int8)
 KINDS = ("all_reduce", "broadcast", "reduce_scatter", "all_gather", "reduce", "gather", "scatter",
          "all_to_all", "barrier", "p2p_ring", "batch_p2p", "callback_chain", "group_all_reduce",
-         "registered_all_reduce")
+         "registered_all_reduce", "ddp_step")
 # How often each kind is drawn (all_reduce, the one users call most, most often).
-WEIGHTS = (6, 2, 2, 2, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1)
+WEIGHTS = (6, 2, 2, 2, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1)
 MAX_IN_FLIGHT = 4  # async steps waited later, in a random order
 MAX_WORLD = 6  # the value ranges below keep every reduction exact up to this
 ANY_SOURCE_TAGS = 1000  # an any-source receive's tag: 1000 + the step's index
@@ -122,6 +124,8 @@ def draw(rng: random.Random, index: int, world: int, max_bytes: int) -> Step:
         step.extra["tag"] = ANY_SOURCE_TAGS + index if step.extra["any_source"] else rng.randint(0, 7)
     if kind in ("p2p_ring", "batch_p2p", "callback_chain"):
         step.async_op = True
+    if kind == "ddp_step":
+        step.async_op = False  # backward returns with the gradients reduced
     return step
 
 
@@ -180,6 +184,8 @@ class Soak:
         self.group = comm.new_group(self.members) if len(self.members) > 1 else None
         self.registered = torch.zeros(1 << 14, dtype=torch.float32)
         self.registered_ok = comm.transport == "shm" and comm.register_tensor(self.registered)
+        self.model: torch.nn.Module | None = None  # ddp_step's, made at its first step
+        self.ddp: Any = None
 
     # -- issuing -------------------------------------------------------
     def inputs(self, step: Step, count: int | None = None) -> list[torch.Tensor]:
@@ -334,6 +340,45 @@ class Soak:
         step.async_op = False
         return lambda: self.expect(step, "registered", self.registered[:k].clone(),
                                    reference(self.inputs(f32), "sum"))
+
+    def _ddp_step(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        """A forward and backward of pycomm.parallel's DDP (small buckets, so
+        several all-reduces) on this rank's batch; each gradient must be the
+        mean over ranks of the gradients a float64 copy of the model computes
+        on every rank's batch. The weights do not change (no optimizer step),
+        so every step checks from the same model."""
+        from pycomm.parallel import DistributedDataParallel
+
+        if self.model is None:
+            torch.manual_seed(self.seed)
+            self.model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                             torch.nn.Linear(32, 4))
+            self.ddp = DistributedDataParallel(self.model, self.comm, bucket_cap_mb=0.001,
+                                               first_bucket_mb=0.001)
+        model = self.model
+
+        def batch(q: int) -> tuple[torch.Tensor, torch.Tensor]:
+            g = torch.Generator().manual_seed((self.seed * 7919 + step.index) * 31 + q)
+            return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+        model.zero_grad(set_to_none=True)
+        x, y = batch(self.rank)
+        torch.nn.functional.mse_loss(self.ddp(x), y).backward()
+
+        def check() -> None:
+            ref = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
+            exact = copy.deepcopy(model).double()
+            for q in range(self.world):
+                exact.zero_grad(set_to_none=True)
+                xq, yq = batch(q)
+                torch.nn.functional.mse_loss(exact(xq.double()), yq.double()).backward()
+                for acc, p in zip(ref, exact.parameters()):
+                    acc += p.grad / self.world
+            for i, (p, want) in enumerate(zip(model.parameters(), ref)):
+                got = p.grad if p.grad is not None else torch.zeros_like(p)
+                ok = torch.allclose(got.double(), want, rtol=1e-4, atol=1e-6)
+                self.expect(step, f"grad {i}", got, got if ok else want)
+        return check
 
     # -- completing ----------------------------------------------------
     def finish(self, p: Pending) -> None:
