@@ -503,15 +503,17 @@ def _report(args: argparse.Namespace, rows: list[Any], elapsed: float, segments:
     summary = {
         "transport": args.transport, "world_size": len(rows), "seed": args.seed,
         "duration_s": round(elapsed, 1), "steps": per_rank[0]["steps"], **total,
-        "ops_per_s": round(total["ops"] / max(elapsed, 1e-9), 1),
+        # per rank, as the progress lines count them
+        "ops_per_s": round(total["ops"] / len(rows) / max(elapsed, 1e-9), 1),
         "latency_ms": {"p50": _percentile(lat, 0.5) * 1e3, "p99": _percentile(lat, 0.99) * 1e3,
                        "mean": statistics.fmean(lat) * 1e3 if lat else float("nan")},
         "max_rss_growth_mb": max(r["max_rss_growth_mb"] for r in per_rank), **leaks,
         "first_wrong": [w for row in rows for w in row["wrong"]][:10],
         "per_rank": per_rank,
     }
-    print(f"soak: {summary['steps']} steps, {total['ops']} ops completed, {total['verified']} results "
-          f"verified, {total['wrong']} wrong, in {elapsed:.1f} s on {len(rows)} ranks over "
+    print(f"soak: {summary['steps']} steps, {total['ops']} ops completed ({summary['ops_per_s']} per "
+          f"second per rank), {total['verified']} results verified, {total['wrong']} wrong, in "
+          f"{elapsed:.1f} s on {len(rows)} ranks over "
           f"{args.transport} (seed {args.seed})", flush=True)
     print(f"soak: latency p50 {summary['latency_ms']['p50']:.3f} ms, p99 "
           f"{summary['latency_ms']['p99']:.3f} ms; max RSS growth {summary['max_rss_growth_mb']:.1f} MB; "
