@@ -25,11 +25,14 @@ an earlier one's keys.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["agree_on_survivors"]
+from ._setup import ENV, host_id
+
+__all__ = ["agree_on_survivors", "liveness", "survivors"]
 
 _POLL_S = 0.005
 
@@ -68,5 +71,43 @@ def agree_on_survivors(store: Any, base: str, rank: int, world_size: int, *,
     return members
 
 
+def survivors(store: Any, base: str, rank: int, world_size: int,
+              exclude: Iterable[int] | None, timeout: float) -> list[int]:
+    """:func:`agree_on_survivors` with what this rank can see: the ranks
+    :func:`liveness` finds dead or cannot see, ``PYCOMM_SHRINK_GRACE``."""
+    dead, unknown = (set(), set()) if exclude is not None else liveness(store, world_size)
+    return agree_on_survivors(store, base, rank, world_size, exclude=exclude, dead=dead,
+                              unknown=unknown, grace=ENV.shrink_grace(), timeout=timeout)
+
+
 def _arrived(store: Any, base: str, expected: list[int]) -> list[int]:
     return [q for q in expected if store.check([f"{base}/in/{q}"])]
+
+
+def liveness(store: Any, world_size: int) -> tuple[set[int], set[int]]:
+    """(ranks known dead, ranks whose liveness cannot be seen from here):
+    a rank on this host is dead when its process has exited (a zombie
+    counts); one on another host cannot be told from a slow one."""
+    me, dead, unknown = host_id(), set(), set()
+    for q in range(world_size):
+        host, _, pid = store.get(f"process/{q}").decode().rpartition("|")
+        if host != me:
+            unknown.add(q)
+        elif not _process_alive(int(pid)):
+            dead.add(q)
+    return dead, unknown
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # an exited child its parent has not reaped yet still answers kill()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return True

@@ -150,10 +150,11 @@ def _is_ddp_buffer(bucket: dist.GradBucket, buffer: torch.Tensor) -> bool:
     """True when ``buffer`` looks like DDP's own bucket, which it keeps and
     refills every step (worth moving into symmetric memory), not a copy that
     a wrapper made for this call (fp16_compress_wrapper: another dtype). Only
-    an offer: the bucket moves if every rank offers (all_reduce(register=)).
-    Under ``join()`` a rank that ran out of data offers the zero buckets DDP
-    makes for it; while the others' buckets are in symmetric memory already
-    (they do not offer), those all-reduces just stage."""
+    a request: the bucket moves if every rank registers it
+    (all_reduce(register=)). Under ``join()`` a rank that ran out of data
+    registers the zero buckets DDP makes for it; while the others' buckets are
+    in symmetric memory already (they do not register), those all-reduces
+    just stage."""
     if not isinstance(bucket, (dist.GradBucket, PycommGradBucket)):
         return False  # a bucket some other code made up
     params = bucket.parameters()
@@ -169,7 +170,7 @@ def _allreduce_avg(comm: Communicator, tensor: torch.Tensor,
                    wire_dtype: Optional[torch.dtype] = None,
                    register: bool = False) -> torch.futures.Future[torch.Tensor]:
     """Averages ``tensor`` in place; the future completes with it.
-    ``register``: offer to move it into symmetric memory (all_reduce)."""
+    ``register``: register it, i.e. move it into symmetric memory (all_reduce)."""
     work = comm.all_reduce(tensor, op=ReduceOp.AVG, async_op=True, wire_dtype=wire_dtype,
                            register=register)
     return work.get_future().then(_first)
@@ -225,7 +226,7 @@ def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
 
     On the ``shm`` transport the first all-reduce of each of DDP's buckets
     moves the bucket into symmetric memory
-    (``Communicator.all_reduce(register=True)``: when every rank offers, as
+    (``Communicator.all_reduce(register=True)``: when every rank registers, as
     every rank's DDP does). From then on each rank reduces its share of the
     bucket straight from every rank's copy and writes the result into every
     copy, with nothing staged: the same bits, half the memory traffic on 2
@@ -239,9 +240,9 @@ def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
     comm = _comm_of(state)
     buffer = bucket.buffer()
     _check_bucket(comm, bucket, buffer)
-    # Offer the bucket until it has moved (bucket.parameters() builds a list).
-    offer = not comm.is_registered(buffer) and _is_ddp_buffer(bucket, buffer)
-    return _allreduce_avg(comm, buffer, register=offer)
+    # Register the bucket until it has moved (bucket.parameters() builds a list).
+    register = not comm.is_registered(buffer) and _is_ddp_buffer(bucket, buffer)
+    return _allreduce_avg(comm, buffer, register=register)
 
 
 # ---------------------------------------------------------------- cast compression

@@ -354,7 +354,7 @@ def test_allreduce_hook_moves_ddp_buckets_into_symmetric_memory(view):
 def _join_rank(rank: int, world_size: int, port: int):
     """Uneven inputs under torch DDP's join(): the rank that runs out first
     shadows the others' all-reduces with zero buckets through the hook. Those
-    offer to move into symmetric memory while the active ranks' buckets are
+    ask to be registered (moved into symmetric memory) while the active ranks' buckets are
     there already, so those all-reduces must stage, not disagree. (join()
     needs a default process group: fresh processes.)"""
     import pycomm
