@@ -546,6 +546,13 @@ class _LowRank:
                                                      dtype=buffer.dtype)
             state.q_memory_dict[index] = torch.empty(q_total, device=buffer.device,
                                                      dtype=buffer.dtype)
+        # Held from here on, never looked up again: without warm start an
+        # earlier bucket's chain, ending on the worker thread while DDP calls
+        # this bucket's hook, empties the dicts (KeyError, and the ranks'
+        # op sequences part: test_powerSGD_many_buckets_same_on_every_rank
+        # [cold-2] in a CI rehearsal).
+        self.p_memory: torch.Tensor = state.p_memory_dict[index]
+        self.q_memory: torch.Tensor = state.q_memory_dict[index]
         self.matrices: list[torch.Tensor] = list(self._batches(state))
         self.ps: list[torch.Tensor] = []
         self.qs: list[torch.Tensor] = []
@@ -553,8 +560,8 @@ class _LowRank:
         for m in self.matrices:
             k, rows, cols = m.shape
             r = min(rows, cols, rank)
-            self.ps.append(state.p_memory_dict[index][p_off:p_off + k * rows * r].view(k, rows, r))
-            self.qs.append(state.q_memory_dict[index][q_off:q_off + k * cols * r].view(k, cols, r))
+            self.ps.append(self.p_memory[p_off:p_off + k * rows * r].view(k, rows, r))
+            self.qs.append(self.q_memory[q_off:q_off + k * cols * r].view(k, cols, r))
             p_off += k * rows * r
             q_off += k * cols * r
 
@@ -622,9 +629,9 @@ def powerSGD_hook(state: PowerSGDState,
             state.error_dict[index] = torch.zeros_like(buffer)
         original = buffer.detach().clone()
     lr = _LowRank(state, bucket, buffer)
-    # Held here, not looked up in the callbacks: without warm start another
-    # bucket's chain clears the dicts while this one is still in flight.
-    p_memory, q_memory = state.p_memory_dict[index], state.q_memory_dict[index]
+    # The bucket's P and Q memory, held by lr (see there), not looked up in
+    # the dicts: other buckets' chains end on the worker thread meanwhile.
+    p_memory, q_memory = lr.p_memory, lr.q_memory
     uncompressed = (torch.cat([t.view(-1) for t in lr.uncompressed]) if lr.uncompressed
                     else buffer.new_empty(0))
 
@@ -666,9 +673,9 @@ def powerSGD_hook(state: PowerSGDState,
             lr.write_back_batches()
         if original is not None:
             state.error_dict[index] = original - buffer
-        if not state.warm_start:
-            state.p_memory_dict.clear()
-            state.q_memory_dict.clear()
+        if not state.warm_start:  # this bucket's memory only: others may be in flight
+            state.p_memory_dict.pop(index, None)
+            state.q_memory_dict.pop(index, None)
         state.maybe_increase_iter(bucket)
         return buffer
 
