@@ -17,7 +17,7 @@ and, after ``import pycomm``, as a torch.distributed backend::
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -30,6 +30,7 @@ from . import (
 # Re-exported (``X as X``): pycomm.comm.__all__ lists them in __all__ below.
 from .comm import CommError as CommError
 from .comm import Communicator as Communicator
+from .comm import OpLike
 from .comm import P2POp as P2POp
 from .comm import ReduceOp as ReduceOp
 from .comm import Work as Work
@@ -66,14 +67,18 @@ __version__ = "0.1.0"
 
 
 # Module-level twins acting on the default communicator (the last init()).
-def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, algo: str = "auto",
-               async_op: bool = False, wire_dtype: Any = None) -> Work | None:
+# Each has its method's signature, parameter for parameter (names, defaults,
+# annotations): tests/test_api.py::test_module_twins_match_the_methods fails
+# when one drifts.
+def all_reduce(tensor: torch.Tensor, op: OpLike = ReduceOp.SUM, algo: str = "auto",
+               async_op: bool = False, wire_dtype: torch.dtype | str | None = None,
+               register: bool = False) -> Work | None:
     """:meth:`Communicator.all_reduce` on the default communicator."""
     return get_default().all_reduce(tensor, op=op, algo=algo, async_op=async_op,
-                                    wire_dtype=wire_dtype)
+                                    wire_dtype=wire_dtype, register=register)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: OpLike = ReduceOp.SUM,
                    algo: str = "auto", async_op: bool = False) -> Work | None:
     """:meth:`Communicator.reduce_scatter` on the default communicator."""
     return get_default().reduce_scatter(output, input, op=op, algo=algo, async_op=async_op)
@@ -91,7 +96,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, algo: str = "auto",
     return get_default().broadcast(tensor, src=src, algo=algo, async_op=async_op)
 
 
-def reduce(tensor: torch.Tensor, dst: int = 0, op: Any = ReduceOp.SUM,
+def reduce(tensor: torch.Tensor, dst: int = 0, op: OpLike = ReduceOp.SUM,
            async_op: bool = False) -> Work | None:
     """:meth:`Communicator.reduce` on the default communicator."""
     return get_default().reduce(tensor, dst=dst, op=op, async_op=async_op)

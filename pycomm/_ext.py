@@ -45,3 +45,8 @@ def load_extension() -> ModuleType:
 
 
 _C = load_extension()
+
+#: Raised on every rank when a collective fails (timeout, dead peer, transport
+#: error, mismatched calls in checked mode). A RuntimeError; the compiled
+#: core's exception class, named here once (``pycomm.CommError``).
+CommError = _C.CommError

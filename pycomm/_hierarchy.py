@@ -54,12 +54,42 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ._store import agree_errors
 from ._types import ReduceOp
 
 #: Largest all-reduce (bytes) taken as intra all-reduce + inter all-reduce of
 #: the whole tensor (2 latency steps) rather than steps 1-3 (an estimate: the
 #: simulated-hosts timings were too noisy to place the crossover).
 SMALL_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a composed all-reduce: the collective ``op`` on the
+    ``comm`` communicator ("intra": this host's L ranks, "inter": the H
+    ranks with this local index), over the whole tensor of B bytes or, with
+    ``shard``, over this local rank's B/L of it."""
+
+    comm: str
+    op: str
+    shard: bool = False
+
+
+#: The all-reduce as :meth:`HierarchicalComm._all_reduce` runs it (the
+#: module docstring's steps), large and (up to SMALL_BYTES) small; the cost
+#: model (pycomm.bench.hosts_model) counts its ring steps from this table,
+#: and tests/test_hierarchy.py checks the code against it.
+ALL_REDUCE_STEPS: dict[str, tuple[Step, ...]] = {
+    "large": (Step("intra", "reduce_scatter"), Step("inter", "all_reduce", shard=True),
+              Step("intra", "all_gather")),
+    "small": (Step("intra", "all_reduce"), Step("inter", "all_reduce")),
+}
+
+
+def all_reduce_steps(nbytes: float) -> tuple[Step, ...]:
+    """The steps of an all-reduce of ``nbytes`` bytes (ALL_REDUCE_STEPS)."""
+    return ALL_REDUCE_STEPS["small" if nbytes <= SMALL_BYTES else "large"]
+
 
 #: Ops that run on the flat gloo communicator unchanged.
 FLAT_OPS = ("reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier")
@@ -148,8 +178,7 @@ def address_problem(hostname: str, ifname: str | None) -> str | None:
     return None
 
 
-def check_addresses(st: Any, rank: int, world_size: int,
-                    wait_for: Callable[[Any, dict[int, str], str], None]) -> None:
+def check_addresses(st: Any, rank: int, world_size: int) -> None:
     """A collective check that every rank's host can be reached by gloo;
     every rank raises the same ValueError, naming the fix, when one cannot.
 
@@ -158,10 +187,7 @@ def check_addresses(st: Any, rank: int, world_size: int,
             address and GLOO_SOCKET_IFNAME is unset there.
     """
     problem = address_problem(socket.gethostname(), os.environ.get("GLOO_SOCKET_IFNAME"))
-    st.set(f"addr/{rank}", "!" + problem if problem else "ok")
-    keys = {q: f"addr/{q}" for q in range(world_size)}
-    wait_for(st, keys, "checking the hosts' addresses")
-    bad = [(q, v[1:]) for q, v in ((q, st.get(k).decode()) for q, k in keys.items()) if v != "ok"]
+    bad = agree_errors(st, "addr", rank, world_size, problem or "", "checking the hosts' addresses")
     if bad:
         listed = "; ".join(f"rank {q}: {why}" for q, why in bad)
         raise ValueError(
@@ -372,33 +398,34 @@ class HierarchicalComm:
 
     # -- collectives
     def all_reduce(self, t: torch.Tensor, op: int, algo: str, async_op: bool,
-                   wire_dtype: int = -1, offer: bool = False) -> Any:
+                   wire_dtype: int = -1, register: bool = False) -> Any:
         """Steps 1-3 of the module docstring. The tail of fewer than L
         elements (and, up to SMALL_BYTES, the whole tensor) is all-reduced
         between hosts by every column alike."""
         if wire_dtype != -1 or not self._composable(t, algo, op):
-            return self._on_flat("all_reduce", t, op, algo, async_op, wire_dtype, offer)
+            return self._on_flat("all_reduce", t, op, algo, async_op, wire_dtype, register)
         # register=True may move t's storage: decided before the call returns.
-        work = self._submit(lambda: self._all_reduce(t, op, algo, offer), async_op or offer)
-        if offer:
+        work = self._submit(lambda: self._all_reduce(t, op, algo, register), async_op or register)
+        if register:
             work.wait()
         return work if async_op else None
 
-    def _all_reduce(self, t: torch.Tensor, op: int, algo: str, offer: bool) -> list[torch.Tensor]:
+    def _all_reduce(self, t: torch.Tensor, op: int, algo: str,
+                    register: bool) -> list[torch.Tensor]:
         flat = t.view(-1)
-        m = 0 if t.nbytes <= SMALL_BYTES else flat.numel() // self._n_local
+        m = 0 if t.nbytes <= SMALL_BYTES else flat.numel() // self._n_local  # ALL_REDUCE_STEPS
         whole = m * self._n_local
         mine = flat[self._local * m:(self._local + 1) * m]
         # 1. In place: a reduce-scatter leaves this rank its block summed over
         # the host, then the tail of fewer than L elements. Every rank takes
-        # the same ops whatever it offers or registered (`offer` counts only
+        # the same ops whatever it registers or registered (`register` counts only
         # in the small all-reduce, which negotiates it).
         if m:
             self.intra.reduce_scatter(mine, flat[:whole], op, algo, False)
             if whole < flat.numel():
                 self.intra.all_reduce(flat[whole:], op, algo, False)
         else:
-            self.intra.all_reduce(flat, op, algo, False, -1, offer)
+            self.intra.all_reduce(flat, op, algo, False, -1, register)
         if m:
             self.inter.all_reduce(mine, op, "ring", False)  # 2.
         if whole < flat.numel():
@@ -517,9 +544,8 @@ class HierarchicalComm:
 Build = Callable[[Any, int, int, Any], tuple[Any, Any, list[Any]]]
 
 
-def build_hierarchical(st: Any, rank: int, layout: Layout, asked: Any, build: Build,
-                       wait_for: Callable[[Any, dict[int, str], str], None],
-                       ) -> tuple[str, Any, list[Any]]:
+def build_hierarchical(st: Any, rank: int, layout: Layout, asked: Any,
+                       build: Build) -> tuple[str, Any, list[Any]]:
     """(transport, communicator, what it keeps alive) of ``rank``: the three
     communicators, each built by ``build`` (_setup.build) under its own
     prefix of ``st``, composed as "shm+gloo"; or, when shared memory cannot
@@ -536,14 +562,12 @@ def build_hierarchical(st: Any, rank: int, layout: Layout, asked: Any, build: Bu
     except RuntimeError as e:  # CommError: every rank of that host sees it
         why = f"host of rank {rank}: {e}"
     # A collective decision: the other hosts must not wait for a missing group.
-    st.set(f"intra_ok/{rank}", "!" + why if why else "ok")
-    keys = {q: f"intra_ok/{q}" for q in range(len(layout.host))}
-    wait_for(st, keys, "setting up shared memory on every host")
-    failed = [v[1:] for v in (st.get(k).decode() for k in keys.values()) if v != "ok"]
+    failed = agree_errors(st, "intra_ok", rank, len(layout.host), why,
+                          "setting up shared memory on every host")
     if failed:
         if intra is not None:
             intra.close()
-        warn_flat_once(failed[0])
+        warn_flat_once(failed[0][1])
         return "gloo", flat, keep
     inter, _, keep_inter = build(dist.PrefixStore(f"inter/{local}", st), host, n_hosts,
                                  replace(asked, transport="gloo"))

@@ -6,13 +6,15 @@
    ``PYCOMM_*`` and torchrun variable) and validate the arguments;
 2. rendezvous (:func:`rendezvous`): find the store, this rank and the world
    size (``group=``, ``store=``, an initialised torch group, or torchrun);
-3. bootstrap the transport through the store (:func:`build`: shm, gloo or
-   nccl; ``"auto"`` picks shm when every rank is on this host), giving the
-   C++ communicator and its resolved :class:`Settings`.
+3. decide the transport once (:func:`plan_transport`: what was asked, or for
+   ``"auto"`` a collective decision through the store: shm when every rank
+   is on this host, the shm+gloo hierarchy across even hosts, else gloo);
+4. build it (:func:`build`: one builder per transport in :data:`BUILDERS`),
+   giving the C++ communicator and its resolved :class:`Settings`.
 
-It also holds the process-wide state: the default communicator of the
-module-level functions (:data:`default`) and the counters that name store
-keys and shared-memory segments.
+Agreements through the store go through pycomm._store. The process-wide
+state here is only the counters that name store keys and shared-memory
+segments (the default communicator lives with ``Communicator``).
 """
 
 from __future__ import annotations
@@ -21,23 +23,18 @@ import json
 import numbers
 import os
 import socket
-import threading
 import uuid
 import warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import _hierarchy
-from ._ext import _C
-
-if TYPE_CHECKING:
-    from .comm import Communicator
-
-CommError = _C.CommError
+from ._ext import _C, CommError
+from ._store import agree_errors, all_gather, wait_for
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 DEFAULT_SLICE_BYTES = 512 * 1024
@@ -328,19 +325,27 @@ def rendezvous(
     return st, r, n, f"pycomm/{_init_count}"
 
 
-def wait_for(store: Any, keys: dict[int, str], what: str) -> None:
-    """Waits for the store keys of the ranks in ``keys`` (rank -> key) under
-    the store's own timeout (ranks may reach a rendezvous far apart; the
-    communicator's timeout bounds its operations, not its creation). A
-    timeout is a CommError naming the ranks still missing."""
-    try:
-        store.wait(list(keys.values()))
-    except dist.DistStoreError as e:
-        missing = [q for q, k in keys.items() if not store.check([k])]
-        raise CommError(
-            f"{what}: ranks {missing} did not arrive within the store's timeout "
-            f"({store.timeout.total_seconds():g} s); every rank of a new communicator must "
-            "create it (init(), or new_group/split on every member)") from e
+def prepare(rank: int | None, world_size: int | None, store: Any, group: Any, transport: str,
+            device: str | torch.device | None, timeout: timedelta | float | None,
+            slice_bytes: int | None, check: bool | None,
+            key_prefix: str | None) -> tuple[Any, int, int, Settings]:
+    """init()'s steps 1 and 2 (the module docstring) for its arguments:
+    (this communicator's own prefixed store, rank, world size, the settings
+    asked for)."""
+    check_on = check_from(check)
+    ENV.check_cpu_simd()
+    timeout = timeout_from(timeout)
+    transport, req = resolve_transport(transport, device)
+    st, r, n, prefix = rendezvous(rank, world_size, store, group, timeout)
+    if key_prefix is not None:
+        prefix = key_prefix
+    # A restarted job may find the last attempt's keys in the same store (the
+    # elastic agent's): scope this attempt's, so none of them is ever read.
+    prefix = f"{prefix}/attempt{ENV.attempt()}"
+    validate_world(r, n)
+    asked = Settings(transport=transport, device=req, timeout=timeout, slice_bytes=slice_bytes,
+                     check=check_on, require_check=check is not None)
+    return dist.PrefixStore(prefix, st), r, n, asked
 
 
 def host_id() -> str:
@@ -356,44 +361,14 @@ def host_id() -> str:
 
 def host_ids(store: Any, prefix: str, rank: int, world_size: int) -> list[str]:
     """Every rank's :func:`host_id`, exchanged through the store."""
-    store.set(f"{prefix}/host/{rank}", host_id())
-    keys = {r: f"{prefix}/host/{r}" for r in range(world_size)}
-    wait_for(store, keys, "choosing the transport")
-    return [store.get(k).decode() for k in keys.values()]
+    return all_gather(store, f"{prefix}/host", rank, world_size, host_id(),
+                      "choosing the transport")
 
 
 def publish_process(store: Any, rank: int) -> None:
-    """Records where rank ``rank`` runs (host id and pid), for ``liveness``."""
+    """Records where rank ``rank`` runs (host id and pid), for
+    pycomm._shrink.liveness."""
     store.set(f"process/{rank}", f"{host_id()}|{os.getpid()}")
-
-
-def liveness(store: Any, world_size: int) -> tuple[set[int], set[int]]:
-    """(ranks known dead, ranks whose liveness cannot be seen from here):
-    a rank on this host is dead when its process has exited (a zombie
-    counts); one on another host cannot be told from a slow one."""
-    me, dead, unknown = host_id(), set(), set()
-    for q in range(world_size):
-        host, _, pid = store.get(f"process/{q}").decode().rpartition("|")
-        if host != me:
-            unknown.add(q)
-        elif not _process_alive(int(pid)):
-            dead.add(q)
-    return dead, unknown
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # an exited child its parent has not reaped yet still answers kill()
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 # ------------------------------------------------------------------ shm bootstrap
@@ -431,7 +406,7 @@ def init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes: 
     if errors:
         if impl is not None:
             impl.close()
-        reason = "could not set up the shm transport: " + "; ".join(e[1:] for e in errors)
+        reason = "could not set up the shm transport: " + "; ".join(errors)
         if fallback_ok:
             _warn_fallback_once(reason)
             return None
@@ -476,15 +451,13 @@ def _map_shm(st: Any, key: str, name: str, rank: int, world_size: int, timeout_m
             except Exception as e:  # noqa: BLE001
                 err = f"rank {rank}: {e}"
     # Barrier: every rank has mapped the segment (or failed to).
-    st.set(f"{key}/mapped/{rank}", "!" + err if err else "ok")
-    keys = {r: f"{key}/mapped/{r}" for r in range(world_size)}
     try:
-        wait_for(st, keys, "shm setup")
+        errors = agree_errors(st, f"{key}/mapped", rank, world_size, err, "shm setup")
     except BaseException:
         if impl is not None:
             impl.close()
         raise
-    return impl, [v for v in (st.get(k).decode() for k in keys.values()) if v != "ok"]
+    return impl, [e for _, e in errors]
 
 
 # ------------------------------------------------------------------ nccl bootstrap
@@ -564,46 +537,101 @@ def make_nccl(st: Any, r: int, n: int, dev: torch.device, timeout: timedelta,
     return _C.make_nccl_comm(uid, r, n, dev.index, timeout_ms, slice_bytes, auto_table())
 
 
-# ------------------------------------------------------------------ build
+# ------------------------------------------------------------------ plan and build
+
+@dataclass(frozen=True)
+class Plan:
+    """The transport of a communicator, decided once (:func:`plan_transport`) before
+    anything is built; :data:`BUILDERS` has one builder per ``transport``."""
+
+    transport: str  # "shm", "gloo", "nccl" or "shm+gloo"
+    #: shm: every rank falls back to gloo when some rank cannot set up shared
+    #: memory ("auto"), instead of raising ("shm" asked for).
+    fallback_ok: bool = False
+    #: shm+gloo: where the ranks run.
+    layout: _hierarchy.Layout | None = None
+
+
+def plan_transport(st: Any, r: int, n: int, asked: Settings) -> Plan:
+    """The transport to build for ``asked``: "nccl", "shm" and "gloo" as
+    asked; "auto" (CPU; "shm+gloo" asked, by a group or shrink of such a
+    communicator, is decided as "auto" is) is a collective decision through
+    ``st``: shm when every rank is on this host, else (after the address
+    check) the shm+gloo hierarchy when every host has the same number >= 2 of
+    ranks (pycomm._hierarchy), else gloo."""
+    if asked.transport not in ("auto", "shm+gloo"):
+        return Plan(asked.transport)
+    ids = host_ids(st, "auto", r, n)
+    if all(i == ids[0] for i in ids):
+        return Plan("shm", fallback_ok=True)
+    _hierarchy.check_addresses(dist.PrefixStore("auto", st), r, n)
+    layout = _hierarchy.Layout.from_host_ids(ids)
+    refusal = _hierarchy.hierarchy_refusal(layout)
+    if refusal is None:
+        return Plan("shm+gloo", layout=layout)
+    if len(set(layout.ranks_per_host())) > 1:
+        _hierarchy.warn_flat_once(refusal)
+    return Plan("gloo")
+
+
+#: A builder: (store, rank, world size, asked, plan) -> (the transport it
+#: built, the C++ communicator, objects the communicator must keep alive).
+Builder = Callable[[Any, int, int, Settings, Plan], tuple[str, Any, list[Any]]]
+
+
+def _timeout_ms(asked: Settings) -> int:
+    return int(asked.timeout.total_seconds() * 1000)
+
+
+def _build_gloo(st: Any, r: int, n: int, asked: Settings, plan: Plan) -> tuple[str, Any, list[Any]]:
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, asked.timeout)
+    impl = _C.make_gloo_comm(pg, _timeout_ms(asked), slice_bytes_for(asked.slice_bytes, "gloo"))
+    return "gloo", impl, [pg]
+
+
+def _build_shm(st: Any, r: int, n: int, asked: Settings, plan: Plan) -> tuple[str, Any, list[Any]]:
+    impl = init_shm(st, r, n, _timeout_ms(asked), slice_bytes_for(asked.slice_bytes, "shm"),
+                    fallback_ok=plan.fallback_ok)
+    if impl is None:  # every rank alike: some rank could not set up shared memory
+        return _build_gloo(st, r, n, asked, plan)
+    return "shm", impl, []
+
+
+def _build_nccl(st: Any, r: int, n: int, asked: Settings, plan: Plan) -> tuple[str, Any, list[Any]]:
+    impl = make_nccl(st, r, n, cuda_device(asked.device), asked.timeout,
+                     slice_bytes_for(asked.slice_bytes, "nccl"))
+    return "nccl", impl, []
+
+
+def _build_hierarchy(st: Any, r: int, n: int, asked: Settings,
+                     plan: Plan) -> tuple[str, Any, list[Any]]:
+    assert plan.layout is not None
+    return _hierarchy.build_hierarchical(dist.PrefixStore("hier", st), r, plan.layout,
+                                         replace(asked, transport="auto"), build)
+
+
+#: One builder per planned transport.
+BUILDERS: dict[str, Builder] = {
+    "gloo": _build_gloo,
+    "shm": _build_shm,
+    "nccl": _build_nccl,
+    "shm+gloo": _build_hierarchy,
+}
+
 
 def build(st: Any, r: int, n: int, asked: Settings) -> tuple[Any, Settings, list[Any]]:
     """Builds the transport of rank ``r`` of ``n`` that rendezvous through
-    ``st`` (a store prefixed for this communicator alone), as ``asked``.
-    init() and groups (Communicator._create_group) share it.
-
-    ``asked.transport`` is "nccl", "shm", "gloo" or "auto" (CPU: shm when
-    every rank runs on this host and shared memory can be set up; across
-    hosts "shm+gloo", pycomm._hierarchy's composition, when every host has
-    the same number >= 2 of ranks; else gloo). "shm+gloo" asked (a group or
-    shrink of such a communicator) is decided as "auto" is.
+    ``st`` (a store prefixed for this communicator alone), as ``asked``:
+    :func:`plan_transport`, then the plan's builder. init() and groups
+    (Communicator._create_group) share it.
 
     Returns:
         (the C++ communicator, the resolved settings, objects the
         communicator must keep alive).
     """
-    timeout_ms = int(asked.timeout.total_seconds() * 1000)
-    transport, impl = asked.transport, None
-    keepalive: list[Any] = []
     publish_process(st, r)
-    if transport in ("auto", "shm+gloo"):  # "shm+gloo": a group of a hierarchical one
-        transport, impl, keepalive = _across_hosts(st, r, n, asked)
-        if transport == "shm":
-            impl = init_shm(st, r, n, timeout_ms, slice_bytes_for(asked.slice_bytes, "shm"),
-                            fallback_ok=True)
-            if impl is None:
-                transport = "gloo"
-    elif transport == "shm":
-        impl = init_shm(st, r, n, timeout_ms, slice_bytes_for(asked.slice_bytes, "shm"),
-                        fallback_ok=False)
-    if transport == "nccl":
-        impl = make_nccl(st, r, n, cuda_device(asked.device), asked.timeout,
-                         slice_bytes_for(asked.slice_bytes, "nccl"))
-    elif transport == "gloo" and impl is None:  # (across hosts: maybe built already)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, asked.timeout)
-        impl = _C.make_gloo_comm(pg, timeout_ms, slice_bytes_for(asked.slice_bytes, "gloo"))
-        keepalive.append(pg)
-    if impl is None:
-        raise ValueError(f"transport {transport!r} is not available in this build")
+    chosen = plan_transport(st, r, n, asked)
+    transport, impl, keepalive = BUILDERS[chosen.transport](st, r, n, asked, chosen)
     if asked.check:
         if hasattr(impl, "check"):
             impl.check = True
@@ -613,64 +641,3 @@ def build(st: Any, r: int, n: int, asked: Settings) -> tuple[Any, Settings, list
     built = Settings(transport=transport, device=torch.device(impl.device), timeout=asked.timeout,
                      slice_bytes=int(impl.slice_bytes), check=bool(getattr(impl, "check", False)))
     return impl, built, keepalive
-
-
-def _across_hosts(st: Any, r: int, n: int, asked: Settings) -> tuple[str, Any, list[Any]]:
-    """transport="auto" on CPU: ("shm", None, []) when every rank is on this
-    host (the caller sets up shm); across hosts ("shm+gloo", the
-    hierarchical communicator, its keepalive) when every host has the same
-    number >= 2 of ranks and shared memory, else ("gloo", None, []) or
-    ("gloo", the flat gloo communicator already built, its keepalive)
-    (pycomm._hierarchy)."""
-    ids = host_ids(st, "auto", r, n)
-    if all(i == ids[0] for i in ids):
-        return "shm", None, []
-    _hierarchy.check_addresses(dist.PrefixStore("auto", st), r, n, wait_for)
-    layout = _hierarchy.Layout.from_host_ids(ids)
-    refusal = _hierarchy.hierarchy_refusal(layout)
-    if refusal is not None:
-        if len(set(layout.ranks_per_host())) > 1:
-            _hierarchy.warn_flat_once(refusal)
-        return "gloo", None, []
-    return _hierarchy.build_hierarchical(dist.PrefixStore("hier", st), r, layout,
-                                         replace(asked, transport="auto"), build, wait_for)
-
-
-# ------------------------------------------------------------------ process-wide state
-
-class DefaultCommunicator:
-    """The communicator of the module-level functions (``pycomm.all_reduce``,
-    ...): the last one ``init(set_default=True)`` created, until it closes."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._comm: Communicator | None = None
-
-    def set(self, comm: Communicator) -> None:
-        with self._lock:
-            self._comm = comm
-
-    def forget(self, comm: Communicator) -> None:
-        """``comm`` closed: no default any more if it was the default."""
-        with self._lock:
-            if self._comm is comm:
-                self._comm = None
-
-    def holds(self, comm: Communicator) -> bool:
-        return self._comm is comm
-
-    def get(self) -> Communicator:
-        comm = self._comm
-        if comm is None:
-            raise RuntimeError("pycomm.init() has not been called (or the communicator was closed)")
-        return comm
-
-    def is_set(self) -> bool:
-        return self._comm is not None
-
-
-default = DefaultCommunicator()
-
-#: Transport objects of communicators closed in a forked child (see
-#: Communicator.close): kept alive until the process exits.
-forked_leaks: list[Any] = []

@@ -10,9 +10,11 @@ member list, the same on every rank:
      dead (a rank on this host whose process has exited). When every rank
      runs on this host that knowledge is exact, and it waits (up to
      ``timeout``) for all the living; a rank on another host cannot be told
-     from a slow one, so then it waits at most ``grace`` seconds. (With
-     ``exclude`` the caller names the ranks that leave, and there is nothing
-     to agree on.)
+     from a slow one, so then it waits at most ``grace`` seconds. It looks
+     again while it waits: a killed rank's connections close before its
+     process is gone, so a survivor that noticed at once may have seen it
+     still running. (With ``exclude`` the caller names the ranks that
+     leave, and there is nothing to agree on.)
   3. it proposes the ranks that have checked in by then, and the first
      proposal wins (the store's ``compare_set``), so a rank that checked in
      late reads the same list as everyone else, and is told it was left out
@@ -25,23 +27,28 @@ an earlier one's keys.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["agree_on_survivors"]
+from ._setup import ENV, host_id
+
+__all__ = ["agree_on_survivors", "liveness", "survivors"]
 
 _POLL_S = 0.005
 
 
 def agree_on_survivors(store: Any, base: str, rank: int, world_size: int, *,
-                       exclude: Iterable[int] | None, dead: Iterable[int],
+                       exclude: Iterable[int] | None,
+                       dead: Iterable[int] | Callable[[], Iterable[int]],
                        unknown: Iterable[int], grace: float, timeout: float) -> list[int]:
     """The old ranks that continue, in order (the new rank of each is its
-    index). ``dead``: ranks known to have exited; ``unknown``: ranks whose
-    liveness cannot be seen from here. Raises ValueError for a bad
-    ``exclude`` and RuntimeError when this rank was left out (it checked in
-    after the list was decided)."""
+    index). ``dead``: ranks known to have exited, or a function that tells
+    them, asked again while the ranks expected have not all checked in (step
+    2); ``unknown``: ranks whose liveness cannot be seen from here. Raises
+    ValueError for a bad ``exclude`` and RuntimeError when this rank was
+    left out (it checked in after the list was decided)."""
     if exclude is not None:
         excluded = sorted(set(int(q) for q in exclude))
         bad = [q for q in excluded if not 0 <= q < world_size]
@@ -52,12 +59,15 @@ def agree_on_survivors(store: Any, base: str, rank: int, world_size: int, *,
             raise ValueError(f"shrink(exclude={excluded}): rank {rank} excludes itself; only "
                              "the ranks that continue call shrink()")
         return [q for q in range(world_size) if q not in excluded]
+    find_dead = dead if callable(dead) else (lambda known=set(dead): known)
     store.set(f"{base}/in/{rank}", "1")
-    expected = [q for q in range(world_size) if q not in set(dead) - {rank}]
+    expected = [q for q in range(world_size) if q not in set(find_dead()) - {rank}]
     deadline = time.monotonic() + (grace if set(unknown) - {rank} else timeout)
     arrived = _arrived(store, base, expected)
     while len(arrived) < len(expected) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
+        gone = set(find_dead()) - set(arrived) - {rank}  # died since the last look
+        expected = [q for q in expected if q not in gone]
         arrived = _arrived(store, base, expected)
     proposal = ",".join(str(q) for q in arrived)
     decided = store.compare_set(f"{base}/members", "", proposal)
@@ -68,5 +78,54 @@ def agree_on_survivors(store: Any, base: str, rank: int, world_size: int, *,
     return members
 
 
+def survivors(store: Any, base: str, rank: int, world_size: int,
+              exclude: Iterable[int] | None, timeout: float) -> list[int]:
+    """:func:`agree_on_survivors` with what this rank can see: the ranks on
+    this host whose processes have exited (looked at again while waiting),
+    those on other hosts as unknown, ``PYCOMM_SHRINK_GRACE``."""
+    local, unknown = _processes(store, world_size) if exclude is None else ({}, set())
+
+    def dead() -> set[int]:
+        return {q for q, pid in local.items() if not _process_alive(pid)}
+
+    return agree_on_survivors(store, base, rank, world_size, exclude=exclude, dead=dead,
+                              unknown=unknown, grace=ENV.shrink_grace(), timeout=timeout)
+
+
 def _arrived(store: Any, base: str, expected: list[int]) -> list[int]:
     return [q for q in expected if store.check([f"{base}/in/{q}"])]
+
+
+def liveness(store: Any, world_size: int) -> tuple[set[int], set[int]]:
+    """(ranks known dead, ranks whose liveness cannot be seen from here):
+    a rank on this host is dead when its process has exited (a zombie
+    counts); one on another host cannot be told from a slow one."""
+    local, unknown = _processes(store, world_size)
+    return {q for q, pid in local.items() if not _process_alive(pid)}, unknown
+
+
+def _processes(store: Any, world_size: int) -> tuple[dict[int, int], set[int]]:
+    """({rank: pid} of the ranks on this host, the ranks on other hosts)."""
+    me, local, unknown = host_id(), {}, set()
+    for q in range(world_size):
+        host, _, pid = store.get(f"process/{q}").decode().rpartition("|")
+        if host != me:
+            unknown.add(q)
+        else:
+            local[q] = int(pid)
+    return local, unknown
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # an exited child its parent has not reaped yet still answers kill()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return True

@@ -217,7 +217,7 @@ def _make_backend(comm: Communicator, store: Any, timeout: timedelta | float,
     """The C++ ``ProcessGroupPycomm`` over the group's CPU communicator
     ``comm``, with a factory for its CUDA one (over ``store``) and a shrinker
     for ``torch.distributed.shrink_group``."""
-    comm._impl.adopt_symmetric = bool(opts.symmetric) and comm.transport == "shm"
+    comm._impl.auto_register = bool(opts.symmetric) and comm.transport == "shm"
     for key in [k for k, c in _communicators.items() if c.closed]:
         del _communicators[key]  # groups destroyed since (shutdown closed them)
     # The C++ backend wraps one C++ communicator: across hosts ("shm+gloo"),

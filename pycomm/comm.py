@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import warnings
 from dataclasses import replace
 from datetime import timedelta
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import _setup, _shrink
-from ._ext import _C
+from ._ext import _C, CommError
 from ._setup import (  # noqa: F401 - the defaults stay importable from pycomm.comm
     DEFAULT_AUTO_TABLE,
     DEFAULT_CUDA_SLICE_BYTES,
@@ -41,20 +42,8 @@ from ._types import (  # noqa: F401 - _to_op stays importable from pycomm.comm
 
 _ANY_SOURCE = -1  # the core's kAnySource (csrc/core/transport.h)
 
-__all__ = [
-    "CommError",
-    "Communicator",
-    "P2POp",
-    "ReduceOp",
-    "Work",
-    "init",
-    "get_default",
-    "is_initialized",
-]
-
-#: Raised on every rank when a collective fails (timeout, dead peer, transport
-#: error, mismatched calls in checked mode). A RuntimeError.
-CommError = _C.CommError
+__all__ = ["CommError", "Communicator", "P2POp", "ReduceOp", "Work", "init", "get_default",
+           "is_initialized"]
 
 #: Handle of an asynchronous operation: ``wait()``, ``is_completed()``,
 #: ``is_success()``, ``get_future()`` (a ``torch.futures.Future`` completed with
@@ -65,6 +54,25 @@ if TYPE_CHECKING:  # the compiled class, opaque to type checkers
     Work = Any
 else:
     Work = _C.Work
+
+
+# The communicator of the module-level functions (pycomm.all_reduce, ...):
+# the last one init(set_default=True) created, until it closes.
+_default: Communicator | None = None
+_default_lock = threading.Lock()
+
+
+def _set_default(comm: Communicator | None, *, if_current: Communicator | None = None) -> None:
+    """Makes ``comm`` the default; with ``if_current``, only while that one is."""
+    global _default
+    with _default_lock:
+        if if_current is None or _default is if_current:
+            _default = comm
+
+
+#: Transport objects of communicators closed in a forked child (see
+#: Communicator.close): kept alive until the process exits.
+_forked_leaks: list[Any] = []
 
 
 class Communicator:
@@ -171,17 +179,17 @@ class Communicator:
                 wire dtype too, so every rank ends with the same bits:
                 ``wire(op over ranks)``. Ring only: ``algo="auto"`` takes the
                 ring, ``"direct"`` and ``"nccl"`` are refused.
-            register: on ``shm``, offer to move ``tensor``'s storage into
+            register: on ``shm``, register ``tensor``: move its storage into
                 symmetric memory during this op (as :meth:`register_tensor`
                 does), for a buffer that is reduced again and again (a
-                gradient bucket). It moves only if every rank offers, with
+                gradient bucket). It moves only if every rank registers, with
                 ``algo`` "auto" or "direct", and ``tensor`` is all of a
                 storage that torch's CPU allocator made; otherwise nothing
                 moves and the op stages as usual, so ranks cannot disagree.
                 With ``async_op=True`` the call returns once the op has
                 decided (ops issued later must see the new address; with one
                 rank, once the op is done). A storage some rank declined
-                does not offer again. Ignored elsewhere, inside Future
+                is not registered again. Ignored elsewhere, inside Future
                 callbacks (on the worker thread), and for a tensor already
                 registered.
 
@@ -436,7 +444,7 @@ class Communicator:
     # -- groups -----------------------------------------------------------
     def new_group(
         self, ranks: Sequence[int], *, timeout: timedelta | float | None = None
-    ) -> "Communicator | None":
+    ) -> Communicator | None:
         """A communicator over ``ranks`` of this one, renumbered in the given
         order (``ranks[i]`` becomes rank ``i``), on the same transport, device,
         slice size and checked mode.
@@ -474,7 +482,7 @@ class Communicator:
     def split(
         self, color: int | None, key: int | None = None, *,
         timeout: timedelta | float | None = None,
-    ) -> "Communicator | None":
+    ) -> Communicator | None:
         """Partitions the ranks by ``color``, like ``MPI_Comm_split``.
 
         A collective of this communicator: every rank calls it, in the same
@@ -520,7 +528,7 @@ class Communicator:
         return self._create_group(tuple(r for _, r in members), timeout)
 
     def _nccl_split(self, color: int, key: int,
-                    timeout: timedelta | float | None) -> "Communicator | None":
+                    timeout: timedelta | float | None) -> Communicator | None:
         """split() through ncclCommSplit on the collectives' communicator."""
         for name, value in (("color", color), ("key", key)):
             if not -2**31 <= value < 2**31:
@@ -550,7 +558,7 @@ class Communicator:
                                f"cannot be used in a forked child (pid {os.getpid()})")
 
     def _create_group(self, members: tuple[int, ...],
-                      timeout: timedelta | float | None) -> "Communicator | None":
+                      timeout: timedelta | float | None) -> Communicator | None:
         """Builds the group ``members`` (ordered ranks of this communicator)
         on the members; None elsewhere. The rendezvous prefix names the
         member list and this rank's count of groups with that member list."""
@@ -568,7 +576,7 @@ class Communicator:
                             f"ranks[i]) on rank {self.rank}: {e}") from e
 
     def shrink(self, exclude: Sequence[int] | None = None, *,
-               timeout: timedelta | float | None = None) -> "Communicator":
+               timeout: timedelta | float | None = None) -> Communicator:
         """A new communicator over the ranks that continue after a failure:
         a collective of the survivors, the idea of NCCL's ``ncclCommShrink``.
 
@@ -613,7 +621,7 @@ class Communicator:
             raise RuntimeError("shrink: this communicator belongs to another process")
         settings = replace(self._group_settings(timeout), require_check=self._settings.check)
         base, members = self._agree_on_survivors(exclude, settings.timeout)
-        rank, was_default = self.rank, _setup.default.holds(self)
+        rank, was_default = self.rank, _default is self
         self._impl.abort(f"rank {rank} shrank the communicator to ranks {members}")
         try:
             self.close()
@@ -622,7 +630,7 @@ class Communicator:
         new = _build(dist.PrefixStore(f"{base}/comm", self._store), members.index(rank),
                      len(members), settings)
         if was_default:
-            _setup.default.set(new)
+            _set_default(new)
         return new
 
     def lost_ranks(self, *, timeout: timedelta | float | None = None) -> list[int]:
@@ -644,11 +652,8 @@ class Communicator:
         """(store key base of this agreement, the old ranks that continue)."""
         self._shrinks += 1
         base = f"shrink/{self._shrinks}"
-        dead, unknown = (set(), set()) if exclude is not None else \
-            _setup.liveness(self._store, self.world_size)
-        return base, _shrink.agree_on_survivors(
-            self._store, base, self.rank, self.world_size, exclude=exclude, dead=dead,
-            unknown=unknown, grace=_setup.ENV.shrink_grace(), timeout=timeout.total_seconds())
+        return base, _shrink.survivors(self._store, base, self.rank, self.world_size, exclude,
+                                       timeout.total_seconds())
 
     # -- lifetime ---------------------------------------------------------
     def close(self) -> None:
@@ -672,15 +677,15 @@ class Communicator:
                     # A forked child's copy: the transport objects (e.g. the
                     # Gloo process group) own the parent's threads and sockets;
                     # destroying them here could hang. Keep them until exit.
-                    _setup.forked_leaks.extend(self._keepalive)
+                    _forked_leaks.extend(self._keepalive)
                 self._keepalive.clear()
-                _setup.default.forget(self)
+                _set_default(None, if_current=self)
 
     def abort(self, reason: str = "aborted by the user") -> None:
         """Fails pending and future operations of this communicator at once."""
         self._impl.abort(reason)
 
-    def __enter__(self) -> "Communicator":
+    def __enter__(self) -> Communicator:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -757,22 +762,11 @@ def init(
         >>> t = torch.ones(4) * comm.rank
         >>> comm.all_reduce(t)                    # t == sum of ranks everywhere
     """
-    check_on = _setup.check_from(check)
-    _setup.ENV.check_cpu_simd()
-    timeout = _setup.timeout_from(timeout)
-    transport, req = _setup.resolve_transport(transport, device)
-    st, r, n, prefix = _setup.rendezvous(rank, world_size, store, group, timeout)
-    if key_prefix is not None:
-        prefix = key_prefix
-    # A restarted job may find the last attempt's keys in the same store (the
-    # elastic agent's): scope this attempt's, so none of them is ever read.
-    prefix = f"{prefix}/attempt{_setup.ENV.attempt()}"
-    _setup.validate_world(r, n)
-    asked = Settings(transport=transport, device=req, timeout=timeout, slice_bytes=slice_bytes,
-                     check=check_on, require_check=check is not None)
-    comm = _build(dist.PrefixStore(prefix, st), r, n, asked)
+    st, r, n, asked = _setup.prepare(rank, world_size, store, group, transport, device, timeout,
+                                     slice_bytes, check, key_prefix)
+    comm = _build(st, r, n, asked)
     if set_default:
-        _setup.default.set(comm)
+        _set_default(comm)
     return comm
 
 
@@ -790,9 +784,12 @@ def get_default() -> Communicator:
     Raises:
         RuntimeError: no ``init`` yet, or that communicator was closed.
     """
-    return _setup.default.get()
+    comm = _default
+    if comm is None:
+        raise RuntimeError("pycomm.init() has not been called (or the communicator was closed)")
+    return comm
 
 
 def is_initialized() -> bool:
     """True when there is a default communicator (see :func:`get_default`)."""
-    return _setup.default.is_set()
+    return _default is not None

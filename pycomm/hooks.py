@@ -150,10 +150,11 @@ def _is_ddp_buffer(bucket: dist.GradBucket, buffer: torch.Tensor) -> bool:
     """True when ``buffer`` looks like DDP's own bucket, which it keeps and
     refills every step (worth moving into symmetric memory), not a copy that
     a wrapper made for this call (fp16_compress_wrapper: another dtype). Only
-    an offer: the bucket moves if every rank offers (all_reduce(register=)).
-    Under ``join()`` a rank that ran out of data offers the zero buckets DDP
-    makes for it; while the others' buckets are in symmetric memory already
-    (they do not offer), those all-reduces just stage."""
+    a request: the bucket moves if every rank registers it
+    (all_reduce(register=)). Under ``join()`` a rank that ran out of data
+    registers the zero buckets DDP makes for it; while the others' buckets are
+    in symmetric memory already (they do not register), those all-reduces
+    just stage."""
     if not isinstance(bucket, (dist.GradBucket, PycommGradBucket)):
         return False  # a bucket some other code made up
     params = bucket.parameters()
@@ -169,7 +170,7 @@ def _allreduce_avg(comm: Communicator, tensor: torch.Tensor,
                    wire_dtype: Optional[torch.dtype] = None,
                    register: bool = False) -> torch.futures.Future[torch.Tensor]:
     """Averages ``tensor`` in place; the future completes with it.
-    ``register``: offer to move it into symmetric memory (all_reduce)."""
+    ``register``: register it, i.e. move it into symmetric memory (all_reduce)."""
     work = comm.all_reduce(tensor, op=ReduceOp.AVG, async_op=True, wire_dtype=wire_dtype,
                            register=register)
     return work.get_future().then(_first)
@@ -225,7 +226,7 @@ def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
 
     On the ``shm`` transport the first all-reduce of each of DDP's buckets
     moves the bucket into symmetric memory
-    (``Communicator.all_reduce(register=True)``: when every rank offers, as
+    (``Communicator.all_reduce(register=True)``: when every rank registers, as
     every rank's DDP does). From then on each rank reduces its share of the
     bucket straight from every rank's copy and writes the result into every
     copy, with nothing staged: the same bits, half the memory traffic on 2
@@ -239,9 +240,9 @@ def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
     comm = _comm_of(state)
     buffer = bucket.buffer()
     _check_bucket(comm, bucket, buffer)
-    # Offer the bucket until it has moved (bucket.parameters() builds a list).
-    offer = not comm.is_registered(buffer) and _is_ddp_buffer(bucket, buffer)
-    return _allreduce_avg(comm, buffer, register=offer)
+    # Register the bucket until it has moved (bucket.parameters() builds a list).
+    register = not comm.is_registered(buffer) and _is_ddp_buffer(bucket, buffer)
+    return _allreduce_avg(comm, buffer, register=register)
 
 
 # ---------------------------------------------------------------- cast compression
@@ -545,6 +546,13 @@ class _LowRank:
                                                      dtype=buffer.dtype)
             state.q_memory_dict[index] = torch.empty(q_total, device=buffer.device,
                                                      dtype=buffer.dtype)
+        # Held from here on, never looked up again: without warm start an
+        # earlier bucket's chain, ending on the worker thread while DDP calls
+        # this bucket's hook, empties the dicts (KeyError, and the ranks'
+        # op sequences part: test_powerSGD_many_buckets_same_on_every_rank
+        # [cold-2] in a CI rehearsal).
+        self.p_memory: torch.Tensor = state.p_memory_dict[index]
+        self.q_memory: torch.Tensor = state.q_memory_dict[index]
         self.matrices: list[torch.Tensor] = list(self._batches(state))
         self.ps: list[torch.Tensor] = []
         self.qs: list[torch.Tensor] = []
@@ -552,8 +560,8 @@ class _LowRank:
         for m in self.matrices:
             k, rows, cols = m.shape
             r = min(rows, cols, rank)
-            self.ps.append(state.p_memory_dict[index][p_off:p_off + k * rows * r].view(k, rows, r))
-            self.qs.append(state.q_memory_dict[index][q_off:q_off + k * cols * r].view(k, cols, r))
+            self.ps.append(self.p_memory[p_off:p_off + k * rows * r].view(k, rows, r))
+            self.qs.append(self.q_memory[q_off:q_off + k * cols * r].view(k, cols, r))
             p_off += k * rows * r
             q_off += k * cols * r
 
@@ -621,9 +629,9 @@ def powerSGD_hook(state: PowerSGDState,
             state.error_dict[index] = torch.zeros_like(buffer)
         original = buffer.detach().clone()
     lr = _LowRank(state, bucket, buffer)
-    # Held here, not looked up in the callbacks: without warm start another
-    # bucket's chain clears the dicts while this one is still in flight.
-    p_memory, q_memory = state.p_memory_dict[index], state.q_memory_dict[index]
+    # The bucket's P and Q memory, held by lr (see there), not looked up in
+    # the dicts: other buckets' chains end on the worker thread meanwhile.
+    p_memory, q_memory = lr.p_memory, lr.q_memory
     uncompressed = (torch.cat([t.view(-1) for t in lr.uncompressed]) if lr.uncompressed
                     else buffer.new_empty(0))
 
@@ -665,9 +673,9 @@ def powerSGD_hook(state: PowerSGDState,
             lr.write_back_batches()
         if original is not None:
             state.error_dict[index] = original - buffer
-        if not state.warm_start:
-            state.p_memory_dict.clear()
-            state.q_memory_dict.clear()
+        if not state.warm_start:  # this bucket's memory only: others may be in flight
+            state.p_memory_dict.pop(index, None)
+            state.q_memory_dict.pop(index, None)
         state.maybe_increase_iter(bucket)
         return buffer
 

@@ -85,7 +85,7 @@ def check_collectives(comm: pycomm.Communicator) -> None:
 def check_register_on_some_ranks(comm: pycomm.Communicator) -> None:
     """register=True on some ranks only, and a tensor registered on one rank
     while its peer's is not: every rank still issues the same ops (the
-    offer is negotiated, never a per-rank choice of algorithm)."""
+    registration is negotiated, never a per-rank choice of algorithm)."""
     r, n = comm.rank, comm.world_size
     for count in (1021, 300_007):  # the small all-reduce, then steps 1-3
         inputs = [rank_input(q, count, torch.float32, "sum") for q in range(n)]

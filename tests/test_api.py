@@ -128,3 +128,26 @@ def test_jit_fallback_builds_when_no_prebuilt_extension(tmp_path):
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert "JIT-compiling" in proc.stderr and "sum 3.0" in proc.stdout
+
+
+def test_module_twins_match_the_methods():
+    """Every module-level twin (pycomm.all_reduce, ...) takes exactly its
+    Communicator method's parameters: names, kinds, defaults, annotations
+    and return type (a parameter added to a method and not to its twin, as
+    register= once was to all_reduce, fails here)."""
+    import inspect
+
+    import pycomm
+
+    twins = [n for n in pycomm.__all__
+             if inspect.isfunction(getattr(pycomm, n)) and hasattr(pycomm.Communicator, n)]
+    assert {"all_reduce", "broadcast", "send", "split", "batch_isend_irecv"} <= set(twins)
+    for name in twins:
+        method = inspect.signature(getattr(pycomm.Communicator, name))
+        params = list(method.parameters.values())[1:]  # without self
+        want = method.replace(parameters=params)
+        got = inspect.signature(getattr(pycomm, name))
+        if name == "close":  # closes the default communicator if there is one
+            assert not got.parameters and not params, name
+            continue
+        assert got == want, f"pycomm.{name}{got} != Communicator.{name}{want}"

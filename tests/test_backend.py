@@ -520,7 +520,7 @@ def _symmetric_option(rank: int, world_size: int, port: int) -> dict:
     out["view"] = reduce_twice(lambda: whole[1:].fill_(rank + 1))
     arr = np.empty(100_000, dtype=np.float32)
     out["numpy"] = reduce_twice(lambda: torch.from_numpy(arr).fill_(rank + 1))
-    mine = torch.empty(100_000)  # rank 0 offers, rank 1 reduces fresh tensors: nobody moves
+    mine = torch.empty(100_000)  # rank 0 registers, rank 1 reduces fresh tensors: nobody moves
     out["mixed"] = reduce_twice(
         lambda: mine.fill_(rank + 1) if rank == 0 else torch.full((100_000,), rank + 1.0))
     off = dist.new_group(pg_options=pycomm.backend.Options(symmetric=False))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pycomm.bench import cli, model
+from pycomm.bench import cli, model, model_cli
 from pycomm.bench import collectives as C
 from pycomm.bench import report
 
@@ -319,7 +319,7 @@ def test_model_cli(tmp_path, capsys):
     rows = [_row(size=b, time_us=model.ring_allreduce_time(2, b, 20e-6, 1e-10) * 1e6)
             for b in (1024, 1 << 16, 1 << 20, 1 << 24)]
     report.write_json(str(p), {"world_size": 2, "device": "cpu"}, rows)
-    assert model.main([str(p), "--worlds", "8,1024", "--sizes", "1M"]) == 0
+    assert model_cli.main([str(p), "--worlds", "8,1024", "--sizes", "1M"]) == 0
     out = capsys.readouterr().out
     assert "20.00" in out and "10.000" in out  # alpha 20 us, 1/beta 10 GB/s
     assert out.count("1024      1M") == 1

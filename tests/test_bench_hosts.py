@@ -48,3 +48,25 @@ def test_two_level_fit_needs_both_kinds_of_rows():
         hosts_model.fit_two_level([], 2, 2)
     with pytest.raises(ValueError, match=">= 2 hosts"):
         hosts_model.fit_two_level([], 1, 4)
+
+
+def test_hier_time_counts_the_hierarchy_steps():
+    """The hierarchical time sums the hierarchy's own steps
+    (pycomm._hierarchy.ALL_REDUCE_STEPS): 2(L-1) intra steps at every size
+    (reduce-scatter + all-gather, or the small intra all-reduce), the inter
+    all-reduce over B/L bytes (large) or B (small)."""
+    from pycomm._hierarchy import SMALL_BYTES
+
+    unit = Fit(1.0, 0.0, 0, 0.0)  # alpha 1 s, no bandwidth term: counts steps
+    zero = Fit(0.0, 0.0, 0, 0.0)
+    for hosts, L in ((2, 2), (4, 8)):
+        for b in (1024, SMALL_BYTES * 4):
+            intra = hosts_model.hier_time(hosts, L, b, hosts_model.TwoLevel(unit, zero))
+            inter = hosts_model.hier_time(hosts, L, b, hosts_model.TwoLevel(zero, unit))
+            assert intra == 2 * (L - 1) and inter == 2 * (hosts - 1)
+    bw = Fit(0.0, 1.0, 0, 0.0)  # 1 s per byte: counts bytes
+    big = SMALL_BYTES * 4
+    inter = hosts_model.hier_time(2, 4, big, hosts_model.TwoLevel(zero, bw))
+    assert inter == pytest.approx(2 * 1 / 2 * big / 4)
+    intra = hosts_model.hier_time(2, 4, big, hosts_model.TwoLevel(bw, zero))
+    assert intra == pytest.approx(2 * 3 / 4 * big)

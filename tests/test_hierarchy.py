@@ -46,3 +46,38 @@ def test_block_orders_invert_each_other():
     assert sorted(rows) == list(range(6))
     assert [rows[g] for g in comm._by_column.tolist()] == list(range(6))
     assert rows == [lay.local[g] * 2 + lay.host[g] for g in range(6)]
+
+
+@pytest.mark.parametrize("case", ["large", "small"])
+def test_all_reduce_runs_the_step_table(case):
+    """HierarchicalComm._all_reduce issues exactly the steps of
+    ALL_REDUCE_STEPS (which the two-level cost model counts), in order."""
+    import torch
+
+    lay = Layout.from_host_ids(["a", "a", "b", "b"])
+    calls = []
+
+    class _Recorder:
+        device, slice_bytes, closed, check = "cpu", 1, False, False
+
+        def __init__(self, name):
+            self.name = name
+
+        def __getattr__(self, op):
+            return lambda t, *args: calls.append((self.name, op, t.numel()))
+
+    comm = _hierarchy.HierarchicalComm(lay, 0, _Recorder("flat"), _Recorder("intra"),
+                                       _Recorder("inter"))
+    numel = 4 if case == "small" else 2 * _hierarchy.SMALL_BYTES  # float32: > SMALL_BYTES
+    t = torch.zeros(numel)
+    comm._all_reduce(t, 0, "auto", False)
+    steps = _hierarchy.all_reduce_steps(t.nbytes)
+    assert steps == _hierarchy.ALL_REDUCE_STEPS[case]
+    assert [(c, op) for c, op, _ in calls] == [(s.comm, s.op) for s in steps]
+    # The reduce-scatter's input and the all-gather's output are the whole
+    # tensor; a shard step covers this local rank's 1/L of it.
+    for (_, op, n), s in zip(calls, steps):
+        if s.shard:
+            assert n == numel // 2
+        elif op != "reduce_scatter":
+            assert n == numel

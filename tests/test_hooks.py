@@ -354,7 +354,7 @@ def test_allreduce_hook_moves_ddp_buckets_into_symmetric_memory(view):
 def _join_rank(rank: int, world_size: int, port: int):
     """Uneven inputs under torch DDP's join(): the rank that runs out first
     shadows the others' all-reduces with zero buckets through the hook. Those
-    offer to move into symmetric memory while the active ranks' buckets are
+    ask to be registered (moved into symmetric memory) while the active ranks' buckets are
     there already, so those all-reduces must stage, not disagree. (join()
     needs a default process group: fresh processes.)"""
     import pycomm
@@ -583,6 +583,51 @@ def test_powerSGD_chain_futures_name_the_cuda_device(monkeypatch, device):
     first.set_result(1)
     inner.set_result([torch.ones(2)])
     assert torch.equal(out.wait()[0], torch.ones(2))
+
+
+class _MatrixBucket(_FakeBucket):
+    """A one-gradient bucket whose gradient is a matrix worth compressing."""
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [self._buffer.view(64, 64)]
+
+
+def _powersgd_dicts_emptied_midway(comm) -> tuple[bool, bool]:
+    """Without warm start a bucket's chain ends on the worker thread by
+    dropping P/Q memory, possibly while DDP calls a later bucket's hook on
+    its own thread. Here that happens at the worst moment, deterministically:
+    the dicts empty while _LowRank builds the bucket's views. The hook must
+    neither raise (KeyError: the ranks' op sequences would part) nor change
+    its result. Also: a finished chain leaves no memory behind."""
+    grads = torch.randn(64 * 64, generator=torch.Generator().manual_seed(5))
+
+    def run(empty_midway: bool) -> torch.Tensor:
+        state = hooks.PowerSGDState(comm, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                    use_error_feedback=False, warm_start=False)
+        state.iter = state.start_powerSGD_iter
+        batches = hooks._LowRank._batches
+
+        def emptying(self, st):
+            st.p_memory_dict.clear()  # another bucket's chain ended just now
+            st.q_memory_dict.clear()
+            return batches(self, st)
+
+        if empty_midway:
+            hooks._LowRank._batches = emptying
+        try:
+            out = hooks.powerSGD_hook(state, _MatrixBucket(grads.clone())).wait()
+        finally:
+            hooks._LowRank._batches = batches
+        assert not state.p_memory_dict and not state.q_memory_dict
+        return out
+
+    calm, raced = run(False), run(True)
+    return torch.equal(calm, raced), bool((calm - grads).abs().max() > 1e-4)
+
+
+def test_powerSGD_cold_start_survives_other_chains_ending():
+    same, compressed = run_ranks(_powersgd_dicts_emptied_midway, 1, "shm")[0]
+    assert same and compressed
 
 
 def test_bucket_on_another_device_is_a_clear_error():

@@ -154,3 +154,36 @@ def test_torch_shrink_group_after_a_death(transport, world_size, victims, flags)
     for v in victims:
         assert results[v][0] == "died"
     assert _shm_names() <= before
+
+
+def test_agreement_looks_again_for_a_rank_still_exiting():
+    """A killed rank's connections close before its process is gone: a
+    survivor that noticed at once saw it still running (SIGKILL, 3 gloo
+    ranks: rank 2 waited in the agreement for rank 0, the whole timeout,
+    while rank 1 had decided without it and waited in the new
+    communicator's setup). Looked at again, it counts as dead and rank 2
+    agrees with rank 1 at once."""
+    import time
+
+    import torch.distributed as dist
+
+    from pycomm import _shrink
+
+    store = dist.HashStore()
+    store.set("s/in/1", "1")  # rank 1 checked in (and saw rank 0 dead)
+    looks = []
+
+    def dead() -> set[int]:
+        looks.append(time.monotonic())
+        return {0} if len(looks) > 2 else set()  # rank 0 seen exiting at first
+
+    start = time.monotonic()
+    members = _shrink.agree_on_survivors(store, "s", 2, 3, exclude=None, dead=dead, unknown=(),
+                                         grace=0.0, timeout=30.0)
+    assert members == [1, 2]
+    assert time.monotonic() - start < 10, "waited for the dead rank"
+    # A list of dead ranks still works, and a rank that checks in is waited for.
+    store2 = dist.HashStore()
+    store2.set("s/in/0", "1")
+    assert _shrink.agree_on_survivors(store2, "s", 1, 3, exclude=None, dead=[2], unknown=(),
+                                      grace=0.0, timeout=30.0) == [0, 1]

@@ -198,9 +198,9 @@ def test_symmetric_names_unlinked_once_mapped():
         assert left == [], f"left in /dev/shm: {left}"
 
 
-def _offers(comm):
+def _registers(comm):
     """all_reduce(register=True): the tensor moves only when every rank
-    offers; an async op returns after the move, so ops issued next see it."""
+    registers it; an async op returns after the move, so ops issued next see it."""
     n, r = comm.world_size, comm.rank
     t = torch.full((50_000,), float(r + 1))
     w = comm.all_reduce(t, async_op=True, register=True)
@@ -212,8 +212,8 @@ def _offers(comm):
     before = comm.symmetric_all_reduces
     comm.all_reduce(t)
     ran = comm.symmetric_all_reduces - before
-    # Only rank 0 offers: nothing moves, every rank stages. Rank 0 then
-    # remembers the refusal: when every rank offers next, it does not.
+    # Only rank 0 registers: nothing moves, every rank stages. Rank 0 then
+    # remembers the refusal: when every rank registers next, it does not.
     u = torch.full((50_000,), float(r + 1))
     comm.all_reduce(u, register=r == 0)
     assert torch.all(u == sum(range(1, n + 1)))
@@ -224,9 +224,9 @@ def _offers(comm):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_all_reduce_register_moves_when_every_rank_offers(world_size):
-    for moved, ran, one_offered in run_ranks(_offers, world_size, "shm"):
-        assert moved and ran == 1 and not one_offered
+def test_all_reduce_register_moves_when_every_rank_registers(world_size):
+    for moved, ran, one_registered in run_ranks(_registers, world_size, "shm"):
+        assert moved and ran == 1 and not one_registered
 
 
 def _foreign_memory(comm):
@@ -239,7 +239,7 @@ def _foreign_memory(comm):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ok = comm.register_tensor(t)
-    comm.all_reduce(t, register=True)  # offered, but may not move either
+    comm.all_reduce(t, register=True)  # registered, but may not move either
     arr[0] = 42.0  # still shared with numpy
     return ok, comm.is_registered(t), float(t[0]), [str(w.message) for w in caught]
 

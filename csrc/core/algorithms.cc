@@ -8,10 +8,6 @@
 namespace pycomm {
 namespace {
 
-int mod(int a, int n) { return ((a % n) + n) % n; }
-
-size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
-
 // The two receive slots of ring_reduce_scatter in ctx.scratch. Item k
 // receives into slot k % 2 (item k+1 is posted while item k is in flight; slot
 // (k+1) % 2 was last used by item k-1, already finished). When the scratch

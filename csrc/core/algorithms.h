@@ -162,21 +162,25 @@ void dissemination_barrier(const Context& ctx);
 // so the same bits. If any rank passes no region or another one, every rank
 // takes the staged path above.
 //
-// `adopt` (when `sym` is null): this rank offers to move `data`, all of an
-// allocation of its owner, into symmetric memory. After the first arrival it
-// is called once: adopt(sb, true) when every rank offered, a collective step
+// `registration` (when `sym` is null): this rank asks to register `data`, all
+// of an allocation of its owner: to move it into symmetric memory. After the
+// first arrival it is called once: registration(sb, true) when every rank
+// asked, a collective step
 // that allocates a region (SharedBuffers::allocate_symmetric), copies `data`
 // into this rank's copy and makes the owner use it from now on (the torch
 // binding swaps the storage's memory), then the all-reduce runs from the
-// region as above; adopt(sb, false) when some rank did not offer (nothing
-// moves, the all-reduce stages; the caller learns the decision). adopt()
+// region as above; registration(sb, false) when some rank did not ask
+// (nothing moves, the all-reduce stages; the caller learns the decision).
+// registration()
 // returns nullptr on every rank when the region could not be had; the
 // all-reduce then stages.
 //
 // Returns true when the all-reduce ran from symmetric memory.
-using AdoptFn = std::function<std::shared_ptr<SymmetricRegion>(SharedBuffers& sb, bool everyone)>;
+using RegisterFn =
+    std::function<std::shared_ptr<SymmetricRegion>(SharedBuffers& sb, bool everyone)>;
 bool direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
-                       const SymmetricRegion* sym = nullptr, const AdoptFn& adopt = nullptr);
+                       const SymmetricRegion* sym = nullptr,
+                       const RegisterFn& registration = nullptr);
 
 // Reduce-scatter over SharedBuffers: `in` holds n blocks of `m` elements
 // (block r for rank r), `out` gets this rank's block reduced over the ranks

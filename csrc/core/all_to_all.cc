@@ -8,11 +8,6 @@
 #include "collectives.h"
 
 namespace pycomm {
-namespace {
-
-int mod(int a, int n) { return ((a % n) + n) % n; }
-
-}  // namespace
 
 void verify_all_to_all_counts(const Context& ctx, const size_t* send_count,
                               const size_t* recv_count) {

@@ -32,11 +32,9 @@ void reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp 
 // x_root op (x_root+1 op (... op x_root-1)).
 //
 // Measured against ring reduce-scatter + each rank sending its reduced chunk
-// to the root (shm, 2 cores shared with other jobs, us per op, median of
-// trials): 2 ranks 16 MiB chain 1737 vs ring 2018, 64 MiB 6700 vs 9252;
-// 3 ranks 64 MiB 15670 vs 20582; at 4 KiB to 4 MiB the chain was as fast or
-// faster (1 MiB 109 vs 125, 4 MiB 308 vs 385). So there is no size at which
-// the ring variant pays, and reduce() is the chain alone.
+// to the root, the chain was as fast or faster at every size on 2 and 3 ranks
+// (benchmarks/collectives/README.md, "reduce: a chain, not ring
+// reduce-scatter + gather"), so reduce() is the chain alone.
 void chain_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op, int root);
 
 // ---- gather / scatter (rooted.cc) -----------------------------------------

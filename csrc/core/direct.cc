@@ -11,9 +11,10 @@ namespace {
 // Pieces of at least this many bytes use the two-shot variant on 3+ ranks.
 constexpr size_t kTwoShotMinBytes = 64 * 1024;
 
-// First-arrival tag of a rank that offers to move its data into symmetric
-// memory (`adopt`); a region's tag is its id, which never gets this high.
-constexpr uint64_t kAdoptTag = ~uint64_t{0};
+// First-arrival tag of a rank that asks to register its data (move it into
+// symmetric memory, `registration`); a region's tag is its id, which never
+// gets this high.
+constexpr uint64_t kRegisterTag = ~uint64_t{0};
 
 // outs[k] = ((src(0) op src(1)) op src(2)) ... op src(n-1) for every
 // k < n_outs, scaled by 1/n for AVG in the last step, which writes every
@@ -66,10 +67,10 @@ void symmetric_all_reduce(SharedBuffers& sb, Reducer& red, const SymmetricRegion
   sb.arrive_and_wait(sb.next_epoch(), which, sym.id());
 }
 
-// The first arrival of an all-reduce that negotiates (a region or an offer):
+// The first arrival of an all-reduce that negotiates (a region or a registration):
 // stages piece 0 (`bytes` of `data`) in a buffer of its own and arrives with
 // `tag` (a region's id, equal on every rank that allocated it together, or
-// kAdoptTag). All ranks read the same n tags, so they all decide alike.
+// kRegisterTag). All ranks read the same n tags, so they all decide alike.
 struct FirstArrival {
   int which;      // the buffer piece 0 is staged in
   bool everyone;  // every rank's tag is `tag`
@@ -223,7 +224,7 @@ void direct_reduce_scatter(const Context& ctx, const void* in, void* out, size_t
 }
 
 bool direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
-                       const SymmetricRegion* sym, const AdoptFn& adopt) {
+                       const SymmetricRegion* sym, const RegisterFn& registration) {
   Transport& tr = ctx.transport;
   const int n = tr.world_size();
   const int me = tr.rank();
@@ -236,29 +237,30 @@ bool direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
   Reducer& red = ctx.reducer;
   char* base = static_cast<char*>(data);
   // The negotiation rides on piece 0's first arrival (arrive_first): a
-  // region, an offer, or neither.
+  // region, a registration, or neither.
   if (sym != nullptr) return from_region(*sb, red, n, me, *sym, data, count, dtype, op);
-  if (!adopt) {
+  if (!registration) {
     staged_all_reduce(*sb, red, n, me, base, count, dtype, op, nullptr, 0);
     return false;
   }
   const size_t es = dtype_size(dtype);
   const size_t first_bytes = std::min(std::max<size_t>(1, sb->capacity() / es), count) * es;
-  const FirstArrival a = arrive_first(*sb, red, n, data, first_bytes, kAdoptTag);
+  const FirstArrival a = arrive_first(*sb, red, n, data, first_bytes, kRegisterTag);
   // `data` still holds the input (only piece 0 was copied out), which
-  // adopt() moves if every rank offered. A slow peer may still be reading
-  // the tags at `which`: adopt()'s arrivals may come back to that buffer
+  // registration() moves if every rank asked. A slow peer may still be
+  // reading the tags at `which`: registration()'s arrivals may come back to that buffer
   // (with 2 of them), but not before every rank has arrived at the next
   // epoch, i.e. has read them.
-  const std::shared_ptr<SymmetricRegion> region = adopt(*sb, a.everyone);
+  const std::shared_ptr<SymmetricRegion> region = registration(*sb, a.everyone);
   if (region) {
     // Every rank moved: from the region (its first arrival also orders every
     // rank's move before anyone reads its copy).
     return from_region(*sb, red, n, me, *region, region->base(me), count, dtype, op);
   }
-  // No room (every rank: start over, staged) or some rank did not offer
+  // No room (every rank: start over, staged) or some rank did not ask
   // (go on staging from piece 0).
-  staged_all_reduce(*sb, red, n, me, base, count, dtype, op, a.everyone ? nullptr : &a, kAdoptTag);
+  staged_all_reduce(*sb, red, n, me, base, count, dtype, op, a.everyone ? nullptr : &a,
+                    kRegisterTag);
   return false;
 }
 

@@ -6,18 +6,11 @@
 #include "collectives.h"
 
 namespace pycomm {
-namespace {
-
-int mod(int a, int n) { return ((a % n) + n) % n; }
-
-size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
-
-}  // namespace
 
 void reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op, int root) {
   // Why a chain and not ring reduce-scatter + a gather of the chunks to the
-  // root: measured on shm (2 cores; collectives.h has the numbers), the chain
-  // wins at every size. Small: one hop per rank instead of n-1 ring steps and
+  // root: measured on shm (benchmarks/collectives/README.md has the numbers),
+  // the chain wins at every size. Small: one hop per rank instead of n-1 ring steps and
   // a hop to the root. Large: the pipelined chain keeps every rank busy at
   // once (receive slice k+1 while reducing slice k and forwarding slice k-1),
   // and the root takes in the data once; the ring's second phase (the root

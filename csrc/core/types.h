@@ -63,6 +63,12 @@ std::string cat(const Args&... args) {
   return s;
 }
 
+// Index arithmetic of the algorithms: `a` modulo `n` in [0, n) for any sign
+// of `a` (the rank k steps before or after r is mod(r -/+ k, n)), and the
+// number of pieces of `b` that hold `a`.
+inline int mod(int a, int n) { return ((a % n) + n) % n; }
+inline size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+
 // Every failure of a collective (timeout, dead peer, transport error, misuse
 // detected in the core) is a CommError. The binding maps it to
 // pycomm.CommError, a RuntimeError.

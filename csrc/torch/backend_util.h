@@ -126,21 +126,7 @@ class OpDevice {
   std::string first_;
 };
 
-// list variants: every tensor of `list` has `like`'s dtype and element count
-// (devices: OpDevice).
-inline void check_list(const std::vector<at::Tensor>& list, const char* list_arg,
-                       const at::Tensor& like, const char* like_arg, int world_size,
-                       const char* op) {
-  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == world_size, op, ": ", list_arg,
-                    " must hold world_size = ", world_size, " tensors, got ", list.size());
-  for (size_t r = 0; r < list.size(); ++r) {
-    TORCH_CHECK_TYPE(list[r].scalar_type() == like.scalar_type(), op, ": ", list_arg, "[", r,
-                     "] has dtype ", list[r].scalar_type(), " but ", like_arg, " has ",
-                     like.scalar_type());
-    TORCH_CHECK_VALUE(list[r].numel() == like.numel(), op, ": ", list_arg, "[", r, "] has ",
-                      list[r].numel(), " elements but ", like_arg, " has ", like.numel());
-  }
-}
+// list variants: pycomm::check_list (checks.h; devices: OpDevice).
 
 // One flat contiguous tensor holding the tensors of `list` one after another.
 inline at::Tensor flatten(const std::vector<at::Tensor>& list) {

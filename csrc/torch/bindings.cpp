@@ -143,12 +143,12 @@ void bind_comm(py::module_& m) {
       .def_property("check", &Comm::check, &Comm::set_check)  // checked mode (core/check.h)
       .def_property_readonly("forked", &Comm::forked)
       .def("all_reduce", &Comm::all_reduce, py::arg("tensor"), py::arg("op"), py::arg("algo"),
-           py::arg("async_op"), py::arg("wire_dtype") = -1, py::arg("offer") = false,
+           py::arg("async_op"), py::arg("wire_dtype") = -1, py::arg("register") = false,
            py::call_guard<py::gil_scoped_release>())
       .def("register_tensor", &Comm::register_tensor, py::arg("tensor"),
            py::call_guard<py::gil_scoped_release>())
       .def("is_registered", &Comm::is_registered, py::arg("tensor"))
-      .def_property("adopt_symmetric", &Comm::adopt_symmetric, &Comm::set_adopt_symmetric)
+      .def_property("auto_register", &Comm::auto_register, &Comm::set_auto_register)
       .def_property_readonly("symmetric_all_reduces", &Comm::symmetric_all_reduces)
       .def("reduce_scatter", &Comm::reduce_scatter, py::arg("output"), py::arg("input"),
            py::arg("op"), py::arg("algo"), py::arg("async_op"),

@@ -95,15 +95,54 @@ std::optional<DType> to_wire_dtype(int wire_dtype, DType tensor_dtype, const cha
   return w;
 }
 
-std::string failure_message(const Work& work, int rank, const std::string& transport,
-                            int world_size, const std::string& device, const std::string& why) {
-  return cat(work.op(), " #", work.seq(), " on rank ", rank, " (", transport,
-             " transport, world_size ", world_size, ", ", device, ") failed: ", why);
+std::string indexed(const char* name, size_t i) {
+  return std::string(name) + "[" + std::to_string(i) + "]";
 }
 
-UsageError usage_failure(const Work& work, int rank, const std::exception& e) {
-  return UsageError(join_msg({work.op(), " #", std::to_string(work.seq()), " on rank ",
-                              std::to_string(rank), ": ", e.what()}));
+void check_list(const std::vector<at::Tensor>& list, const char* name, const at::Tensor& like,
+                const char* like_name, int world_size, const char* op,
+                const std::function<void(const at::Tensor&, const std::string&)>& check) {
+  if (list.size() != static_cast<size_t>(world_size)) {
+    throw UsageError(
+        cat(op, ": ", name, " must hold world_size = ", world_size, " tensors, got ", list.size()));
+  }
+  for (size_t i = 0; i < list.size(); ++i) {
+    const std::string arg = indexed(name, i);
+    if (check) check(list[i], arg);
+    if (list[i].scalar_type() != like.scalar_type()) {
+      throw UsageTypeError(
+          join_msg({op, ": ", arg, " dtype ", c10::toString(list[i].scalar_type()),
+                    " differs from ", like_name, " dtype ", c10::toString(like.scalar_type())}));
+    }
+    if (list[i].numel() != like.numel()) {
+      throw UsageError(cat(op, ": ", arg, " has ", list[i].numel(), " elements but ", like_name,
+                           " has ", like.numel(), "; every tensor of ", name, " must match it"));
+    }
+  }
+}
+
+std::exception_ptr abort_op(Executor& executor, Work& work, const std::exception& e,
+                            const std::string& device) {
+  // "all_reduce #3 on rank 1 (shm transport, world_size 2, cpu) failed: why".
+  const std::string msg = cat(work.op(), " #", work.seq(), " on rank ", executor.rank(), " (",
+                              executor.transport_name(), " transport, world_size ",
+                              executor.world_size(), ", ", device, ") failed: ", e.what());
+  executor.abort(msg);
+  const std::exception_ptr error = dynamic_cast<const Interrupted*>(&e) != nullptr
+                                       ? std::make_exception_ptr(Interrupted(msg))
+                                       : std::make_exception_ptr(CommError(msg));
+  work.fail(error);
+  return error;
+}
+
+std::exception_ptr fail_op(Executor& executor, Work& work, const std::exception& e,
+                           const std::string& device) {
+  if (dynamic_cast<const UsageError*>(&e) == nullptr) return abort_op(executor, work, e, device);
+  // "all_reduce #3 on rank 1: why"; the communicator stays usable.
+  const std::exception_ptr error = std::make_exception_ptr(
+      UsageError(cat(work.op(), " #", work.seq(), " on rank ", executor.rank(), ": ", e.what())));
+  work.fail(error);
+  return error;
 }
 
 void check_options(const CommOptions& options) {

@@ -6,9 +6,11 @@
 #include <ATen/ATen.h>
 
 #include <exception>
+#include <functional>
 #include <initializer_list>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "../core/types.h"
 #include "work.h"
@@ -26,14 +28,16 @@ ReduceOp to_op(int op, DType dtype, const char* opname);
 // all_reduce's wire_dtype (-1: none): a float16/bfloat16 DType for a float32
 // tensor, else UsageError (ValueError) naming the problem.
 std::optional<DType> to_wire_dtype(int wire_dtype, DType tensor_dtype, const char* opname);
+// "name[i]", the argument name of a list's item.
+std::string indexed(const char* name, size_t i);
+// A list argument of world_size tensors like `like` (same dtype and numel),
+// each also passing `check` (given its argument name) when one is given.
+// Comm's rooted ops and the c10d backend's list variants share it.
+void check_list(const std::vector<at::Tensor>& list, const char* name, const at::Tensor& like,
+                const char* like_name, int world_size, const char* op,
+                const std::function<void(const at::Tensor&, const std::string&)>& check = {});
 // reduce_scatter / all_gather: equal dtypes and big = world_size x small elements.
 void check_scatter_sizes(const at::Tensor& big, const char* big_arg, const at::Tensor& small,
                          const char* small_arg, int world_size, const char* op);
-
-// A body's UsageError (checked mode), prefixed with "all_reduce #3 on rank 1: ".
-UsageError usage_failure(const Work& work, int rank, const std::exception& e);
-// "all_reduce #3 on rank 1 (shm transport, world_size 2, cpu) failed: why".
-std::string failure_message(const Work& work, int rank, const std::string& transport,
-                            int world_size, const std::string& device, const std::string& why);
 
 }  // namespace pycomm

@@ -286,7 +286,7 @@ c10::intrusive_ptr<Work> Comm::launch_p2p(const char* op, std::vector<at::Tensor
 }
 
 c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std::string& algo,
-                                          bool async_op, int wire_dtype, bool offer) {
+                                          bool async_op, int wire_dtype, bool to_register) {
   constexpr const char* kOp = "all_reduce";
   check_open(kOp);
   check_tensor(t, "tensor", kOp);
@@ -298,8 +298,8 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   void* data = t.data_ptr();
   const size_t count = t.numel();
   SymmetricMemory::Decision sym;
-  if (kind == AlgoKind::kDirect) sym = symmetric_->decide(t, offer, exec_->on_own_thread());
-  // An offer holds one caller at a time until the move is done: another
+  if (kind == AlgoKind::kDirect) sym = symmetric_->decide(t, to_register, exec_->on_own_thread());
+  // A registration holds one caller at a time until the move is done: another
   // thread's op on the tensor issued meanwhile would take the old address.
   std::optional<CallGuard> guard;
   if (sym.decided) guard.emplace(*this, kOp);

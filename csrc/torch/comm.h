@@ -77,9 +77,9 @@ class Comm {
   // Each returns nullptr when async_op is false (done, see Wait), else a Work.
   // all_reduce: wire_dtype -1, or a DType (float16 / bfloat16) in which a
   // float32 tensor travels (ring_all_reduce_wire).
-  // offer: all_reduce(register=True), see SymmetricMemory::decide.
+  // to_register: all_reduce(register=True), see SymmetricMemory::decide.
   c10::intrusive_ptr<Work> all_reduce(const at::Tensor& t, int op, const std::string& algo,
-                                      bool async_op, int wire_dtype = -1, bool offer = false);
+                                      bool async_op, int wire_dtype = -1, bool to_register = false);
   c10::intrusive_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op,
                                           const std::string& algo, bool async_op);
   c10::intrusive_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in,
@@ -125,15 +125,15 @@ class Comm {
   // All-reduces so far that ran from symmetric memory (no staging).
   uint64_t symmetric_all_reduces() const { return symmetric_->ops(); }
   // With this on (the backend's Options(symmetric=True)), an all_reduce on
-  // shm of a tensor that is all of a storage of >= kAdoptMinBytes that torch's
-  // CPU allocator made, and that this communicator reduced before (and is
-  // still alive), offers to move it into symmetric memory; if every rank
-  // offers, the op moves it (register_tensor's move, inside the op), so a
+  // shm of a tensor that is all of a storage of >= kAutoRegisterMinBytes that
+  // torch's CPU allocator made, and that this communicator reduced before (and
+  // is still alive), asks to register it (as all_reduce(register=True)); if
+  // every rank asks, the op moves it (register_tensor's move, inside the op), so a
   // caller's long-lived buffers (DDP's buckets) go the symmetric path from
   // their second all-reduce on. Set it alike on every rank, between ops.
-  bool adopt_symmetric() const { return symmetric_->adopting(); }
-  void set_adopt_symmetric(bool on) { symmetric_->set_adopting(on); }
-  static constexpr size_t kAdoptMinBytes = SymmetricMemory::kAdoptMinBytes;
+  bool auto_register() const { return symmetric_->auto_register(); }
+  void set_auto_register(bool on) { symmetric_->set_auto_register(on); }
+  static constexpr size_t kAutoRegisterMinBytes = SymmetricMemory::kAutoRegisterMinBytes;
   // Blocks the host until every rank has entered, unless async_op.
   c10::intrusive_ptr<Work> barrier(bool async_op = false);
   // A communicator of the ranks that pass the same color >= 0 (ranked by

@@ -10,33 +10,6 @@
 namespace pycomm {
 namespace {
 
-std::string indexed(const char* name, size_t i) {
-  return std::string(name) + "[" + std::to_string(i) + "]";
-}
-
-// A list argument of world_size tensors like `like` (same dtype and numel).
-void check_list(const std::vector<at::Tensor>& list, const char* name, const at::Tensor& like,
-                const char* like_name, int world_size, const char* op,
-                const std::function<void(const at::Tensor&, const std::string&)>& check) {
-  if (list.size() != static_cast<size_t>(world_size)) {
-    throw UsageError(
-        cat(op, ": ", name, " must hold world_size = ", world_size, " tensors, got ", list.size()));
-  }
-  for (size_t i = 0; i < list.size(); ++i) {
-    const std::string arg = indexed(name, i);
-    check(list[i], arg);
-    if (list[i].scalar_type() != like.scalar_type()) {
-      throw UsageTypeError(
-          join_msg({op, ": ", arg, " dtype ", c10::toString(list[i].scalar_type()),
-                    " differs from ", like_name, " dtype ", c10::toString(like.scalar_type())}));
-    }
-    if (list[i].numel() != like.numel()) {
-      throw UsageError(cat(op, ": ", arg, " has ", list[i].numel(), " elements but ", like_name,
-                           " has ", like.numel(), "; every tensor of ", name, " must match it"));
-    }
-  }
-}
-
 // A rooted op's list on a rank other than the root: torch.distributed wants
 // None there (an empty list is the same), so a list is a mistake.
 void check_no_list(const std::vector<at::Tensor>& list, const char* name, const char* root_arg,

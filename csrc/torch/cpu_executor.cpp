@@ -69,12 +69,8 @@ class CpuExecutor final : public Executor {
         Context ctx{*transport_, reducer_, scratch_.data(), scratch_.size(), slice_bytes_};
         body(ctx);
         work->complete();
-      } catch (const UsageError& e) {
-        // Detected by every rank before any payload moved (checked mode):
-        // the communicator stays usable.
-        work->fail(std::make_exception_ptr(usage_failure(*work, rank(), e)));
       } catch (const std::exception& e) {
-        fail_op(work, e);
+        fail_op(*this, *work, e, "cpu");
       }
     };
     if (worker_->is_current()) {
@@ -214,24 +210,15 @@ class CpuExecutor final : public Executor {
     return true;
   }
 
-  void fail_op(const c10::intrusive_ptr<Work>& work, const std::exception& e) {
-    const std::string msg =
-        failure_message(*work, rank(), transport_->name(), world_size(), "cpu", e.what());
-    abort(msg);
-    work->fail(dynamic_cast<const Interrupted*>(&e) != nullptr
-                   ? std::make_exception_ptr(Interrupted(msg))
-                   : std::make_exception_ptr(CommError(msg)));
-  }
-
-  // fail_op for a deferred p2p op, naming its peers where the transport's own
+  // abort_op for a deferred p2p op, naming its peers where the transport's own
   // error does not (gloo's "Connection closed by peer [127.0.0.1]:47338").
   void fail_p2p(const c10::intrusive_ptr<Work>& work, const std::exception& e,
                 const std::string& peers) {
     const std::string what = e.what();
     if (dynamic_cast<const Interrupted*>(&e) != nullptr || what.find(peers) != std::string::npos) {
-      fail_op(work, e);
+      abort_op(*this, *work, e, "cpu");
     } else {
-      fail_op(work, CommError(what + " (" + peers + ")"));
+      abort_op(*this, *work, CommError(what + " (" + peers + ")"), "cpu");
     }
   }
 

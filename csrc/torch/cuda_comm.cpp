@@ -489,20 +489,9 @@ class CudaExecutor final : public Executor {
         }
         // (5) sync op
         if (wait == Wait::kSync) PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(user, work->done(), 0));
-      } catch (const UsageError& e) {
-        destroy_events(joins);
-        // Checked mode: every rank found the mismatch before any payload moved;
-        // the communicator stays usable.
-        const UsageError err = usage_failure(*work, rank(), e);
-        work->fail(std::make_exception_ptr(err));
-        throw err;
       } catch (const std::exception& e) {
         destroy_events(joins);
-        const std::string msg =
-            failure_message(*work, rank(), "nccl", world_size(), device().str(), e.what());
-        abort(msg);
-        work->fail(std::make_exception_ptr(CommError(msg)));
-        throw CommError(msg);
+        std::rethrow_exception(fail_op(*this, *work, e, device().str()));
       }
       destroy_events(joins);  // released once the waits above have passed
       work->enqueued(reduction_stream(last), scratch_);  // (5) the future, on that stream

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -113,6 +114,19 @@ class Executor {
   const int size_;
   const std::string transport_name_;
 };
+
+// The failure policy of every executor, written once: `e` was thrown by the
+// body of `work`. A UsageError (checked mode: every rank detected it before
+// any payload moved) fails only this op, the communicator stays usable; any
+// other error aborts the communicator (abort_op). Returns the error `work`
+// failed with (a synchronous caller rethrows it).
+std::exception_ptr fail_op(Executor& executor, Work& work, const std::exception& e,
+                           const std::string& device);
+// The policy's second half: aborts the communicator and fails `work` with a
+// CommError (an Interrupted stays one) naming the op, the rank, the
+// transport and `device`.
+std::exception_ptr abort_op(Executor& executor, Work& work, const std::exception& e,
+                            const std::string& device);
 
 // The CPU executor: the transport's ops run on a worker thread in submission
 // order; synchronous calls run inline when nothing is queued.

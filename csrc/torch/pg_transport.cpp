@@ -260,22 +260,26 @@ void ProcessGroupTransport::broadcast_abort(const std::string& reason) {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> keep;
   std::unique_lock<std::mutex> lk(mu_);  // sent_ is shared with post()
-  try {
-    for (int r = 0; r < size_; ++r) {
-      if (r == rank_) continue;
-      for (int lane = 0; lane < kLanes; ++lane) {
-        const uint32_t index = sent_[static_cast<size_t>(r) * kLanes + lane]++;
-        at::Tensor wire =
-            at::zeros({static_cast<int64_t>(kFrameBytes)}, at::TensorOptions().dtype(at::kByte));
-        const size_t n = std::min(reason.size(), kInline);
-        *reinterpret_cast<Wire*>(wire.data_ptr()) = Wire{n, kAbortSeq, 0, 0, index, 0};
-        std::memcpy(static_cast<char*>(wire.data_ptr()) + sizeof(Wire), reason.data(), n);
-        std::vector<at::Tensor> w{wire};
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const uint32_t index = sent_[static_cast<size_t>(r) * kLanes + lane]++;
+      at::Tensor wire =
+          at::zeros({static_cast<int64_t>(kFrameBytes)}, at::TensorOptions().dtype(at::kByte));
+      const size_t n = std::min(reason.size(), kInline);
+      *reinterpret_cast<Wire*>(wire.data_ptr()) = Wire{n, kAbortSeq, 0, 0, index, 0};
+      std::memcpy(static_cast<char*>(wire.data_ptr()) + sizeof(Wire), reason.data(), n);
+      std::vector<at::Tensor> w{wire};
+      try {
         works.push_back(backend_->send(w, r, kTagBase + lane));
         keep.push_back(wire);
+      } catch (const std::exception&) {
+        // A send to a dead peer may throw at once (gloo: a pair in error
+        // refuses). The peers after it must still be told: one that waits
+        // for this rank would otherwise wait out the whole timeout.
+        break;  // the next lanes to this peer would fail alike
       }
     }
-  } catch (const std::exception&) {
   }
   lk.unlock();
   // Delivered only to peers that wait for this rank; don't wait for others.

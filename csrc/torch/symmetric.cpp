@@ -69,24 +69,25 @@ std::shared_ptr<SymmetricRegion> SymmetricMemory::region_of(const at::Tensor& t)
   return region->domain() == domain_ ? region : nullptr;
 }
 
-SymmetricMemory::Decision SymmetricMemory::decide(const at::Tensor& t, bool offer, bool on_worker) {
+SymmetricMemory::Decision SymmetricMemory::decide(const at::Tensor& t, bool to_register,
+                                                  bool on_worker) {
   Decision d;
   // All of a registered storage: direct_all_reduce may skip the staging.
   d.region = region_of(t);
   if (d.region && (t.data_ptr() != d.region->base(rank_) || t.nbytes() != d.region->bytes())) {
     d.region.reset();
   }
-  if (d.region || !offers_to_adopt(t, offer, on_worker)) return d;
+  if (d.region || !asks_to_register(t, to_register, on_worker)) return d;
   const c10::Storage storage = t.storage();
   auto self = shared_from_this();
   auto decided = std::make_shared<CompletionFlag>();
   d.decided = decided;
-  d.adopt = [self, storage, decided](SharedBuffers& sb, bool everyone) {
+  d.registration = [self, storage, decided](SharedBuffers& sb, bool everyone) {
     std::shared_ptr<SymmetricRegion> region;
     if (everyone) {
       std::string why;  // every rank alike: nothing to report, the op stages
       region = self->move(sb, storage, &why);
-      if (!region) self->failed_.store(true);  // stop offering (each op still agrees)
+      if (!region) self->failed_.store(true);  // stop asking (each op still agrees)
     } else {
       self->declined_.add(storage);
     }
@@ -98,7 +99,8 @@ SymmetricMemory::Decision SymmetricMemory::decide(const at::Tensor& t, bool offe
 
 void SymmetricMemory::all_reduce(const Context& ctx, const Decision& d, void* data, size_t count,
                                  DType dtype, ReduceOp op) {
-  if (direct_all_reduce(ctx, data, count, dtype, op, d.region.get(), d.adopt)) ops_.fetch_add(1);
+  if (direct_all_reduce(ctx, data, count, dtype, op, d.region.get(), d.registration))
+    ops_.fetch_add(1);
 }
 
 void SymmetricMemory::wait_for_decision(Work& work, const Decision& d) {
@@ -108,9 +110,9 @@ void SymmetricMemory::wait_for_decision(Work& work, const Decision& d) {
   work.wait_interruptibly(d.decided);
 }
 
-bool SymmetricMemory::offers_to_adopt(const at::Tensor& t, bool offer, bool on_worker) {
+bool SymmetricMemory::asks_to_register(const at::Tensor& t, bool to_register, bool on_worker) {
   if (domain_ == 0 || failed_.load() || !t.has_storage()) return false;
-  if (!offer && !adopting_) return false;
+  if (!to_register && !auto_register_) return false;
   // The caller waits for the op's decision: never on the worker itself (a
   // Future callback), which would wait for its own queue.
   if (on_worker) return false;
@@ -120,11 +122,11 @@ bool SymmetricMemory::offers_to_adopt(const at::Tensor& t, bool offer, bool on_w
       !storage_refusal(storage).empty() || declined_.contains(storage.unsafeGetStorageImpl())) {
     return false;
   }
-  if (offer) return true;  // the caller knows the tensor lives on (all_reduce(register=True))
-  // adopting: big enough, and reduced before by this communicator and still
+  if (to_register) return true;  // the caller knows the tensor lives on (all_reduce(register=True))
+  // auto_register: big enough, and reduced before by this communicator and still
   // alive: a buffer the caller keeps and reduces again (DDP's buckets), not
   // a temporary.
-  if (bytes < kAdoptMinBytes) return false;
+  if (bytes < kAutoRegisterMinBytes) return false;
   if (seen_.contains(storage.unsafeGetStorageImpl())) return true;
   seen_.add(storage);
   return false;

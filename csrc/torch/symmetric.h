@@ -1,6 +1,6 @@
 // Symmetric memory, one component: the storages a communicator moved into
 // memory that every rank maps (SharedBuffers::allocate_symmetric), and the
-// rules by which an all-reduce offers to move one. Comm asks it for a
+// rules by which an all-reduce registers one (moves it there). Comm asks it for a
 // Decision per all-reduce and hands that to the op's body; register_tensor
 // uses its move. Only the shm transport has a symmetric domain.
 #pragma once
@@ -43,22 +43,23 @@ class SymmetricMemory : public std::enable_shared_from_this<SymmetricMemory> {
   struct Decision {
     // The tensor is all of a registered storage: reduce it without staging.
     std::shared_ptr<SymmetricRegion> region;
-    // Or it offers to move there in this op (direct_all_reduce's adopt)...
-    AdoptFn adopt;
+    // Or it asks to register the tensor in this op (direct_all_reduce's
+    // registration)...
+    RegisterFn registration;
     // ...and `decided` is set once the op has decided (and moved): ops
     // issued later take the tensor's address when issued, so the caller
     // waits for it (wait_for_decision) before issuing more.
     std::shared_ptr<CompletionFlag> decided;
   };
-  // The decision for an all_reduce(algo direct) of `t`. `offer`: the caller
+  // The decision for an all_reduce(algo direct) of `t`. `to_register`: the caller
   // asks (all_reduce(register=True)); `on_worker`: issued on the executor's
   // own thread (a Future callback), which must never wait for a decision.
-  Decision decide(const at::Tensor& t, bool offer, bool on_worker);
+  Decision decide(const at::Tensor& t, bool to_register, bool on_worker);
   // The body's all-reduce: direct_all_reduce with the decision; counts the
   // ops that ran from symmetric memory.
   void all_reduce(const Context& ctx, const Decision& d, void* data, size_t count, DType dtype,
                   ReduceOp op);
-  // Blocks (interruptibly) until the op of `work` has decided: its adopt ran,
+  // Blocks (interruptibly) until the op of `work` has decided: its registration ran,
   // or the op ended without it (a dead peer, abort).
   static void wait_for_decision(Work& work, const Decision& d);
 
@@ -67,7 +68,7 @@ class SymmetricMemory : public std::enable_shared_from_this<SymmetricMemory> {
   // moves the storage into it as Tensor.share_memory_() does: copy, then
   // swap the storage's memory, so every view follows. The caller makes sure
   // no op holding the old address is queued (register_tensor is
-  // synchronous; an adopting all_reduce holds its caller until the move).
+  // synchronous; a registering all_reduce holds its caller until the move).
   // nullptr, with `why`, when some rank got no memory or refused (`refuse`,
   // or storage_refusal when empty).
   std::shared_ptr<SymmetricRegion> move(SharedBuffers& sb, const c10::Storage& storage,
@@ -76,29 +77,30 @@ class SymmetricMemory : public std::enable_shared_from_this<SymmetricMemory> {
   std::shared_ptr<SymmetricRegion> region_of(const at::Tensor& t) const;
   // All-reduces so far that ran from symmetric memory (no staging).
   uint64_t ops() const { return ops_.load(); }
-  // Comm::adopt_symmetric: see comm.h.
-  bool adopting() const { return adopting_; }
-  void set_adopting(bool on) { adopting_ = on; }
-  static constexpr size_t kAdoptMinBytes = 256 * 1024;
+  // Comm::auto_register: see comm.h.
+  bool auto_register() const { return auto_register_; }
+  void set_auto_register(bool on) { auto_register_ = on; }
+  static constexpr size_t kAutoRegisterMinBytes = 256 * 1024;
 
  private:
-  // Whether an all_reduce of `t` offers to move it into symmetric memory: on
+  // Whether an all_reduce of `t` asks to register it (move it into symmetric memory): on
   // shm, not after a move found no room, not on the worker thread, not after
   // a rank declined this storage, when `t` is all of a storage that torch's
-  // CPU allocator made, and either `offer` (the caller asks) or adopting()
-  // with a storage of >= kAdoptMinBytes that was reduced before (seen_).
-  bool offers_to_adopt(const at::Tensor& t, bool offer, bool on_worker);
+  // CPU allocator made, and either `to_register` (the caller asks) or
+  // auto_register() with a storage of >= kAutoRegisterMinBytes that was
+  // reduced before (seen_).
+  bool asks_to_register(const at::Tensor& t, bool to_register, bool on_worker);
 
   const uint64_t domain_;
   const int rank_;
   WeakStorageSet seen_;
-  std::atomic<bool> adopting_{false};
+  std::atomic<bool> auto_register_{false};
   std::atomic<uint64_t> ops_{0};
-  // Storages some rank declined to move: they offer no more, so a rank whose
-  // peers never offer (their buckets moved already) does not hold its caller
+  // Storages some rank declined to move: they ask no more, so a rank whose
+  // peers never ask (their buckets moved already) does not hold its caller
   // at every all-reduce.
   WeakStorageSet declined_;
-  // Set when a move found no room (then on every rank): offers stop.
+  // Set when a move found no room (then on every rank): registrations stop.
   std::atomic<bool> failed_{false};
 };
 

@@ -19,7 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     2 usage error, 124 timeout)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "model":
-        from .model import main as model_main
+        from .model_cli import main as model_main
 
         return model_main(argv[1:])
     if argv and argv[0] == "soak":

@@ -6,17 +6,22 @@ n = H*L, B bytes::
     flat ring         t = 2(n-1)·alpha_inter + 2(n-1)/n·B·beta_inter
                       (every step waits for the slowest link, and H of the
                        n links of a host-by-host ring cross hosts)
-    hierarchical      t = 3(L-1)·alpha_intra + 3(L-1)/L·B·beta_intra      intra all-reduce
+    hierarchical      t = 2(L-1)·alpha_intra + 2(L-1)/L·B·beta_intra      intra reduce-scatter
                                                                          + all-gather
                         + 2(H-1)·alpha_inter + 2(H-1)/H·(B/L)·beta_inter  inter all-reduce
                       (B <= SMALL_BYTES: 2(L-1)·alpha_intra + 2(L-1)/L·B·beta_intra
                        + the inter all-reduce of all B bytes)
 
+The hierarchical terms are not written here: they are summed over the steps
+the hierarchy itself runs (``pycomm._hierarchy.ALL_REDUCE_STEPS``), each a
+ring collective of k ranks over P bytes: reduce-scatter and all-gather
+(k-1) steps of P/k bytes, all-reduce 2(k-1) of them.
+
 The fit uses one ``--hosts`` run (``python -m pycomm.bench allreduce --hosts
 H --nproc L --json F``): the flat rows (algo "flat", pycomm's ring on
 transport="gloo") fix the inter link; the hierarchical rows (transport
 "shm+gloo") minus their inter part fix the intra link. Pure functions;
-:func:`pycomm.bench.model.main` prints :func:`format_hosts_report` for such
+:func:`pycomm.bench.model_cli.main` prints :func:`format_hosts_report` for such
 a file.
 """
 
@@ -25,14 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from .._hierarchy import all_reduce_steps
 from .cli import format_size
 from .model import Fit, fit_alpha_beta
 
 __all__ = ["TwoLevel", "fit_two_level", "flat_time", "format_hosts_report", "hier_time"]
-
-#: pycomm._hierarchy.SMALL_BYTES (not imported: the model needs no _C).
-SMALL_BYTES = 256 * 1024
-
 
 @dataclass(frozen=True)
 class TwoLevel:
@@ -42,14 +44,21 @@ class TwoLevel:
     inter: Fit
 
 
-def _intra_terms(L: int, nbytes: float) -> tuple[float, float]:
-    """Coefficients of (alpha_intra, beta_intra) in the hierarchical time."""
-    steps = 2 if nbytes <= SMALL_BYTES else 3
-    return steps * (L - 1), steps * (L - 1) / L * nbytes
+#: Ring steps of each collective over k ranks, in units of (k-1).
+_RING_STEPS = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2}
 
 
-def _inter_bytes(L: int, nbytes: float) -> float:
-    return nbytes if nbytes <= SMALL_BYTES else nbytes / L
+def _terms(comm: str, hosts: int, L: int, nbytes: float) -> tuple[float, float]:
+    """Coefficients of (alpha, beta) of link ``comm`` ("intra" or "inter")
+    in the hierarchical time: the sum over the hierarchy's own steps."""
+    a = b = 0.0
+    for step in all_reduce_steps(nbytes):
+        if step.comm == comm:
+            k = L if comm == "intra" else hosts
+            steps = _RING_STEPS[step.op] * (k - 1)
+            a += steps
+            b += steps / k * (nbytes / L if step.shard else nbytes)
+    return a, b
 
 
 def flat_time(hosts: int, per_host: int, nbytes: float, model: TwoLevel) -> float:
@@ -62,12 +71,10 @@ def flat_time(hosts: int, per_host: int, nbytes: float, model: TwoLevel) -> floa
 
 def hier_time(hosts: int, per_host: int, nbytes: float, model: TwoLevel) -> float:
     """Seconds of the shm+gloo hierarchy (module docstring)."""
-    a_i, b_i = _intra_terms(per_host, nbytes)
-    t = a_i * model.intra.alpha + b_i * model.intra.beta
-    if hosts > 1:
-        t += (2 * (hosts - 1) * model.inter.alpha
-              + 2 * (hosts - 1) / hosts * _inter_bytes(per_host, nbytes) * model.inter.beta)
-    return t
+    a_i, b_i = _terms("intra", hosts, per_host, nbytes)
+    a_h, b_h = _terms("inter", hosts, per_host, nbytes)
+    return (a_i * model.intra.alpha + b_i * model.intra.beta
+            + a_h * model.inter.alpha + b_h * model.inter.beta)
 
 
 def fit_two_level(rows: Sequence[dict[str, Any]], hosts: int, per_host: int) -> TwoLevel:
@@ -93,7 +100,7 @@ def fit_two_level(rows: Sequence[dict[str, Any]], hosts: int, per_host: int) -> 
     samples = []
     for r in hier:
         rest = r["time_us"] * 1e-6 - hier_time(hosts, per_host, r["size"], no_intra)
-        a_i, b_i = _intra_terms(per_host, r["size"])
+        a_i, b_i = _terms("intra", hosts, per_host, r["size"])
         if rest > 0:
             # fit_alpha_beta's ring over L ranks has coefficients 2(L-1), 2(L-1)/L*B:
             # scale time and bytes so that they match a_i, b_i.

@@ -14,33 +14,29 @@ all-reduce of B bytes over n ranks is 2(n-1) steps of B/n bytes::
 The fit is least squares on the ring formula over the measured sizes,
 weighted by 1/t so that the microsecond-scale small messages (which fix
 alpha) count as much as the large ones (which fix beta). Everything here is
-a pure function; ``main`` is ``python -m pycomm.bench model RESULTS.json``.
+a pure function; ``python -m pycomm.bench model RESULTS.json`` is
+:func:`pycomm.bench.model_cli.main`.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .cli import format_size, parse_size
+from .cli import format_size
 
 __all__ = [
     "Fit",
     "fit_alpha_beta",
     "fit_rows",
     "halving_doubling_time",
-    "main",
     "predict",
     "recursive_doubling_time",
     "ring_allreduce_time",
 ]
-
-DEFAULT_WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
-DEFAULT_SIZES = ("64K", "1M", "64M", "1G")
 
 
 def ring_allreduce_time(n: int, nbytes: float, alpha: float, beta: float) -> float:
@@ -186,71 +182,3 @@ def format_report(fits: dict[str, Fit], worlds: Sequence[int], sizes: Sequence[i
             lines.append(f" {algo:>9}  {p['world_size']:6d}  {format_size(p['size']):>6}  "
                          + "  ".join(_fmt_us(p[k]) for k in FORMULAS) + f"  {p['best']:>16}")
     return "\n".join(lines)
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 2 for v in vals):
-        raise argparse.ArgumentTypeError("world sizes must be >= 2")
-    return vals
-
-
-_DEFAULT_CLUSTERS = ((2, 2), (4, 8), (16, 8), (64, 8))
-
-
-def _cluster_list(text: str) -> list[tuple[int, int]]:
-    """"16x8,64x8" -> [(16, 8), (64, 8)]."""
-    try:
-        out = [tuple(int(v) for v in x.lower().split("x")) for x in text.split(",") if x.strip()]
-    except ValueError:
-        out = []
-    if not out or any(len(c) != 2 or min(c) < 1 for c in out):
-        raise argparse.ArgumentTypeError(f"expected HOSTSxRANKS,..., e.g. 16x8, got {text!r}")
-    return [(c[0], c[1]) for c in out]
-
-
-def _size_list(text: str) -> list[int]:
-    try:
-        return [parse_size(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pycomm.bench model RESULTS.json [--worlds ...] [--sizes ...]``."""
-    from .report import load_json
-
-    p = argparse.ArgumentParser(
-        prog="python -m pycomm.bench model",
-        description="Fit alpha and beta to all-reduce results; predict larger worlds.")
-    p.add_argument("results", help="a --json file of `python -m pycomm.bench allreduce`")
-    p.add_argument("--worlds", type=_int_list, default=list(DEFAULT_WORLDS), help="comma-separated ranks")
-    p.add_argument("--sizes", type=_size_list, default=[parse_size(s) for s in DEFAULT_SIZES],
-                   help="comma-separated message sizes (K/M/G)")
-    p.add_argument("--clusters", type=_cluster_list, default=list(_DEFAULT_CLUSTERS),
-                   help="HOSTSxRANKS,... predicted by the two-level model (for a --hosts run)")
-    p.add_argument("--weighting", choices=("relative", "absolute"), default="relative")
-    p.add_argument("--alpha-us", type=float, help="plan with this alpha instead of the fit (with --bw-gbps)")
-    p.add_argument("--bw-gbps", type=float, help="plan with this link bandwidth (1/beta) instead of the fit")
-    args = p.parse_args(argv)
-    data = load_json(args.results)
-    meta = data.get("meta", {})
-    fits = fit_rows(data["rows"], args.weighting)
-    if (args.alpha_us is None) != (args.bw_gbps is None):
-        p.error("--alpha-us and --bw-gbps go together")
-    if args.alpha_us is not None:
-        fits = {"given": Fit(args.alpha_us * 1e-6, 1.0 / (args.bw_gbps * 1e9), 0, 0.0), **fits}
-    source = f"{args.results}: {meta.get('world_size', '?')} ranks, {meta.get('device', '?')}"
-    print(format_report(fits, args.worlds, args.sizes, source))
-    if int(meta.get("hosts", 1)) > 1:  # a --hosts run: the two-level model too
-        from .hosts_model import fit_two_level, format_hosts_report
-
-        hosts, per_host = int(meta["hosts"]), int(meta["ranks_per_host"])
-        two = fit_two_level(data["rows"], hosts, per_host)
-        print("#")
-        print(format_hosts_report(two, args.clusters, args.sizes,
-                                  f"{args.results}: {hosts} hosts x {per_host} ranks"))
-    return 0

@@ -404,15 +404,15 @@ class DistributedDataParallel(nn.Module):
     def _launch(self, index: int, buffer: torch.Tensor, views: list[torch.Tensor],
                 register: bool = True) -> _InFlight:
         """Starts bucket ``index``'s reduction: the comm hook, or an averaging
-        all-reduce (``register``: offering ``buffer``, a bucket kept from step
-        to step, for symmetric memory)."""
+        all-reduce (``register``: registering ``buffer``, a bucket kept from
+        step to step, in symmetric memory)."""
         record = _InFlight(buffer=buffer, launched=time.perf_counter())
         if self._comm_hook is None:
             div = self._divisor()
             op = ReduceOp.AVG if div == self.comm.world_size else ReduceOp.SUM
             record.post_scale = 1.0 if op == ReduceOp.AVG else 1.0 / div
             # register: on shm the bucket moves into symmetric memory at its
-            # first all-reduce (every rank offers), and later ones read and
+            # first all-reduce (every rank registers it), and later ones read and
             # write every rank's bucket in place.
             record.work = self.comm.all_reduce(buffer, op=op, async_op=True, register=register)
             fut = record.work.get_future()

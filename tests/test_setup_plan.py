@@ -1,0 +1,67 @@
+"""The setup's pure steps (pycomm/_setup.py, pycomm/_store.py): the store
+agreement every collective setup decision uses, and the transport decided
+once into a Plan before one builder per transport builds it."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from pycomm import CommError, _store
+from pycomm._setup import BUILDERS, Plan, Settings, plan_transport
+
+
+def _on_ranks(n, fn):
+    """fn(rank) on n threads sharing one HashStore; the results by rank."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    out = [None] * n
+
+    def run(r):
+        out[r] = fn(store, r)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_all_gather_and_agree_errors():
+    values = _on_ranks(3, lambda st, r: _store.all_gather(st, "k", r, 3, f"v{r}", "test"))
+    assert values == [["v0", "v1", "v2"]] * 3
+    errors = _on_ranks(3, lambda st, r: _store.agree_errors(st, "e", r, 3, "bad" if r == 1 else "",
+                                                            "test"))
+    assert errors == [[(1, "bad")]] * 3
+
+
+def test_wait_for_names_the_missing_ranks():
+    store = dist.HashStore()
+    store.set_timeout(timedelta(milliseconds=200))
+    store.set("k/0", "x")
+    with pytest.raises(CommError, match=r"setting up: ranks \[1\] did not arrive"):
+        _store.wait_for(store, {0: "k/0", 1: "k/1"}, "setting up")
+
+
+def _asked(transport):
+    return Settings(transport=transport, device=None, timeout=timedelta(seconds=30),
+                    slice_bytes=None, check=False)
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo", "nccl"])
+def test_an_explicit_transport_is_the_plan(transport):
+    assert plan_transport(dist.HashStore(), 0, 2, _asked(transport)) == Plan(transport)
+
+
+@pytest.mark.parametrize("asked", ["auto", "shm+gloo"])
+def test_auto_on_one_host_plans_shm_with_fallback(asked):
+    plans = _on_ranks(2, lambda st, r: plan_transport(st, r, 2, _asked(asked)))
+    assert plans == [Plan("shm", fallback_ok=True)] * 2
+
+
+def test_every_planned_transport_has_a_builder():
+    assert set(BUILDERS) == {"shm", "gloo", "nccl", "shm+gloo"}
