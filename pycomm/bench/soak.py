@@ -447,7 +447,10 @@ def run_soak(args: argparse.Namespace) -> int:
     exit code, 1 on a wrong result or a leak."""
     import pycomm
 
+    from .report import git_commit
+
     rank, world = dist.get_rank(), dist.get_world_size()
+    commit = git_commit() if rank == 0 else ""  # the code that runs, read before it runs
     before = {"fds": _fds(), "threads": _threads(), "rss_mb": _max_rss_mb()}
     comm = pycomm.init(group=dist.group.WORLD, transport=args.transport, set_default=False)
     soak = Soak(comm, args)
@@ -485,13 +488,14 @@ def run_soak(args: argparse.Namespace) -> int:
     segments = shm_segments([row["pid"] for row in rows]) if rank == 0 else []
     code = 0
     if rank == 0:
-        code = _report(args, rows, elapsed, segments)
+        code = _report(args, rows, elapsed, segments, commit)
     flag = torch.tensor([code], dtype=torch.int32)
     dist.broadcast(flag, src=0)
     return int(flag.item())
 
 
-def _report(args: argparse.Namespace, rows: list[Any], elapsed: float, segments: list[str]) -> int:
+def _report(args: argparse.Namespace, rows: list[Any], elapsed: float, segments: list[str],
+            commit: str) -> int:
     """Rank 0: the summary (and the JSON); the exit code."""
     names = ("steps", "ops", "verified", "wrong", "fd_growth", "thread_growth", "max_rss_growth_mb")
     per_rank = [dict(zip(names, row["counts"])) for row in rows]
@@ -522,9 +526,7 @@ def _report(args: argparse.Namespace, rows: list[Any], elapsed: float, segments:
     for w in summary["first_wrong"]:
         print(f"soak: WRONG {w}", flush=True)
     if args.json:
-        from .report import git_commit
-
-        summary["commit"] = git_commit()
+        summary["commit"] = commit
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
             f.write("\n")
