@@ -183,7 +183,8 @@ class Soak:
         self.members = list(range(0, self.world, 2)) if self.world > 2 else list(range(self.world))
         self.group = comm.new_group(self.members) if len(self.members) > 1 else None
         self.registered = torch.zeros(1 << 14, dtype=torch.float32)
-        self.registered_ok = comm.transport == "shm" and comm.register_tensor(self.registered)
+        if comm.transport == "shm":  # elsewhere a plain buffer (nothing to register into)
+            comm.register_tensor(self.registered)
         self.model: torch.nn.Module | None = None  # ddp_step's, made at its first step
         self.ddp: Any = None
 
