@@ -83,8 +83,10 @@ __all__ = ["BACKEND_NAME", "Options", "get_communicator", "lost_ranks", "registe
 BACKEND_NAME = "pycomm"
 
 _TRANSPORTS = ("auto", "shm", "gloo")
-_ALGOS = ("auto", "ring", "direct")
-_CUDA_ALGOS = ("auto", "ring", "nccl")
+#: The all-reduce algorithms a group may name (Communicator.all_reduce's).
+_CLASSIC_ALGOS = ("recursive_doubling", "halving_doubling", "tree")
+_ALGOS = ("auto", "ring", "direct", *_CLASSIC_ALGOS)
+_CUDA_ALGOS = ("auto", "ring", "nccl", *_CLASSIC_ALGOS)
 #: Where a group's CUDA communicator keeps its rendezvous keys in the group's
 #: store (the CPU one uses "pycomm").
 _CUDA_KEY_PREFIX = "pycomm-cuda"
@@ -102,12 +104,15 @@ class Options:
         transport: the CPU communicator's: ``"auto"`` (shared memory when
             every rank is on this host, else gloo), ``"shm"`` or ``"gloo"``.
             Env ``PYCOMM_BACKEND_TRANSPORT``. CUDA tensors always use nccl.
-        algo: the all-reduce algorithm on CPU tensors: ``"auto"``, ``"ring"``
-            or ``"direct"`` (shm only). Other collectives use ``"auto"``. Env
-            ``PYCOMM_BACKEND_ALGO``.
+        algo: the all-reduce algorithm on CPU tensors: ``"auto"``, ``"ring"``,
+            ``"direct"`` (shm only), ``"recursive_doubling"``,
+            ``"halving_doubling"`` or ``"tree"`` (see
+            :meth:`pycomm.Communicator.all_reduce`). Other collectives use
+            ``"auto"``. Env ``PYCOMM_BACKEND_ALGO``.
         cuda_algo: the all-reduce algorithm on CUDA tensors: ``"auto"``,
-            ``"ring"`` (pycomm's ring over NCCL send/recv) or ``"nccl"``
-            (NCCL's own). Env ``PYCOMM_BACKEND_CUDA_ALGO``.
+            ``"ring"`` (pycomm's ring over NCCL send/recv), ``"nccl"``
+            (NCCL's own) or one of the classic algorithms (over NCCL
+            send/recv). Env ``PYCOMM_BACKEND_CUDA_ALGO``.
         timeout: bounds every blocking wait of the communicators (seconds or
             a timedelta); default the ``timeout`` of ``init_process_group`` /
             ``new_group``.

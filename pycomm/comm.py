@@ -166,10 +166,10 @@ class Communicator:
         Args:
             tensor: contiguous tensor on the communicator's device.
             op: SUM, AVG (floating dtypes), MAX, MIN or PRODUCT.
-            algo: "ring", "nccl" (GPU native), "direct" (shm transport:
-                every rank reduces straight from the others' shared buffers;
-                one or two synchronisations instead of 2(n-1) ring steps), or
-                "auto" (the fastest for the size and transport).
+            algo: "auto" (the fastest for the size and transport), "ring",
+                "nccl" (GPU native), "direct" (shm: every rank reduces from
+                the others' shared buffers), "recursive_doubling",
+                "halving_doubling" or "tree" (README, "Algorithms").
             async_op: return a :class:`Work` instead of waiting.
             wire_dtype: ``None``, or ``torch.float16`` / ``torch.bfloat16``
                 (or the strings ``"float16"`` / ``"bfloat16"``) for a float32
@@ -178,7 +178,7 @@ class Communicator:
                 step). The owner of each chunk rounds its final value to the
                 wire dtype too, so every rank ends with the same bits:
                 ``wire(op over ranks)``. Ring only: ``algo="auto"`` takes the
-                ring, ``"direct"`` and ``"nccl"`` are refused.
+                ring, any other algorithm is refused.
             register: on ``shm``, register ``tensor``: move its storage into
                 symmetric memory during this op (as :meth:`register_tensor`
                 does), for a buffer that is reduced again and again (a
@@ -197,7 +197,7 @@ class Communicator:
             TypeError: unsupported dtype. ValueError: wrong device,
             non-contiguous tensor, unknown op/algo, AVG on integers, a
             wire_dtype that is not float16/bfloat16, with a non-float32
-            tensor, or with algo "direct" / "nccl".
+            tensor, or with an algo other than "ring" / "auto".
             CommError: the collective failed on this or a peer rank.
         """
         _need_tensors("all_reduce", tensor=tensor)
@@ -210,8 +210,8 @@ class Communicator:
     ) -> Work | None:
         """``output`` (m elements) on rank r gets op over ranks of
         ``input[r*m:(r+1)*m]``; ``input`` has world_size * m elements
-        (like ``torch.distributed.reduce_scatter_tensor``). ``algo`` as in
-        :meth:`all_reduce` ("auto" on shm: "direct")."""
+        (like ``torch.distributed.reduce_scatter_tensor``). ``algo``:
+        "auto" (on shm: "direct"), "ring", "direct" (shm) or "nccl" (GPU)."""
         _need_tensors("reduce_scatter", output=output, input=input)
         return self._impl.reduce_scatter(output, input, _to_op(op), algo, async_op)
 
@@ -220,7 +220,9 @@ class Communicator:
         async_op: bool = False,
     ) -> Work | None:
         """``output`` (world_size * m elements) gets every rank's ``input`` (m
-        elements) in rank order (like ``all_gather_into_tensor``)."""
+        elements) in rank order (like ``all_gather_into_tensor``). ``algo``:
+        "auto", "ring", "bruck" (ceil(log2 n) steps instead of n-1: for
+        small blocks) or "nccl" (GPU)."""
         _need_tensors("all_gather", output=output, input=input)
         return self._impl.all_gather(output, input, algo, async_op)
 

@@ -11,6 +11,25 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
           torch.int32, torch.int64, torch.uint8, torch.int8]
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 OPS = ["sum", "avg", "max", "min", "product"]
+SMALL_COUNTS = [0, 1, 13, 1031]  # 13, 1031: primes, not divisible by 2, 3 or 4
+LARGE_COUNT = 1_048_583  # prime, over a million: many slices of every algorithm
+
+
+def all_reduce_cases(large: bool):
+    """(count, dtype, op) of the all-reduce suites: every dtype x op (AVG on
+    floats) x SMALL_COUNTS; ``large`` adds LARGE_COUNT for every dtype (sum)
+    and float32 max and avg."""
+    for dtype in DTYPES:
+        for op in OPS:
+            if op == "avg" and not dtype.is_floating_point:
+                continue
+            for count in SMALL_COUNTS:
+                yield count, dtype, op
+    if large:
+        for dtype in DTYPES:
+            yield LARGE_COUNT, dtype, "sum"
+        yield LARGE_COUNT, torch.float32, "max"
+        yield LARGE_COUNT, torch.float32, "avg"
 
 
 def rank_input(rank: int, count: int, dtype: torch.dtype, op: str, seed: int = 0) -> torch.Tensor:

@@ -69,8 +69,10 @@ def test_parse_args_defaults():
 
 
 @pytest.mark.parametrize("argv", [
-    ["allreduce", "--algo", "tree"],
+    ["allreduce", "--algo", "butterfly"],
     ["allreduce", "--algo", ""],
+    ["allreduce", "--algo", "ring,bruck"],
+    ["allgather", "--algo", "tree"],
     ["allreduce", "-b", "1Q"],
     ["allreduce", "-d", "complex64"],
     ["allreduce", "-o", "xor"],
@@ -86,6 +88,15 @@ def test_parse_args_errors(argv, capsys):
         cli.parse_args(argv)
     assert e.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_algo_all_is_every_algorithm_of_the_collective():
+    assert cli.parse_args(["allreduce", "--algo", "all"]).algo == [
+        "ring", "recursive_doubling", "halving_doubling", "tree", "auto", "torch"]
+    # "all" expands in place; an algo named twice is measured once
+    assert cli.parse_args(["allgather", "--algo", "torch,all"]).algo == [
+        "torch", "ring", "bruck", "auto"]
+    assert cli.parse_args(["broadcast", "--algo", "all"]).algo == ["ring", "auto", "torch"]
 
 
 # ------------------------------------------------------------------ busbw, counts

@@ -11,7 +11,7 @@ from tests._dist import run_ranks
 from tests.reference import (
     DTYPES,
     FLOAT_DTYPES,
-    OPS,
+    all_reduce_cases,
     assert_matches,
     digest,
     rank_input,
@@ -19,29 +19,13 @@ from tests.reference import (
 )
 
 WORLD_SIZES = [1, 2, 3, 4]
-SMALL_COUNTS = [0, 1, 13, 1031]  # 13, 1031: primes, not divisible by 2, 3 or 4
-LARGE_COUNT = 1_048_583  # prime, over a million
-
-
-def _cases(large: bool):
-    for dtype in DTYPES:
-        for op in OPS:
-            if op == "avg" and not dtype.is_floating_point:
-                continue
-            for count in SMALL_COUNTS:
-                yield count, dtype, op
-    if large:
-        for dtype in DTYPES:
-            yield LARGE_COUNT, dtype, "sum"
-        yield LARGE_COUNT, torch.float32, "max"
-        yield LARGE_COUNT, torch.float32, "avg"
 
 
 # ---------------------------------------------------------------- all_reduce
 
 def _all_reduce_cases(comm, algo: str, large: bool):
     digests = []
-    for count, dtype, op in _cases(large):
+    for count, dtype, op in all_reduce_cases(large):
         inputs = [rank_input(r, count, dtype, op) for r in range(comm.world_size)]
         t = inputs[comm.rank].clone()
         comm.all_reduce(t, op=op, algo=algo)
@@ -104,14 +88,14 @@ def _reduce_scatter_cases(comm, algo="auto", large=False):
                         f"reduce_scatter {algo} overlapping {op} {dtype} m={m}"
 
 
-def _all_gather_cases(comm):
+def _all_gather_cases(comm, algo="auto"):
     n, r = comm.world_size, comm.rank
     for m in [0, 1, 7, 1000]:
         for dtype in DTYPES:
             inputs = [rank_input(q, m, dtype, "sum") for q in range(n)]
             out = torch.full((n * m,), 7, dtype=dtype)
-            comm.all_gather(out, inputs[r])
-            assert torch.equal(out, torch.cat(inputs)), f"all_gather {dtype} m={m}"
+            comm.all_gather(out, inputs[r], algo=algo)
+            assert torch.equal(out, torch.cat(inputs)), f"all_gather {algo} {dtype} m={m}"
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -29,7 +29,7 @@ def _bad_calls(comm):
         ("unknown op int", lambda: comm.all_reduce(t, op=17), ValueError, "reduce op"),
         ("avg on int", lambda: comm.all_reduce(torch.ones(3, dtype=torch.int32), op="avg"),
          ValueError, "AVG"),
-        ("unknown algo", lambda: comm.all_reduce(t, algo="tree"), ValueError, "unknown algo"),
+        ("unknown algo", lambda: comm.all_reduce(t, algo="butterfly"), ValueError, "unknown algo"),
         ("nccl algo on cpu", lambda: comm.all_reduce(t, algo="nccl"), ValueError, "CUDA"),
         ("non-contiguous", lambda: comm.all_reduce(torch.ones(4, 4).t()), ValueError,
          "contiguous"),

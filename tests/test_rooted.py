@@ -11,11 +11,17 @@ import pytest
 import torch
 
 from tests._dist import client_store, run_ranks, spawn_ranks
-from tests.reference import DTYPES, OPS, assert_matches, rank_input, reference
+from tests.reference import (
+    DTYPES,
+    LARGE_COUNT,
+    OPS,
+    SMALL_COUNTS,
+    assert_matches,
+    rank_input,
+    reference,
+)
 
 WORLD_SIZES = [1, 2, 3, 4]
-SMALL_COUNTS = [0, 1, 13, 1031]  # 13, 1031: primes
-LARGE_COUNT = 1_048_583  # prime, over a million
 
 
 # ---------------------------------------------------------------- reduce

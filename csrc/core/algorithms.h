@@ -21,7 +21,7 @@ struct Context {
   // Temporary space for received slices, in the same memory as the data
   // (host or device). At least 2 * slice_bytes; with 2 * slice_bytes + 64
   // (as the bindings allocate) ring_reduce_scatter receives every slice at
-  // its destination's address modulo 16 (see RecvSlots in algorithms.cc).
+  // its destination's address modulo 16 (see RecvSlots in slices.h).
   void* scratch;
   size_t scratch_bytes;
   // Transfer granularity: chunks are cut into slices of this many bytes so
@@ -136,6 +136,64 @@ void chain_broadcast(const Context& ctx, void* data, size_t bytes, int root);
 
 // Dissemination barrier: ceil(log2 n) rounds of 1-byte exchanges.
 void dissemination_barrier(const Context& ctx);
+
+// ---- The classic algorithms (classic.cc) -----------------------------------
+//
+// The log-step algorithms of MPI libraries (Thakur, Rabenseifner & Gropp,
+// 2005) and a pipelined tree, for the study to compare with the ring. In
+// place, any dtype and op, every rank bitwise identical: where two ranks
+// combine the same two operands they do it as op(lower rank's, higher
+// rank's), and every other result is a copy. AVG scales by 1/n on the step
+// that finishes a value.
+//
+// Worlds that are not a power of two fold first (MPICH's way): with p2 the
+// largest power of two <= n, ranks 2i and 2i+1 (i < n - p2) pair off, the
+// even one adds its vector into the odd one's and waits; the p2 remaining
+// ranks run the algorithm; the odd ones hand the result back. Two extra
+// steps of the whole vector for the paired ranks.
+
+// Recursive doubling: log2(p2) exchanges of the whole vector, each rank
+// swapping with the rank whose (virtual) number differs in bit d and
+// combining. Latency-optimal: log2 n * alpha + log2 n * N * beta.
+//
+//   4 ranks   d=1: 0<->1  2<->3      each holds the sum of its pair
+//             d=2: 0<->2  1<->3      each holds the sum of all
+void recursive_doubling_all_reduce(const Context& ctx, void* data, size_t count, DType dtype,
+                                   ReduceOp op);
+
+// Halving-doubling (Rabenseifner): a reduce-scatter by recursive halving
+// (each step swaps half of the range still owned, and keeps reducing the
+// other half) then an all-gather by recursive doubling (each step swaps the
+// blocks owned, doubling them). log steps and the ring's bytes:
+// 2 log2 n * alpha + 2 (n-1)/n * N * beta.
+//
+//   4 ranks, chunks A B C D      reduce-scatter           all-gather
+//     d=2: 0<->2, 1<->3          0,1 keep A B; 2,3 C D    d=1: 0<->1 swap A,B
+//     d=1: 0<->1, 2<->3          rank v keeps chunk v     d=2: 0<->2 swap AB,CD
+void halving_doubling_all_reduce(const Context& ctx, void* data, size_t count, DType dtype,
+                                 ReduceOp op);
+
+// A pipelined binary tree: rank r's children are 2r+1 and 2r+2. In slices
+// of ctx.slice_bytes, each rank receives a slice from its children, combines
+// them into its own (own op child 1 op child 2) and forwards it to its
+// parent while the next slice arrives; rank 0 then broadcasts the result
+// down the same tree, slice by slice. 2 log2 n hops of latency, each link
+// carries the data twice: about 2 (log2 n + N / slice) slice times.
+//
+//        0          reduce: 3,4 -> 1; 5,6 -> 2; 1,2 -> 0
+//      1   2        broadcast: 0 -> 1,2; 1 -> 3,4; 2 -> 5,6
+//     3 4 5 6
+void tree_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op);
+
+// Bruck's all-gather: ceil(log2 n) steps; in the step of distance k each
+// rank sends the min(k, n-k) blocks it holds (its own, then those received)
+// to rank r-k and receives as many from r+k, so that after it rank r holds
+// blocks r .. r+2k-1 (mod n). Written straight into `out` (rank q's block at
+// q * m), so no final rotation: log2 n * alpha + (n-1)/n * N * beta.
+//
+//   4 ranks, rank 0:   k=1: sends [0] to 3, gets [1] from 1     holds 0 1
+//                      k=2: sends [0 1] to 2, gets [2 3] from 2  holds 0 1 2 3
+void bruck_all_gather(const Context& ctx, const void* in, void* out, size_t m, size_t elem_size);
 
 // ---- Direct (one-shot) algorithms over SharedBuffers (direct.cc) ----------
 //

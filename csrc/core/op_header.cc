@@ -30,6 +30,10 @@ const char* algo_name(int32_t a) {
     case AlgoKind::kRingWireF16: return "ring, wire=float16";
     case AlgoKind::kRingWireBF16: return "ring, wire=bfloat16";
     case AlgoKind::kNative: return "nccl";
+    case AlgoKind::kRecursiveDoubling: return "recursive_doubling";
+    case AlgoKind::kHalvingDoubling: return "halving_doubling";
+    case AlgoKind::kTree: return "tree";
+    case AlgoKind::kBruck: return "bruck";
     case AlgoKind::kNone: break;
   }
   return "-";
@@ -43,6 +47,29 @@ const char* kind_name(int32_t k) {
 uint64_t byte_of(int32_t v) { return static_cast<uint64_t>(static_cast<uint8_t>(v)); }
 
 }  // namespace
+
+AlgoKind algo_from_name(const std::string& name) {
+  for (int32_t a = 1; a <= static_cast<int32_t>(AlgoKind::kBruck); ++a) {
+    const auto k = static_cast<AlgoKind>(a);
+    if (k != AlgoKind::kRingWireF16 && k != AlgoKind::kRingWireBF16 && name == algo_name(a)) {
+      return k;
+    }
+  }
+  return AlgoKind::kNone;
+}
+
+bool implements(AlgoKind a, CollKind c) {
+  switch (a) {
+    case AlgoKind::kRing:
+    case AlgoKind::kNative: return true;
+    case AlgoKind::kDirect: return c == CollKind::kAllReduce || c == CollKind::kReduceScatter;
+    case AlgoKind::kRecursiveDoubling:
+    case AlgoKind::kHalvingDoubling:
+    case AlgoKind::kTree: return c == CollKind::kAllReduce;
+    case AlgoKind::kBruck: return c == CollKind::kAllGather;
+    default: return false;
+  }
+}
 
 uint64_t OpHeader::packed() const {
   return byte_of(kind) | byte_of(dtype + 1) << 8 | byte_of(op + 1) << 16 | byte_of(algo) << 24 |

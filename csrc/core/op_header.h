@@ -44,7 +44,23 @@ enum class AlgoKind : int32_t {
   kRingWireF16 = 3,
   kRingWireBF16 = 4,
   kNative = 5,  // the transport's own collective (algo="nccl")
+  // The classic algorithms (algorithms.h, classic.cc).
+  kRecursiveDoubling = 6,
+  kHalvingDoubling = 7,
+  kTree = 8,
+  kBruck = 9,
 };
+
+// The algorithms a caller names (algo="..."), in the order messages list
+// them; algo_from_name maps one to its kind (kNone for any other string).
+constexpr const char* kAlgoNames[] = {
+    "ring", "direct", "nccl", "recursive_doubling", "halving_doubling", "tree", "bruck"};
+AlgoKind algo_from_name(const std::string& name);
+// Whether the core has algorithm `a` for collective `c` (the ring: every
+// collective Comm lets the caller choose for; direct: all_reduce and
+// reduce_scatter; the log-step and tree algorithms: all_reduce; bruck:
+// all_gather).
+bool implements(AlgoKind a, CollKind c);
 
 struct OpHeader {
   uint64_t seq = 0;    // collective number on this rank (1, 2, ...); 0 = user p2p

@@ -150,7 +150,7 @@ void check_options(const CommOptions& options) {
   if (options.timeout_ms <= 0) throw UsageError("timeout must be positive");
   for (const auto& [op, rules] : options.auto_table) {
     for (const auto& rule : rules) {
-      if (rule.second != "ring" && rule.second != "nccl" && rule.second != "direct") {
+      if (algo_from_name(rule.second) == AlgoKind::kNone) {
         throw UsageError(join_msg({"auto_table: unknown algo '", rule.second, "' for ", op}));
       }
     }

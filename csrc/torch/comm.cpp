@@ -125,12 +125,6 @@ Body Comm::collective(OpHeader h, Body body) {
 }
 
 namespace {
-AlgoKind algo_kind(const std::string& algo) {
-  if (algo == "direct") return AlgoKind::kDirect;
-  if (algo == "nccl") return AlgoKind::kNative;
-  return AlgoKind::kRing;
-}
-
 // The ring with a 16-bit wire (all_reduce(wire_dtype=...)).
 AlgoKind wire_kind(DType wire) {
   return wire == DType::kFloat16 ? AlgoKind::kRingWireF16 : AlgoKind::kRingWireBF16;
@@ -139,6 +133,17 @@ AlgoKind wire_kind(DType wire) {
 // The transport's own collectives (algo="nccl"); pick() only returns kNative
 // when the transport has them.
 NativeCollectives& native(const Context& ctx) { return *ctx.transport.native(); }
+
+// The collectives of this file whose algorithm the caller may name, and the
+// names each accepts (besides "auto"), in the order error messages list them.
+std::string algos_of(CollKind coll) {
+  std::string names;
+  for (const char* name : kAlgoNames) {
+    if (!implements(algo_from_name(name), coll)) continue;
+    names += cat(names.empty() ? "'" : ", '", name, "'");
+  }
+  return names;
+}
 }  // namespace
 
 // all_reduce's "auto" picks by size: "direct" over shared memory (one or two
@@ -147,53 +152,46 @@ NativeCollectives& native(const Context& ctx) { return *ctx.transport.native(); 
 // decides between the ring and NCCL's own collectives.
 AlgoKind Comm::pick(const std::string& algo, CollKind coll, size_t bytes, bool wire) const {
   const char* op = coll_name(coll);
-  const bool is_all_reduce = coll == CollKind::kAllReduce;
-  if (algo == "nccl") {
-    if (!exec_->native_collectives()) {
-      throw UsageError(join_msg(
-          {op, ": algo='nccl' needs a CUDA communicator (transport='nccl'); this one runs on ",
-           device_.str(), " over ", transport_name_}));
-    }
-    if (wire) {
-      throw UsageError(
-          "all_reduce: wire_dtype needs algo='ring' or 'auto', not 'nccl' "
-          "(NCCL's all-reduce sends the tensor's own dtype)");
-    }
-    return AlgoKind::kNative;
+  if (algo == "auto") return pick_auto(coll, bytes, wire);
+  const AlgoKind kind = algo_from_name(algo);
+  if (kind == AlgoKind::kNone) {
+    throw UsageError(
+        cat(op, ": unknown algo '", algo, "' (expected 'auto', ", algos_of(coll), ")"));
   }
-  // The collectives with a direct (shared-buffer) algorithm.
-  const bool has_direct = is_all_reduce || coll == CollKind::kReduceScatter;
-  if (algo == "direct") {
-    if (!has_direct) {
-      throw UsageError(
-          join_msg({op, ": algo='direct' is only implemented for all_reduce and reduce_scatter"}));
-    }
-    if (wire) {
-      throw UsageError(
-          "all_reduce: wire_dtype needs algo='ring' or 'auto', not 'direct' "
-          "(direct reduces straight from shared memory: nothing is sent)");
-    }
-    if (!exec_->shared_buffers()) {
-      throw UsageError(join_msg(
-          {op, ": algo='direct' needs transport='shm', this communicator uses ", transport_name_}));
-    }
-    return AlgoKind::kDirect;
+  if (!implements(kind, coll)) {
+    throw UsageError(cat(op, ": algo='", algo, "' is not implemented for ", op, " (it has 'auto', ",
+                         algos_of(coll), ")"));
   }
-  if (algo == "ring") return AlgoKind::kRing;
-  if (algo != "auto") {
-    throw UsageError(join_msg(
-        {op, ": unknown algo '", algo, "' (expected 'auto', 'ring', 'direct' or 'nccl')"}));
+  if (wire && kind != AlgoKind::kRing) {
+    throw UsageError(cat("all_reduce: wire_dtype needs algo='ring' or 'auto', not '", algo,
+                         "' (only the ring sends a wire dtype)"));
   }
+  if (kind == AlgoKind::kNative && !exec_->native_collectives()) {
+    throw UsageError(cat(op,
+                         ": algo='nccl' needs a CUDA communicator (transport='nccl'); this one "
+                         "runs on ",
+                         device_.str(), " over ", transport_name_));
+  }
+  if (kind == AlgoKind::kDirect && !exec_->shared_buffers()) {
+    throw UsageError(
+        cat(op, ": algo='direct' needs transport='shm', this communicator uses ", transport_name_));
+  }
+  return kind;
+}
+
+AlgoKind Comm::pick_auto(CollKind coll, size_t bytes, bool wire) const {
   if (wire) return AlgoKind::kRing;  // only the ring sends a wire dtype
-  auto it = options_.auto_table.find(op);
+  const bool has_direct = implements(AlgoKind::kDirect, coll);
+  auto it = options_.auto_table.find(coll_name(coll));
   if (it != options_.auto_table.end()) {
     for (const auto& [max_bytes, a] : it->second) {
       // A rule this communicator cannot run (direct without shared memory,
-      // nccl without native collectives) is skipped.
-      const AlgoKind k = algo_kind(a);
-      const bool runnable = k == AlgoKind::kRing ||
-                            (k == AlgoKind::kNative && exec_->native_collectives()) ||
-                            (k == AlgoKind::kDirect && has_direct && exec_->shared_buffers());
+      // nccl without native collectives, an algorithm the collective lacks)
+      // is skipped.
+      const AlgoKind k = algo_from_name(a);
+      const bool runnable = implements(k, coll) &&
+                            (k != AlgoKind::kNative || exec_->native_collectives()) &&
+                            (k != AlgoKind::kDirect || exec_->shared_buffers());
       if (runnable && (max_bytes < 0 || bytes <= static_cast<size_t>(max_bytes))) return k;
     }
   }
@@ -319,6 +317,13 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
                      case AlgoKind::kNative:
                        ctx.transport.wait(native(ctx).all_reduce(data, data, count, dt, rop));
                        break;
+                     case AlgoKind::kRecursiveDoubling:
+                       recursive_doubling_all_reduce(ctx, data, count, dt, rop);
+                       break;
+                     case AlgoKind::kHalvingDoubling:
+                       halving_doubling_all_reduce(ctx, data, count, dt, rop);
+                       break;
+                     case AlgoKind::kTree: tree_all_reduce(ctx, data, count, dt, rop); break;
                      default: ring_all_reduce(ctx, data, count, dt, rop); break;
                    }
                  }),
@@ -387,6 +392,7 @@ c10::intrusive_ptr<Work> Comm::all_gather(const at::Tensor& out, const at::Tenso
                                case AlgoKind::kNative:
                                  ctx.transport.wait(native(ctx).all_gather(src, dst, m, dt));
                                  break;
+                               case AlgoKind::kBruck: bruck_all_gather(ctx, src, dst, m, es); break;
                                default: ring_all_gather_out(ctx, src, dst, m, es); break;
                              }
                            }),

@@ -192,8 +192,10 @@ class Comm {
   DType check_rooted(const at::Tensor& tensor, const std::vector<at::Tensor>& list,
                      const char* list_arg, const char* root_arg, int root, const char* op,
                      std::vector<void*>* ptrs) const;
-  // The algorithm `algo` resolves to for this op: kRing, kDirect or kNative.
+  // The algorithm `algo` resolves to for this op (UsageError, naming the
+  // choices, for one it cannot run); pick_auto for "auto".
   AlgoKind pick(const std::string& algo, CollKind coll, size_t bytes, bool wire) const;
+  AlgoKind pick_auto(CollKind coll, size_t bytes, bool wire) const;
 
   std::unique_ptr<Executor> exec_;
   CommOptions options_;

@@ -37,7 +37,13 @@ COLLECTIVES = tuple(SPECS)
 #: ``transport="gloo"`` (across hosts, the flat ring beside the hierarchy),
 #: and ``symmetric``: all_reduce of a tensor registered in symmetric memory
 #: before timing (shm; sizes where a call did not run symmetric show N/A).
-ALGOS = ("ring", "auto", "nccl", "torch", "flat", "symmetric")
+#: The algorithms of one collective each (Collective.algos says whose).
+CLASSIC_ALGOS = ("recursive_doubling", "halving_doubling", "tree", "bruck")
+ALGOS = ("ring", "auto", "nccl", "torch", "flat", "symmetric", *CLASSIC_ALGOS, "all")
+
+#: What ``--algo all`` adds to a collective's own algorithms
+#: (:attr:`~pycomm.bench.collectives.Collective.algos`).
+ALL_EXTRA = ("auto", "torch")
 
 #: ``--algo`` with ``--hosts`` when not given: the hierarchy (``auto`` on
 #: transport "shm+gloo"), the flat gloo ring and torch's gloo.
@@ -201,8 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--check", type=_zero_one, default=1,
                    help="1: count wrong elements against an independently computed result")
     p.add_argument("--algo", type=_algo_list, default=None,
-                   help="comma-separated list of ring, auto, nccl (GPU), torch, flat, symmetric; "
-                        "measured "
+                   help="comma-separated list of ring, auto, nccl (GPU), torch, flat, symmetric, "
+                        "recursive_doubling, halving_doubling, tree (allreduce), bruck (allgather), "
+                        "or all (every algorithm of the collective, auto and torch); measured "
                         "interleaved per size (default: ring,torch; with --hosts: "
                         "auto,flat,torch)")
     p.add_argument("--transport", default="auto", choices=("auto", "gloo", "shm", "nccl"),
@@ -243,6 +250,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.argv = list(argv) if argv is not None else None
     if args.algo is None:
         args.algo = list(HOSTS_ALGOS) if args.hosts else ["ring", "torch"]
+    if "all" in args.algo:
+        every = [*SPECS[args.collective].algos, *ALL_EXTRA]
+        at = args.algo.index("all")
+        args.algo = list(dict.fromkeys(args.algo[:at] + every + args.algo[at + 1:]))
+    for a in args.algo:
+        if a in CLASSIC_ALGOS and a not in SPECS[args.collective].algos:
+            p.error(f"--algo {a} is not an algorithm of {args.collective} (it has: "
+                    f"{', '.join(SPECS[args.collective].algos)}, auto)")
     dt = DTYPES.get(args.datatype.lower())
     if dt is None:
         p.error(f"unknown datatype {args.datatype!r}; choose from {', '.join(sorted(DTYPES))}")

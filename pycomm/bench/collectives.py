@@ -198,6 +198,8 @@ class Collective:
         reduces: takes a reduction op (the others print op "none").
         rooted: has a root (broadcast); others print root -1.
         min_world: the fewest ranks it can run on.
+        algos: pycomm's algorithms for it besides "auto" (``--algo all``
+            measures these, "auto" and "torch").
     """
 
     name: str = ""
@@ -206,6 +208,7 @@ class Collective:
     reduces: bool = False
     rooted: bool = False
     min_world: int = 1
+    algos: tuple[str, ...] = ("ring",)
 
     def bus_factor(self, world_size: int) -> float:
         """busbw = algbw * this (see :func:`busbw_factor`)."""
@@ -271,6 +274,7 @@ class AllReduce(_InPlace):
     name = "allreduce"
     title = "AllReduce"
     reduces = True
+    algos = ("ring", "recursive_doubling", "halving_doubling", "tree")
 
     def bus_factor(self, world_size: int) -> float:
         return 2.0 * (world_size - 1) / world_size
@@ -346,6 +350,7 @@ class ReduceScatter(_Chunked):
 
 class AllGather(_Chunked):
     name = "allgather"
+    algos = ("ring", "bruck")
     title = "AllGather"
     placements = (False, True)
 
