@@ -142,6 +142,36 @@ def all_reduce_sweep(comm: Any, store: Any, seed: int) -> None:
         assert store.get(f"digest/{r}").decode() == ",".join(digests), f"rank {r} differs"
 
 
+def classic_algorithms(comm: Any, store: Any) -> None:
+    """recursive_doubling, halving_doubling and tree all-reduce (over the
+    transport's send/recv, NCCL's on GPU) and Bruck's all-gather: a few ops
+    and dtypes at counts that span several slices, against float64, every
+    rank bitwise identical."""
+    world, r = comm.world_size, comm.rank
+    digests = []
+    for algo in ("recursive_doubling", "halving_doubling", "tree"):
+        for dtype in (torch.float32, torch.bfloat16, torch.int32):
+            for op in ("sum", "avg", "max"):
+                if op == "avg" and dtype not in FLOATS:
+                    continue
+                for n in COUNTS:
+                    t = inputs(r, dtype, n, op, 11).to(comm.device)
+                    comm.all_reduce(t, op=op, algo=algo)
+                    got = t.cpu()
+                    rtol, atol = tolerance(dtype, world)
+                    what = f"{algo} {op} {dtype} n={n}"
+                    torch.testing.assert_close(got.double(), expected(op, dtype, n, world, 11),
+                                               rtol=rtol, atol=atol, msg=prefixed(what))
+                    digests.append(_digest(got))
+    for m in (0, 1, 1009, 70001):
+        gout = torch.empty(m * world, device=comm.device)
+        comm.all_gather(gout, rand(torch.float32, m, 60 + r).to(comm.device), algo="bruck")
+        assert bitwise_equal(gout, torch.cat([rand(torch.float32, m, 60 + q) for q in range(world)])), m
+    store.set(f"classic/{r}", ",".join(digests))
+    for q in range(world):
+        assert store.get(f"classic/{q}").decode() == ",".join(digests), f"rank {q} differs"
+
+
 def default_slices_and_auto(comm: Any, store: Any) -> None:
     """16 MiB of fp32: several default slices per chunk, every algorithm and auto."""
     n = (1 << 22) + 3

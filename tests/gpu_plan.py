@@ -57,6 +57,7 @@ QUICK: dict[int, list[Case]] = {
     ],
     3: [
         *_collectives(3),
+        Case("classic_algorithms", c.classic_algorithms, init={"slice_bytes": 64 * 1024}),
         Case("groups_split_and_new_group", c.groups),
         Case("parallel_ddp", layers.parallel_ddp),
         Case("backend_gloo_cuda_pycomm_ddp", layers.backend_ddp,
@@ -67,6 +68,7 @@ QUICK: dict[int, list[Case]] = {
 REST: dict[int, list[Case]] = {
     4: [
         *_collectives(4),
+        Case("classic_algorithms", c.classic_algorithms, init={"slice_bytes": 64 * 1024}),
         Case("groups_split_and_new_group", c.groups),
     ],
     2: [

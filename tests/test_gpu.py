@@ -115,6 +115,12 @@ def test_all_reduce_every_op_dtype(world):
     run_ranks(world, cases.all_reduce_sweep, {"slice_bytes": 64 * 1024}, seed=world)
 
 
+@pytest.mark.parametrize("world", [3, 4])
+def test_classic_algorithms(world):
+    # 3: the fold of a non-power-of-two world; 4: two log steps
+    run_ranks(world, cases.classic_algorithms, {"slice_bytes": 64 * 1024})
+
+
 def test_all_reduce_default_slices_and_auto():
     run_ranks(2, cases.default_slices_and_auto)
 

@@ -276,10 +276,11 @@ def test_plan_bodies_pass_on_gloo_2_ranks(group):
 
 
 def test_three_rank_only_bodies_pass_on_gloo():
-    # groups (new_group / split) and the NaN propagation run at 3 ranks only
+    # groups (new_group / split) and the NaN propagation run at 3 ranks only;
+    # the classic algorithms at 3 and 4 (the fold: 3)
     cases = [c for c in _cpu_cases([QUICK, REST], 3)
-             if c.fn in (gpu_cases.groups, gpu_cases.nan_propagation)]
-    assert len(cases) == 2
+             if c.fn in (gpu_cases.groups, gpu_cases.nan_propagation, gpu_cases.classic_algorithms)]
+    assert len(cases) == 3
     _run_on_gloo(3, cases)
 
 
