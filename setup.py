@@ -143,6 +143,7 @@ setup(
     version="0.1.0",
     description="Ring all-reduce, broadcast and p2p over NCCL/gloo/shm as a PyTorch extension",
     packages=["pycomm", "pycomm.bench"],
+    package_data={"pycomm": ["auto_table.json"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.10",

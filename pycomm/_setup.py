@@ -19,7 +19,6 @@ segments (the default communicator lives with ``Communicator``).
 
 from __future__ import annotations
 
-import json
 import numbers
 import os
 import socket
@@ -32,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _hierarchy
+from . import _auto_table, _hierarchy
 from ._ext import _C, CommError
 from ._store import agree_errors, all_gather, wait_for
 
@@ -44,22 +43,6 @@ DEFAULT_GLOO_SLICE_BYTES = 4 * 1024 * 1024
 #: GPU default: each slice costs one ncclGroupStart/End (a kernel launch and a
 #: few microseconds of host time), so slices are larger than on CPU.
 DEFAULT_CUDA_SLICE_BYTES = 4 * 1024 * 1024
-
-#: algo="auto" on GPU: per op, the first rule whose max_bytes (None = no limit)
-#: is >= the message size picks the algorithm. The default crossover, 1 MiB, is
-#: an estimate until measured (scripts/gpu_check.sh --rest records a measured
-#: table in OUTDIR/summary.json, benchmarks.allreduce.auto_table): below it a
-#: collective is latency-bound and NCCL's single fused kernel wins over our
-#: 2(n-1) grouped launches; above it the ring is bandwidth-bound and is meant
-#: to match NCCL.
-#: Override with PYCOMM_AUTO_TABLE=path.json ({"all_reduce": [[bytes|null, algo], ...]}).
-DEFAULT_AUTO_TABLE: dict[str, list[tuple[int | None, str]]] = {
-    "all_reduce": [(1 << 20, "nccl"), (None, "ring")],
-    "reduce_scatter": [(1 << 20, "nccl"), (None, "ring")],
-    "all_gather": [(1 << 20, "nccl"), (None, "ring")],
-    "broadcast": [(1 << 20, "nccl"), (None, "ring")],
-}
-
 
 @dataclass(frozen=True)
 class Settings:
@@ -91,7 +74,8 @@ class Environment:
     ``PYCOMM_TIMEOUT``          seconds, > 0 (default 5 minutes)
     ``PYCOMM_SLICE_BYTES``      ring slice size in bytes
     ``PYCOMM_CPU_SIMD``         "auto" or "scalar" (CPU reduction kernels)
-    ``PYCOMM_AUTO_TABLE``       JSON file of the GPU algo="auto" table
+    ``PYCOMM_AUTO_TABLE``       JSON file of algo="auto"'s table
+                                (:mod:`pycomm._auto_table`)
     ``PYCOMM_BACKEND_*``        process group options (:mod:`pycomm.backend`)
     ``RANK``, ``WORLD_SIZE``,   the torchrun rendezvous (``MASTER_PORT`` is
     ``MASTER_ADDR``             read by torch's ``env://``)
@@ -462,23 +446,11 @@ def _map_shm(st: Any, key: str, name: str, rank: int, world_size: int, timeout_m
 
 # ------------------------------------------------------------------ nccl bootstrap
 
-def auto_table() -> dict[str, list[tuple[int, str]]]:
-    """The algo="auto" table for the C++ side (max_bytes -1 = no limit)."""
-    table: dict[str, Any] = dict(DEFAULT_AUTO_TABLE)
-    path = ENV.text("PYCOMM_AUTO_TABLE")
-    if path:
-        with open(path) as f:
-            loaded = json.load(f)
-        for op, rules in loaded.items():
-            if op in table:
-                table[op] = [(b, str(a)) for b, a in rules]
-    out: dict[str, list[tuple[int, str]]] = {}
-    for op, rules in table.items():
-        for _, a in rules:
-            if a not in ("ring", "nccl"):
-                raise ValueError(f"auto table: algo for {op} must be 'ring' or 'nccl', got {a!r}")
-        out[op] = [(-1 if b is None else int(b), a) for b, a in rules]
-    return out
+def auto_table_for(device: str, transport: str, world_size: int) -> _auto_table.Rules:
+    """algo="auto"'s table for a communicator (pycomm/_auto_table.py):
+    PYCOMM_AUTO_TABLE's entry for it, else the built-in table's."""
+    return _auto_table.table_for(device, transport, world_size,
+                                 ENV.text("PYCOMM_AUTO_TABLE") or None)
 
 
 def choose_cuda_index(requested: int | None, local_rank: str | None, device_count: int,
@@ -534,7 +506,8 @@ def make_nccl(st: Any, r: int, n: int, dev: torch.device, timeout: timedelta,
     wait_for(st, {0: key}, "NCCL setup")
     uid = bytes.fromhex(st.get(key).decode())
     timeout_ms = int(timeout.total_seconds() * 1000)
-    return _C.make_nccl_comm(uid, r, n, dev.index, timeout_ms, slice_bytes, auto_table())
+    return _C.make_nccl_comm(uid, r, n, dev.index, timeout_ms, slice_bytes,
+                             auto_table_for("cuda", "nccl", n))
 
 
 # ------------------------------------------------------------------ plan and build
@@ -632,6 +605,8 @@ def build(st: Any, r: int, n: int, asked: Settings) -> tuple[Any, Settings, list
     publish_process(st, r)
     chosen = plan_transport(st, r, n, asked)
     transport, impl, keepalive = BUILDERS[chosen.transport](st, r, n, asked, chosen)
+    if transport in ("shm", "gloo"):  # nccl's came with it; a hierarchy's parts have theirs
+        impl.auto_table = auto_table_for("cpu", transport, n)
     if asked.check:
         if hasattr(impl, "check"):
             impl.check = True

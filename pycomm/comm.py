@@ -22,7 +22,6 @@ import torch.distributed as dist
 from . import _setup, _shrink
 from ._ext import _C, CommError
 from ._setup import (  # noqa: F401 - the defaults stay importable from pycomm.comm
-    DEFAULT_AUTO_TABLE,
     DEFAULT_CUDA_SLICE_BYTES,
     DEFAULT_GLOO_SLICE_BYTES,
     DEFAULT_SLICE_BYTES,
@@ -543,6 +542,7 @@ class Communicator:
                                 int(settings.timeout.total_seconds() * 1000))
         if impl is None:
             return None
+        impl.auto_table = _setup.auto_table_for("cuda", "nccl", impl.world_size)  # its own size
         store = dist.PrefixStore(f"nccl-split/{self._nccl_splits}/{color}", self._store)
         return Communicator(impl, store=store, settings=settings)
 

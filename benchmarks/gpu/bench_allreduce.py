@@ -135,13 +135,17 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(json.dumps(summary, indent=1))
     if args.auto_table:
-        # Small sizes are not measured here: keep NCCL below the smallest size,
-        # then the winner per measured size; the last rule has no limit.
-        rules = [[min(b for b, _ in table) - 1, "nccl"]]
-        for i, (b, algo) in enumerate(table):
-            rules.append([None if i == len(table) - 1 else b, algo])
-        Path(args.auto_table).write_text(json.dumps({"all_reduce": rules, "_measured_on": out["device"],
-                                                     "_shared_gpu": shared}, indent=1))
+        # Small sizes are not measured here: NCCL below the smallest size,
+        # then the winner per measured size (pycomm/_auto_table.py's format).
+        from pycomm import _auto_table
+
+        rules = _auto_table.rules_from_best([(min(b for b, _ in table) - 1, "nccl"), *table])
+        entry = {"device": "cuda", "transport": "nccl", "world_size": world,
+                 "rules": {"all_reduce": rules},
+                 "measured": {"device": out["device"], "shared_gpu": shared,
+                              "command": "python benchmarks/gpu/bench_allreduce.py"}}
+        table_json = _auto_table.with_entry(args.auto_table, entry)
+        Path(args.auto_table).write_text(json.dumps(table_json, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,15 @@ const char* coll_name(CollKind k) {
 
 namespace {
 
+const char* kind_name(int32_t k) {
+  return k >= 1 && k <= kNumCollKinds ? coll_name(static_cast<CollKind>(k)) : "unknown-op";
+}
+
+// 8 bits each for kind, dtype + 1, op + 1, algo; 32 bits for root + 1.
+uint64_t byte_of(int32_t v) { return static_cast<uint64_t>(static_cast<uint8_t>(v)); }
+
+}  // namespace
+
 const char* algo_name(int32_t a) {
   switch (static_cast<AlgoKind>(a)) {
     case AlgoKind::kRing: return "ring";
@@ -38,15 +47,6 @@ const char* algo_name(int32_t a) {
   }
   return "-";
 }
-
-const char* kind_name(int32_t k) {
-  return k >= 1 && k <= kNumCollKinds ? coll_name(static_cast<CollKind>(k)) : "unknown-op";
-}
-
-// 8 bits each for kind, dtype + 1, op + 1, algo; 32 bits for root + 1.
-uint64_t byte_of(int32_t v) { return static_cast<uint64_t>(static_cast<uint8_t>(v)); }
-
-}  // namespace
 
 AlgoKind algo_from_name(const std::string& name) {
   for (int32_t a = 1; a <= static_cast<int32_t>(AlgoKind::kBruck); ++a) {
@@ -69,6 +69,14 @@ bool implements(AlgoKind a, CollKind c) {
     case AlgoKind::kBruck: return c == CollKind::kAllGather;
     default: return false;
   }
+}
+
+std::vector<std::string> algorithms_of(CollKind c) {
+  std::vector<std::string> out;
+  for (const char* name : kAlgoNames) {
+    if (implements(algo_from_name(name), c)) out.emplace_back(name);
+  }
+  return out;
 }
 
 uint64_t OpHeader::packed() const {

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace pycomm {
 
@@ -56,11 +57,19 @@ enum class AlgoKind : int32_t {
 constexpr const char* kAlgoNames[] = {
     "ring", "direct", "nccl", "recursive_doubling", "halving_doubling", "tree", "bruck"};
 AlgoKind algo_from_name(const std::string& name);
+// An AlgoKind's name as messages print it ("-" for kNone).
+const char* algo_name(int32_t a);
+// The collectives whose algorithm a caller chooses (algo="..."), by the
+// names coll_name gives them; the auto table's keys.
+constexpr CollKind kChoosable[] = {CollKind::kAllReduce, CollKind::kReduceScatter,
+                                   CollKind::kAllGather, CollKind::kBroadcast};
 // Whether the core has algorithm `a` for collective `c` (the ring: every
 // collective Comm lets the caller choose for; direct: all_reduce and
 // reduce_scatter; the log-step and tree algorithms: all_reduce; bruck:
 // all_gather).
 bool implements(AlgoKind a, CollKind c);
+// The names of the algorithms the core has for `c`, in kAlgoNames' order.
+std::vector<std::string> algorithms_of(CollKind c);
 
 struct OpHeader {
   uint64_t seq = 0;    // collective number on this rank (1, 2, ...); 0 = user p2p

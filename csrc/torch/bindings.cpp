@@ -141,6 +141,8 @@ void bind_comm(py::module_& m) {
       .def_property_readonly("closed", &Comm::closed)
       .def_property_readonly("aborted", &Comm::aborted)
       .def_property("check", &Comm::check, &Comm::set_check)  // checked mode (core/check.h)
+      .def_property("auto_table", &Comm::auto_table, &Comm::set_auto_table)
+      .def("auto_algo", &Comm::auto_algo, py::arg("op"), py::arg("nbytes"))
       .def_property_readonly("forked", &Comm::forked)
       .def("all_reduce", &Comm::all_reduce, py::arg("tensor"), py::arg("op"), py::arg("algo"),
            py::arg("async_op"), py::arg("wire_dtype") = -1, py::arg("register") = false,
@@ -228,6 +230,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("create"), py::arg("timeout_ms"), py::arg("slice_bytes"),
         py::call_guard<py::gil_scoped_release>());
   m.def("shm_unlink", &pycomm::ShmTransport::unlink, py::arg("name"));
+  // The algorithms a caller may name for a collective ("all_reduce", ...),
+  // as pick() accepts them (besides "auto"): the auto table's checks.
+  m.def("algorithms_of", [](const std::string& op) {
+    for (pycomm::CollKind c : pycomm::kChoosable) {
+      if (op == pycomm::coll_name(c)) return pycomm::algorithms_of(c);
+    }
+    throw pycomm::UsageError(pycomm::cat("algorithms_of: unknown collective '", op, "'"));
+  });
   m.def("reduce_", &cpu_reduce_, py::arg("dst"), py::arg("src"), py::arg("op"));
   m.def("scale_", &cpu_scale_, py::arg("dst"), py::arg("factor"));
   m.def("reduce_scale_", &cpu_reduce_scale_, py::arg("dst"), py::arg("src"), py::arg("op"),

@@ -1,5 +1,8 @@
 #include "checks.h"
 
+#include <algorithm>
+#include <iterator>
+
 #include "executor.h"
 
 namespace pycomm {
@@ -149,6 +152,9 @@ void check_options(const CommOptions& options) {
   if (options.slice_bytes < 64) throw UsageError("slice_bytes must be at least 64");
   if (options.timeout_ms <= 0) throw UsageError("timeout must be positive");
   for (const auto& [op, rules] : options.auto_table) {
+    const bool known = std::any_of(std::begin(kChoosable), std::end(kChoosable),
+                                   [&](CollKind c) { return op == coll_name(c); });
+    if (!known) throw UsageError(cat("auto_table: unknown collective '", op, "'"));
     for (const auto& rule : rules) {
       if (algo_from_name(rule.second) == AlgoKind::kNone) {
         throw UsageError(join_msg({"auto_table: unknown algo '", rule.second, "' for ", op}));

@@ -134,12 +134,11 @@ AlgoKind wire_kind(DType wire) {
 // when the transport has them.
 NativeCollectives& native(const Context& ctx) { return *ctx.transport.native(); }
 
-// The collectives of this file whose algorithm the caller may name, and the
-// names each accepts (besides "auto"), in the order error messages list them.
+// The algorithms `coll` accepts (besides "auto"), quoted, as error messages
+// list them.
 std::string algos_of(CollKind coll) {
   std::string names;
-  for (const char* name : kAlgoNames) {
-    if (!implements(algo_from_name(name), coll)) continue;
+  for (const std::string& name : algorithms_of(coll)) {
     names += cat(names.empty() ? "'" : ", '", name, "'");
   }
   return names;
@@ -199,6 +198,21 @@ AlgoKind Comm::pick_auto(CollKind coll, size_t bytes, bool wire) const {
     return AlgoKind::kDirect;
   }
   return exec_->native_collectives() ? AlgoKind::kNative : AlgoKind::kRing;
+}
+
+void Comm::set_auto_table(AutoTable table) {
+  CommOptions o = options_;
+  o.auto_table = std::move(table);
+  check_options(o);
+  options_ = std::move(o);
+}
+
+std::string Comm::auto_algo(const std::string& op, int64_t bytes) const {
+  for (CollKind c : kChoosable) {
+    if (op == coll_name(c))
+      return algo_name(static_cast<int32_t>(pick_auto(c, static_cast<size_t>(bytes), false)));
+  }
+  throw UsageError(cat("auto_algo: unknown collective '", op, "'"));
 }
 
 // Ops pair up across ranks by the order each rank issues them. Two threads

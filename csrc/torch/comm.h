@@ -70,6 +70,14 @@ class Comm {
   bool on_own_thread() const { return exec_ && exec_->on_own_thread(); }
   bool check() const { return options_.check; }
   void set_check(bool on) { options_.check = on; }  // equal on all ranks, between ops
+  // algo="auto"'s table (CommOptions::auto_table); set between ops, the
+  // same on every rank (pycomm/_auto_table.py picks it). UsageError for an
+  // algorithm or collective it does not know.
+  const AutoTable& auto_table() const { return options_.auto_table; }
+  void set_auto_table(AutoTable table);
+  // What algo="auto" runs for collective `op` ("all_reduce", "all_gather",
+  // "reduce_scatter", "broadcast") of `bytes` bytes.
+  std::string auto_algo(const std::string& op, int64_t bytes) const;
   // True in a child forked after the communicator was created: its threads
   // and connections belong to the parent, so every call raises.
   bool forked() const;

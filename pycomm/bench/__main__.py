@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 -m pycomm.bench allreduce -b 1K -e 64M -f 4
     python -m pycomm.bench model r.json
     python -m pycomm.bench soak --nproc 3 --duration 60
+    python -m pycomm.bench tune --nproc 4 --transport gloo --out auto_table.json
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .model_cli import main as model_main
 
         return model_main(argv[1:])
+    if argv and argv[0] == "tune":
+        from .tune import main as tune_main
+
+        return tune_main(argv[1:])
     if argv and argv[0] == "soak":
         from .soak import main as soak_main
 

@@ -39,7 +39,7 @@ COLLECTIVES = tuple(SPECS)
 #: before timing (shm; sizes where a call did not run symmetric show N/A).
 #: The algorithms of one collective each (Collective.algos says whose).
 CLASSIC_ALGOS = ("recursive_doubling", "halving_doubling", "tree", "bruck")
-ALGOS = ("ring", "auto", "nccl", "torch", "flat", "symmetric", *CLASSIC_ALGOS, "all")
+ALGOS = ("ring", "auto", "direct", "nccl", "torch", "flat", "symmetric", *CLASSIC_ALGOS, "all")
 
 #: What ``--algo all`` adds to a collective's own algorithms
 #: (:attr:`~pycomm.bench.collectives.Collective.algos`).
@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--check", type=_zero_one, default=1,
                    help="1: count wrong elements against an independently computed result")
     p.add_argument("--algo", type=_algo_list, default=None,
-                   help="comma-separated list of ring, auto, nccl (GPU), torch, flat, symmetric, "
+                   help="comma-separated list of ring, auto, direct (shm), nccl (GPU), torch, flat, "
+                        "symmetric, "
                         "recursive_doubling, halving_doubling, tree (allreduce), bruck (allgather), "
                         "or all (every algorithm of the collective, auto and torch); measured "
                         "interleaved per size (default: ring,torch; with --hosts: "

@@ -1,0 +1,111 @@
+"""``python -m pycomm.bench tune``: measure every algorithm of a collective
+on this machine, transport and world size, and write the fastest per size
+as an entry of ``algo="auto"``'s table (:mod:`pycomm._auto_table`)::
+
+    python -m pycomm.bench tune --nproc 4 --transport gloo --out auto_table.json
+    PYCOMM_AUTO_TABLE=auto_table.json python train.py
+
+Each collective is one run of the study (``python -m pycomm.bench <coll>
+--algo <its algorithms>``, interleaved in rounds like any study run); the
+entry records the commit and the command. ``--out`` is merged into: an
+entry of the same device, transport and world size is replaced, the others
+stay. The built-in table (pycomm/auto_table.json) is written by this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from .. import _auto_table
+from .cli import parse_args
+from .collectives import SPECS
+from .launch import launch
+from .report import git_commit
+
+__all__ = ["best_by_size", "main"]
+
+#: Study sub-command -> the table's collective name (the C++ side's).
+TABLE_NAMES = {"allreduce": "all_reduce", "allgather": "all_gather"}
+
+
+def best_by_size(rows: Sequence[dict[str, Any]], algos: Sequence[str]) -> list[tuple[int, str]]:
+    """The fastest of ``algos`` at each measured size, sizes ascending
+    (rows with wrong results do not compete)."""
+    by_size: dict[int, tuple[float, str]] = {}
+    for r in rows:
+        if r["algo"] not in algos or r.get("wrong") or r["time_us"] <= 0:
+            continue
+        best = by_size.get(r["size"])
+        if best is None or r["time_us"] < best[0]:
+            by_size[r["size"]] = (r["time_us"], r["algo"])
+    return [(size, algo) for size, (_, algo) in sorted(by_size.items())]
+
+
+def _candidates(coll: str, transport: str) -> list[str]:
+    """The algorithms a table may choose for ``coll``: the collective's own,
+    and "direct" (all-reduce over shared memory) where it can run."""
+    algos = list(SPECS[coll].algos)
+    if coll == "allreduce" and transport in ("auto", "shm"):
+        algos.append("direct")
+    return algos
+
+
+def _measure(args: argparse.Namespace, coll: str, out: Path) -> dict[str, Any]:
+    argv = [coll, "--nproc", str(args.nproc), "--transport", args.transport, "--device", args.device,
+            "-b", args.minbytes, "-e", args.maxbytes, "-f", str(args.stepfactor),
+            "--algo", ",".join(_candidates(coll, args.transport)), "--json", str(out)]
+    code = launch(parse_args(argv))
+    if code != 0:
+        raise SystemExit(f"pycomm.bench tune: the {coll} study failed (exit {code})")
+    return json.loads(out.read_text())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pycomm.bench tune --nproc N [--transport T] --out FILE``."""
+    p = argparse.ArgumentParser(
+        prog="python -m pycomm.bench tune",
+        description="Measure every algorithm and write algo='auto''s table entry for this "
+                    "device, transport and world size.")
+    p.add_argument("--nproc", type=int, required=True, help="ranks (world size of the entry)")
+    p.add_argument("--transport", default="auto", choices=("auto", "shm", "gloo", "nccl"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--collectives", default="allreduce,allgather",
+                   help="comma-separated, of " + ", ".join(TABLE_NAMES))
+    p.add_argument("-b", "--minbytes", default="1K")
+    p.add_argument("-e", "--maxbytes", default="64M")
+    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("--out", required=True, help="table file to write (merged into if it exists)")
+    given = list(sys.argv[2:] if argv is None else argv)
+    args = p.parse_args(given)
+    colls = [c.strip() for c in args.collectives.split(",") if c.strip()]
+    for c in colls:
+        if c not in TABLE_NAMES:
+            p.error(f"--collectives: {c!r} has no table (choose from {', '.join(TABLE_NAMES)})")
+    if args.nproc < 2:
+        p.error("--nproc must be at least 2 (one rank has nothing to choose)")
+    if Path(args.out).exists():
+        _auto_table.load(args.out)  # a bad file fails now, not after the measurements
+    rules: dict[str, list[list[Any]]] = {}
+    transport = args.transport
+    with tempfile.TemporaryDirectory() as tmp:
+        for coll in colls:
+            data = _measure(args, coll, Path(tmp) / f"{coll}.json")
+            transport = data["rows"][0]["transport"] if data["rows"] else transport
+            best = best_by_size(data["rows"], _candidates(coll, args.transport))
+            rules[TABLE_NAMES[coll]] = _auto_table.rules_from_best(best)
+            print(f"# tune {coll}: " + ", ".join(f"{s} B {a}" for s, a in best))
+    entry = {"device": args.device, "transport": transport, "world_size": args.nproc,
+             "rules": rules,
+             "measured": {"commit": git_commit(),
+                          "command": "python -m pycomm.bench tune " + shlex.join(given)}}
+    table = _auto_table.with_entry(args.out, entry)
+    Path(args.out).write_text(json.dumps(table, indent=2) + "\n")
+    print(f"# wrote {args.out}: {args.device}/{transport}/{args.nproc} ranks: "
+          + json.dumps(rules))
+    return 0
