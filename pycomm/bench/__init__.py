@@ -9,7 +9,8 @@ model and predicts larger worlds. See benchmarks/allreduce/README.md.
 The modules: ``cli`` (flags), ``collectives`` (per-collective bytes, busbw
 factor, data, expected result, runners), ``runner`` (the per-rank harness),
 ``launch`` (torchrun or spawned ranks), ``report`` (table, JSON, plot),
-``model`` (alpha-beta fit and predictions).
+``model`` (alpha-beta fit and predictions), ``bounds`` (the copy every
+series is read against).
 """
 
 from __future__ import annotations
