@@ -231,20 +231,21 @@ def test_table_format():
     summary = report.format_summary([_row(), _row(algo="torch", busbw=0.3, wrong=2)], ["ring", "torch"])
     assert "# Out of bounds values : 2 FAILED" in summary
     assert "# Avg bus bandwidth" in summary
-    # ratios: ring 10 us vs torch 40 us at 1 KiB; at 4 KiB busbw 2 against bounds of
-    # busbw 4 (one core) and 2.5 (every rank), left out of the averages
-    rows = [_row(time_us=10.0), _row(algo="torch", time_us=40.0),
+    # ratios: ring 10 us vs torch 40 us and mpich 20 us at 1 KiB; at 4 KiB busbw 2 against
+    # bounds of busbw 4 (one core) and 2.5 (every rank), left out of the averages
+    rows = [_row(time_us=10.0), _row(algo="torch", time_us=40.0), _row(algo="mpich", time_us=20.0),
             _row(size=4096, time_us=20.0, busbw=2.0), _row(algo="torch", size=4096, time_us=30.0, busbw=1.0),
             _row(algo="copy-core", size=4096, busbw=4.0, wrong=None, bound=True, traffic_GBps=8.0),
             _row(algo="copy-ranks", size=4096, busbw=2.5, wrong=None, bound=True, traffic_GBps=5.0)]
-    summary = report.format_summary(rows, ["ring", "torch"])
-    assert "# Speedup over torch (time ratio): 1K: ring 4.0x; 4K: ring 1.5x" in summary
+    summary = report.format_summary(rows, ["ring", "torch", "mpich"])
+    assert "# Speedup over torch (time ratio): 1K: ring 4.0x, mpich 2.0x; 4K: ring 1.5x" in summary
+    assert "# Speedup over mpich (time ratio): 1K: ring 2.0x, torch 0.5x" in summary
     assert ("# busbw / copy-core busbw at 4K (copy traffic 8.00 GB/s read + written per rank): "
             "ring 50%, torch 25%") in summary
     assert ("# busbw / copy-ranks busbw at 4K (copy traffic 5.00 GB/s read + written per rank): "
             "ring 80%, torch 40%") in summary
-    assert "#   copy" not in summary and "# Avg bus bandwidth    : 0.8012\n" in summary
-    assert "copy" not in report.format_summary(rows[:4], ["ring", "torch"])
+    assert "#   copy" not in summary and "# Avg bus bandwidth    : 0.66144\n" in summary
+    assert "copy" not in report.format_summary(rows[:5], ["ring", "torch", "mpich"])
     top = report.format_header([("ring", True), ("copy-ranks", None)]).splitlines()[0]
     assert top.endswith(" ring in-place" + " " * 24 + "copy-ranks")  # a bound has no placement
 
@@ -331,24 +332,31 @@ def test_model_cli(tmp_path, capsys):
 
 # ------------------------------------------------------------------ optional dependencies
 
-_NO_MATPLOTLIB = "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = {argv!r}; "
+_WITHOUT = "import runpy, sys; sys.modules[{module!r}] = None; sys.argv = {argv!r}; "
+_BENCH = ["pycomm.bench", "allreduce", "--nproc", "2"]
 
 
-@pytest.mark.parametrize("argv, runner", [
-    (["pycomm.bench", "allreduce", "--nproc", "2", "--plot", "r.png"], "runpy.run_module"),
-    ([str(ROOT / "benchmarks" / "ddp" / "bench.py"), "--json", "r.json"], "runpy.run_path"),
-    ([str(ROOT / "benchmarks" / "pipeline" / "bench_pipeline.py"), "--out", "."], "runpy.run_path"),
-], ids=["bench-plot", "ddp-bench", "pipeline-bench"])
-def test_missing_matplotlib_fails_at_parsing(tmp_path, argv, runner):
-    """A plot without matplotlib ends the command before anything runs, with
-    one line naming the fix (it once crashed every rank after the sweep)."""
-    code = _NO_MATPLOTLIB.format(argv=argv) + f"{runner}({argv[0]!r}, run_name='__main__')"
+@pytest.mark.parametrize("module, fix, argv, runner", [
+    ("matplotlib", "pip install matplotlib", _BENCH + ["--plot", "r.png"], "runpy.run_module"),
+    ("matplotlib", "pip install matplotlib",
+     [str(ROOT / "benchmarks" / "ddp" / "bench.py"), "--json", "r.json"], "runpy.run_path"),
+    ("matplotlib", "pip install matplotlib",
+     [str(ROOT / "benchmarks" / "pipeline" / "bench_pipeline.py"), "--out", "."], "runpy.run_path"),
+    ("mpi4py", "pip install mpi4py mpich", _BENCH + ["--peers", "mpich", "--json", "r.json"],
+     "runpy.run_module"),
+    ("deepspeed", "pip install deepspeed", _BENCH + ["--peers", "deepspeed"], "runpy.run_module"),
+], ids=["bench-plot", "ddp-bench", "pipeline-bench", "peer-mpich", "peer-deepspeed"])
+def test_missing_module_fails_at_parsing(tmp_path, module, fix, argv, runner):
+    """An option whose module is missing (a plot without matplotlib, a peer
+    without its library) ends the command before anything runs, with one
+    line naming the fix (a plot once crashed every rank after the sweep)."""
+    code = _WITHOUT.format(module=module, argv=argv) + f"{runner}({argv[0]!r}, run_name='__main__')"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "matplotlib" in lines[0] and "pip install matplotlib" in lines[0], lines
+    assert len(lines) == 1 and module in lines[0] and fix in lines[0], lines
     assert res.stdout == "" and list(tmp_path.iterdir()) == []  # nothing ran, nothing written
 
 

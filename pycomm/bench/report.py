@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence, TextIO
 
 from .cli import format_size
+from .peers import SPECS as PEER_SPECS
 
 __all__ = [
     "ROW_KEYS",
@@ -83,7 +84,7 @@ def avg_busbw(rows: Iterable[dict[str, Any]]) -> float:
 
 
 #: The series each other series' speedup is printed against, when measured.
-BASELINES = ("torch",)
+BASELINES = ("torch", "mpich")
 
 
 def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str]) -> str:
@@ -102,7 +103,7 @@ def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str]) -> str:
         for a in algos:
             mine = [r for r in rows if r["algo"] == a]
             if mine:
-                lines.append(f"#   {a:<8}           : {avg_busbw(mine):g}")
+                lines.append(f"#   {a:<19}: {avg_busbw(mine):g}")
     # Ratios compare rows of one placement (the first one measured).
     first = [r for r in rows if r["in_place"] == rows[0]["in_place"]] if rows else []
     by = {(r["algo"], r["size"]): r for r in first}
@@ -172,7 +173,7 @@ def load_json(path: str) -> dict[str, Any]:
 
 def plot_results(data: dict[str, Any], path: str) -> None:
     """Left: busbw vs message size (log x), one line per algo (and
-    placement), with the bounds in gray (bounds.py; one core:
+    placement) and peer, with the bounds in gray (bounds.py; one core:
     dotted, every rank at once: dash-dot); the y axis turns logarithmic when
     the values span more than 100x.
     Right: time vs size (log-log), where latency floors show."""
@@ -236,6 +237,8 @@ def _series_label(algo: str, transport: str, bound: bool) -> str:
         return f"bound: {algo} (memmove in place, 2 x size read + written)"
     if algo == "torch":
         return f"torch.distributed ({transport})"
+    if algo in PEER_SPECS:  # a peer's rows carry its name as their algo
+        return PEER_SPECS[algo].title
     return f"pycomm {algo} ({transport})"
 
 

@@ -28,8 +28,9 @@ Timing, per (size, placement, algo), after nccl-tests:
    the same on every rank), so the first calls after a barrier, which carry
    its exit skew, do not decide the median.
 
-The bounds (bounds.py: a copy of the size by one core and by every rank
-at once) are more series in the first placement's rounds.
+The peers (``--peers``: another library's all-reduce, peers.py) are more
+series in the same rounds; so are the bounds (bounds.py: a copy of the
+size by one core and by every rank at once), in the first placement's.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import torch.distributed as dist
 from . import collectives as C
 from .bounds import BOUNDS, COPY_CORE, COPY_RANKS, Copy, traffic_gbps
 from .cli import format_size
+from .peers import open_peers
 from .report import Progress, format_header, format_row, format_summary, git_commit, plot_results, write_json
 
 __all__ = ["run_benchmark"]
@@ -116,17 +118,24 @@ def _pick_device(choice: str) -> torch.device:
 @dataclass
 class _Session:
     """One rank's side of a run: what it measures (``coll``, ``call``), the
-    pycomm communicator (None when only torch is measured) and the control
-    group that barriers and agreements go through."""
+    pycomm communicator (None when only torch is measured), the peers
+    (peers.py) and the control group that barriers and agreements go
+    through."""
 
     args: Any
     coll: C.Collective
     call: C.Call
     comm: Any
     flat: Any  # the transport="gloo" communicator of algo "flat", or None
+    peers: dict[str, Any]
     ctl: Any
     torch_backend: str
     out: TextIO
+
+    @property
+    def series(self) -> list[str]:
+        """What is measured, in table order: the algos, then the peers."""
+        return [*self.args.algo, *self.peers]
 
     @property
     def root(self) -> int:
@@ -145,6 +154,8 @@ class _Session:
     def transport_of(self, algo: str) -> str:
         if algo == "flat":
             return "gloo"
+        if algo in self.peers:
+            return str(self.peers[algo].transport)
         if algo in BOUNDS:
             return "memory"
         return self.torch_backend if algo == "torch" else str(self.pycomm_transport)
@@ -159,6 +170,8 @@ class _Session:
         return t.tolist()
 
     def runner(self, algo: str, bufs: C.Buffers) -> Callable[[], None]:
+        if algo in self.peers:
+            return self.peers[algo].runner(bufs.tensors["tensor"], self.call.op)
         if algo == "flat":
             return C.runner(self.coll, "ring", bufs, self.flat, self.call)
         return C.runner(self.coll, algo, bufs, self.comm, self.call)
@@ -166,7 +179,8 @@ class _Session:
 
 def _open_session(args: Any) -> _Session:
     """Checks the world against the collective, picks the device, and creates
-    the control group and (unless only torch is measured) the communicator."""
+    the control group, (unless only torch is measured) the communicator and
+    the peers."""
     rank, n = dist.get_rank(), dist.get_world_size()
     coll = C.SPECS[args.collective]
     if n < coll.min_world:
@@ -187,7 +201,8 @@ def _open_session(args: Any) -> _Session:
     if "flat" in args.algo:
         flat = pycomm.init(group=dist.group.WORLD, transport="gloo", device=device,
                            set_default=False)
-    return _Session(args, coll, call, comm, flat, ctl, str(dist.get_backend()), sys.stdout)
+    peers = open_peers(args.peers, rank, n, ctl)
+    return _Session(args, coll, call, comm, flat, peers, ctl, str(dist.get_backend()), sys.stdout)
 
 
 def _probe_algos(s: _Session) -> tuple[list[str], dict[str, str]]:
@@ -195,7 +210,7 @@ def _probe_algos(s: _Session) -> tuple[list[str], dict[str, str]]:
     can run, {algo: why not} for the others)."""
     skipped: dict[str, str] = {}
     active: list[str] = []
-    for algo in s.args.algo:
+    for algo in s.series:
         err = ""
         try:
             probe = s.coll.buffers(s.call, 1, s.coll.placements[0])
@@ -222,6 +237,8 @@ def _print_header(s: _Session, groups: list[tuple[str, bool | None]], skipped: d
           f"rounds {a.rounds} (each >= {a.min_round_ms:g} ms per algo), check {a.check}", file=out)
     print(f"# transports: pycomm {s.pycomm_transport}, torch {s.torch_backend}; host "
           f"{socket.gethostname()}, torch {torch.__version__}", file=out)
+    for name, peer in s.peers.items():
+        print(f"# peer {name}: {peer.version}", file=out)
     print(f"# bounds: {_BOUNDS_NOTE}", file=out)
     print("# time: calls back to back, max over ranks of each rank's median; out-of-place: "
           + ("measured" if False in coll.placements else
@@ -295,7 +312,7 @@ _BOUNDS_NOTE = (f"{COPY_CORE} (rank 0 alone) and {COPY_RANKS} (every rank at onc
 
 def _measure_size(s: _Session, nbytes: int, active: list[str],
                   bar: Progress) -> list[dict[str, Any] | None]:
-    """The rows of one size: every placement, every algo (check, then
+    """The rows of one size: every placement, every series (check, then
     time); None for a "symmetric" row whose calls did not all run
     symmetric; then the bounds (bounds.py), timed in the first placement's
     rounds."""
@@ -363,6 +380,7 @@ def _meta(s: _Session, active: list[str], skipped: dict[str, str]) -> dict[str, 
         # torchrun's (and --hosts') layout: ranks a host, hosts (1: one host)
         "ranks_per_host": _ranks_per_host(s), "hosts": s.call.world_size // _ranks_per_host(s),
         "transport": s.pycomm_transport, "torch_backend": s.torch_backend,
+        "peers": {name: peer.version for name, peer in s.peers.items()},
         "bounds": _BOUNDS_NOTE,
         "host": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(), "torch": torch.__version__,
@@ -396,8 +414,8 @@ def run_benchmark(args: Any) -> int:
     """Runs the sweep on this rank (torch.distributed already initialised).
     Returns the process exit code: 0, or 1 when a result was wrong.
 
-    The steps: open the session (device, control group, communicator),
-    probe which algos run, print the header, sweep the sizes (the
+    The steps: open the session (device, control group, communicator,
+    peers), probe which series run, print the header, sweep the sizes (the
     bounds in the same rounds), report (rank 0), close.
     """
     s = _open_session(args)
