@@ -242,18 +242,23 @@ def test_table_format():
     summary = report.format_summary([_row(), _row(algo="torch", busbw=0.3, wrong=2)], ["ring", "torch"])
     assert "# Out of bounds values : 2 FAILED" in summary
     assert "# Avg bus bandwidth" in summary
-    # ratios: ring 10 us vs torch 40 us at 1 KiB, busbw 2 of a 4 GB/s memcpy at 4 KiB
-    rows = [_row(time_us=10.0), _row(algo="torch", time_us=40.0),
-            _row(size=4096, time_us=20.0, busbw=2.0), _row(algo="torch", size=4096, time_us=30.0, busbw=1.0)]
-    summary = report.format_summary(rows, ["ring", "torch"], memcpy_gbps=4.0, memcpy_all_gbps=2.5,
-                                    memcpy_beside_gbps=3.2)
-    assert "# Speedup over torch (time ratio): 1K: ring 4.0x; 4K: ring 1.5x" in summary
-    assert "# busbw / memcpy bandwidth at 4K: ring 50%, torch 25%" in summary
-    assert ("# busbw / memcpy timed in the same rounds (3.20 GB/s) at 4K: ring 62%, torch 31%"
-            in summary)
-    assert "# busbw / memcpy of every rank at once at 4K: ring 80%, torch 40%" in summary
-    without = report.format_summary(rows, ["ring", "torch"], memcpy_gbps=4.0)
-    assert "same rounds" not in without
+    # ratios: ring 10 us vs torch 40 us and mpich 20 us at 1 KiB; at 4 KiB busbw 2 against
+    # bounds of busbw 4 (one core) and 2.5 (every rank), left out of the averages
+    rows = [_row(time_us=10.0), _row(algo="torch", time_us=40.0), _row(algo="mpich", time_us=20.0),
+            _row(size=4096, time_us=20.0, busbw=2.0), _row(algo="torch", size=4096, time_us=30.0, busbw=1.0),
+            _row(algo="copy-core", size=4096, busbw=4.0, wrong=None, bound=True, traffic_GBps=8.0),
+            _row(algo="copy-ranks", size=4096, busbw=2.5, wrong=None, bound=True, traffic_GBps=5.0)]
+    summary = report.format_summary(rows, ["ring", "torch", "mpich"])
+    assert "# Speedup over torch (time ratio): 1K: ring 4.0x, mpich 2.0x; 4K: ring 1.5x" in summary
+    assert "# Speedup over mpich (time ratio): 1K: ring 2.0x, torch 0.5x" in summary
+    assert ("# busbw / copy-core busbw at 4K (copy traffic 8.00 GB/s read + written per rank): "
+            "ring 50%, torch 25%") in summary
+    assert ("# busbw / copy-ranks busbw at 4K (copy traffic 5.00 GB/s read + written per rank): "
+            "ring 80%, torch 40%") in summary
+    assert "#   copy" not in summary and "# Avg bus bandwidth    : 0.66144\n" in summary
+    assert "copy" not in report.format_summary(rows[:5], ["ring", "torch", "mpich"])
+    top = report.format_header([("ring", True), ("copy-ranks", None)]).splitlines()[0]
+    assert top.endswith(" ring in-place" + " " * 24 + "copy-ranks")  # a bound has no placement
 
 
 def test_json_schema_roundtrip(tmp_path):
@@ -338,28 +343,67 @@ def test_model_cli(tmp_path, capsys):
 
 # ------------------------------------------------------------------ optional dependencies
 
-_NO_MATPLOTLIB = "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = {argv!r}; "
+_WITHOUT = "import runpy, sys; sys.modules[{module!r}] = None; sys.argv = {argv!r}; "
+_BENCH = ["pycomm.bench", "allreduce", "--nproc", "2"]
 
 
-@pytest.mark.parametrize("argv, runner", [
-    (["pycomm.bench", "allreduce", "--nproc", "2", "--plot", "r.png"], "runpy.run_module"),
-    ([str(ROOT / "benchmarks" / "ddp" / "bench.py"), "--json", "r.json"], "runpy.run_path"),
-    ([str(ROOT / "benchmarks" / "pipeline" / "bench_pipeline.py"), "--out", "."], "runpy.run_path"),
-], ids=["bench-plot", "ddp-bench", "pipeline-bench"])
-def test_missing_matplotlib_fails_at_parsing(tmp_path, argv, runner):
-    """A plot without matplotlib ends the command before anything runs, with
-    one line naming the fix (it once crashed every rank after the sweep)."""
-    code = _NO_MATPLOTLIB.format(argv=argv) + f"{runner}({argv[0]!r}, run_name='__main__')"
+@pytest.mark.parametrize("module, fix, argv, runner", [
+    ("matplotlib", "pip install matplotlib", _BENCH + ["--plot", "r.png"], "runpy.run_module"),
+    ("matplotlib", "pip install matplotlib",
+     [str(ROOT / "benchmarks" / "ddp" / "bench.py"), "--json", "r.json"], "runpy.run_path"),
+    ("matplotlib", "pip install matplotlib",
+     [str(ROOT / "benchmarks" / "pipeline" / "bench_pipeline.py"), "--out", "."], "runpy.run_path"),
+    ("mpi4py", "pip install mpi4py mpich", _BENCH + ["--peers", "mpich", "--json", "r.json"],
+     "runpy.run_module"),
+    ("deepspeed", "pip install deepspeed", _BENCH + ["--peers", "deepspeed"], "runpy.run_module"),
+], ids=["bench-plot", "ddp-bench", "pipeline-bench", "peer-mpich", "peer-deepspeed"])
+def test_missing_module_fails_at_parsing(tmp_path, module, fix, argv, runner):
+    """An option whose module is missing (a plot without matplotlib, a peer
+    without its library) ends the command before anything runs, with one
+    line naming the fix (a plot once crashed every rank after the sweep)."""
+    code = _WITHOUT.format(module=module, argv=argv) + f"{runner}({argv[0]!r}, run_name='__main__')"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "matplotlib" in lines[0] and "pip install matplotlib" in lines[0], lines
+    assert len(lines) == 1 and module in lines[0] and fix in lines[0], lines
     assert res.stdout == "" and list(tmp_path.iterdir()) == []  # nothing ran, nothing written
 
 
 # ------------------------------------------------------------------ end to end
+
+def check_bound_rows(rows, sizes, bus_factor=1.0):
+    """A run's bound rows (pycomm.bench.bounds): one copy-core and one
+    copy-ranks row per size, unchecked, their traffic 2 x size per copy's
+    time, their busbw the collective's at that time."""
+    bounds = [r for r in rows if r.get("bound")]
+    assert sorted((r["size"], r["algo"]) for r in bounds) == \
+        [(s, b) for s in sorted(sizes) for b in ("copy-core", "copy-ranks")]
+    for r in bounds:
+        assert set(report.ROW_KEYS) <= set(r) and r["wrong"] is None and r["transport"] == "memory"
+        assert math.isfinite(r["time_us"]) and r["time_us"] > 0
+        assert r["traffic_GBps"] == pytest.approx(2 * r["size"] / r["time_us"] / 1e3)
+        assert r["busbw"] == pytest.approx(r["size"] / r["time_us"] / 1e3 * bus_factor)
+
+
+def test_bound_copy_moves_its_size_in_place():
+    """The bound's copy: its buffer's bytes shift down by one cache line
+    (size bytes read, size bytes written); an inactive copy does nothing."""
+    from pycomm.bench.bounds import Copy, traffic_gbps
+
+    for nbytes in (0, 1, 100, 4096):
+        c = Copy(torch.device("cpu"), nbytes)
+        buf = c._buf
+        buf.copy_(torch.arange(buf.numel()) % 251)
+        before = buf.clone()
+        c()
+        assert torch.equal(buf[:nbytes], before[64:64 + nbytes])
+        assert torch.equal(buf[nbytes:], before[nbytes:])
+    idle = Copy(torch.device("cpu"), 4096, active=False)
+    assert idle.nbytes == 0 and idle._buf.numel() == 64
+    assert traffic_gbps(1000, 1e-6) == pytest.approx(2.0) and traffic_gbps(1, 0.0) == 0.0
+
 
 def _bench(args, tmp_path, timeout=240):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -376,18 +420,17 @@ def test_end_to_end_nproc2(tmp_path):
     assert "# algo nccl: skipped" in out  # CPU: no nccl, said so, run goes on
     assert "# Out of bounds values : 0 OK" in out and "# Avg bus bandwidth" in out
     data = json.loads((tmp_path / "r.json").read_text())
-    rows = data["rows"]
+    rows = [r for r in data["rows"] if not r.get("bound")]
     assert {r["algo"] for r in rows} == {"ring", "torch"}
     assert sorted({r["size"] for r in rows}) == [64, 512, 4096]
+    check_bound_rows(data["rows"], [64, 512, 4096])
     for r in rows:
         assert set(report.ROW_KEYS) <= set(r)
         assert r["wrong"] == 0 and r["world_size"] == 2 and r["device"] == "cpu"
         assert r["busbw"] == pytest.approx(r["algbw"] * 1.0)
         assert math.isfinite(r["time_us"]) and r["time_us"] > 0
-    assert data["meta"]["memcpy_GBps"] > 0 and data["meta"]["memcpy_all_ranks_GBps"] > 0
-    # rank 0's memcpy of the largest size, timed in that size's rounds
-    assert data["meta"]["memcpy_beside_GBps"] > 0
-    assert "# busbw / memcpy timed in the same rounds (" in out
+    assert "copy-core" in out and "copy-ranks" in out
+    assert "# busbw / copy-ranks busbw at 4K (copy traffic " in out
     # the commit of the code measured (this checkout), "-dirty" if it has changes
     assert len(data["meta"]["commit"].split("-")[0]) == 40, data["meta"]["commit"]
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -406,8 +449,8 @@ def test_end_to_end_symmetric_series(tmp_path):
                   "-w", "1", "--algo", "auto,symmetric,torch", "--json", "r.json"], tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "symmetric in-place" in res.stdout and "# Out of bounds values : 0 OK" in res.stdout
-    assert "# busbw / memcpy bandwidth at 1M: auto" in res.stdout and "symmetric" in \
-        res.stdout.split("# busbw / memcpy")[1]
+    assert "# busbw / copy-core busbw at 1M" in res.stdout and "symmetric" in \
+        res.stdout.split("# busbw / copy-core")[1]
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     sym = [r for r in rows if r["algo"] == "symmetric"]
     assert sorted(r["size"] for r in sym) == [4096, 65536, 1 << 20]
@@ -426,7 +469,7 @@ def test_end_to_end_new_collectives_nproc2(tmp_path, coll):
                   "-r", "1", "--json", "r.json"], tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "# Out of bounds values : 0 OK" in res.stdout
-    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    rows = [r for r in json.loads((tmp_path / "r.json").read_text())["rows"] if not r.get("bound")]
     assert {r["algo"] for r in rows} == {"ring", "torch"}
     factor = 1.0 if coll == "reduce" else 0.5
     for r in rows:

@@ -8,8 +8,10 @@ model and predicts larger worlds. See benchmarks/allreduce/README.md.
 
 The modules: ``cli`` (flags), ``collectives`` (per-collective bytes, busbw
 factor, data, expected result, runners), ``runner`` (the per-rank harness),
-``launch`` (torchrun or spawned ranks), ``report`` (table, JSON, plot),
-``model`` (alpha-beta fit and predictions).
+``launch`` (torchrun, spawned or mpiexec's ranks), ``report`` (table,
+JSON, plot), ``model`` (alpha-beta fit and predictions), ``bounds`` (the
+copy every series is read against), ``peers`` (MPICH's and DeepSpeed's
+all-reduce as series).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import importlib.util
 import re
 from typing import Callable, Sequence
 
+from . import peers as P
 from .collectives import SPECS
 
 __all__ = [
@@ -20,12 +21,16 @@ __all__ = [
     "HOSTS_ALGOS",
     "OPS",
     "build_parser",
+    "error_line",
     "format_size",
     "parse_args",
     "parse_size",
+    "refuse",
     "require_module",
     "size_sweep",
 ]
+
+PROG = "python -m pycomm.bench"
 
 #: Sub-commands that measure a collective (``model`` is handled by __main__):
 #: one per :class:`~pycomm.bench.collectives.Collective`.
@@ -144,6 +149,14 @@ def _algo_list(text: str) -> list[str]:
     return list(dict.fromkeys(algos))  # keep order, drop repeats
 
 
+def _peer_list(text: str) -> list[str]:
+    peers = [a.strip().lower() for a in re.split(r"[,\s]+", text) if a.strip()]
+    for a in peers:
+        if a not in P.PEERS:
+            raise argparse.ArgumentTypeError(f"unknown peer {a!r}; choose from {', '.join(P.PEERS)}")
+    return list(dict.fromkeys(peers))
+
+
 def _zero_one(text: str) -> int:
     if text not in ("0", "1"):
         raise argparse.ArgumentTypeError(f"expected 0 or 1, got {text!r}")
@@ -172,7 +185,7 @@ _nonneg_int = _int_at_least(0)
 def build_parser() -> argparse.ArgumentParser:
     """The parser of one measuring sub-command (collective is positional)."""
     p = argparse.ArgumentParser(
-        prog="python -m pycomm.bench",
+        prog=PROG,
         description=(
             "Measure a collective the way nccl-tests does, for several algorithms side by "
             "side (pycomm's ring, auto, nccl, and torch.distributed's own backend). Runs "
@@ -213,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or all (every algorithm of the collective, auto and torch); measured "
                         "interleaved per size (default: ring,torch; with --hosts: "
                         "auto,flat,torch)")
+    p.add_argument("--peers", type=_peer_list, default=[], metavar="LIST",
+                   help=f"comma-separated list of {', '.join(P.PEERS)}: another library's all-reduce "
+                        "as one more series in the same rounds (pycomm/bench/peers.py)")
     p.add_argument("--transport", default="auto", choices=("auto", "gloo", "shm", "nccl"),
                    help="pycomm transport (pycomm.init(transport=...))")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -231,6 +247,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def error_line(message: str, prog: str = PROG) -> str:
+    """A usage error as one line, the way argparse starts its own."""
+    return f"{prog}: error: {message}\n"
+
+
+def refuse(parser: argparse.ArgumentParser, message: str) -> None:
+    """Ends the program with ``message`` as one line and exit status 2
+    (argparse's own errors also print the usage)."""
+    parser.exit(2, error_line(message, parser.prog))
+
+
 def require_module(parser: argparse.ArgumentParser, flag: str, module: str,
                    fix: str | None = None) -> None:
     """Ends the program at argument parsing, with one line naming the fix,
@@ -238,8 +265,8 @@ def require_module(parser: argparse.ArgumentParser, flag: str, module: str,
     never after the measurements are done. ``fix`` defaults to
     ``pip install <module>``. Exit status 2, as argparse's own errors."""
     if importlib.util.find_spec(module) is None:
-        parser.exit(2, f"{parser.prog}: error: {flag} needs {module}, which is not installed: "
-                       f"{fix or 'pip install ' + module}\n")
+        refuse(parser, f"{flag} needs {module}, which is not installed: "
+                       f"{fix or 'pip install ' + module}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -277,4 +304,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.op = "none"  # no reduction; printed as nccl-tests does
     if args.plot:
         require_module(p, "--plot", "matplotlib")
+    for peer in args.peers:
+        require_module(p, f"--peers {peer}", P.SPECS[peer].module, P.SPECS[peer].fix)
+        why = P.why_not(peer, args)
+        if why:
+            refuse(p, f"--peers {peer}: {why}")
     return args

@@ -1,5 +1,7 @@
 """Starting the ranks: under torchrun (one process per rank already), or
-``--nproc N`` local ranks spawned here.
+``--nproc N`` local ranks spawned here, or, with ``--peers mpich``, the
+same ``--nproc N`` ranks started by MPI's ``mpiexec`` (this command run
+again under it: MPI's ranks must come from its launcher).
 
 Spawned ranks rendezvous through a TCPStore that this (parent) process
 serves on 127.0.0.1 with a port the OS picks, so there is no port race. A
@@ -10,6 +12,8 @@ killed and the run fails, so a hang cannot outlive the limit.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import multiprocessing as mp
 import os
 import shutil
@@ -20,14 +24,20 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["launch", "run_script", "under_torchrun"]
+__all__ = ["launch", "run_script", "under_mpiexec", "under_torchrun"]
 
 
 def under_torchrun() -> bool:
     """True when torchrun (or another env:// launcher) started this process."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def under_mpiexec() -> bool:
+    """True when an MPI launcher with the PMI interface (MPICH's hydra)
+    started this process."""
+    return all(k in os.environ for k in ("PMI_RANK", "PMI_SIZE"))
 
 
 def _backend(device: str) -> str:
@@ -67,21 +77,29 @@ def _watchdog(seconds: float) -> None:
     t.start()
 
 
+def _join(args: Any, rank: int, world: int, store: Any) -> None:
+    """A local rank's setup: its share of the cores, then torch.distributed
+    through ``store``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    backend = _backend(args.device)
+    if backend != "gloo" and world > torch.cuda.device_count():
+        # More ranks than GPUs: distinct host ids make NCCL use its socket
+        # transport between ranks sharing a GPU (correct, not fast).
+        os.environ.setdefault("NCCL_HOSTID", f"pycomm-bench-{rank}")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=_rank_timeout(args))
+
+
 def _child(rank: int, world: int, port: int, args: Any, err_path: str) -> None:
     try:
-        import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        backend = _backend(args.device)
-        if backend != "gloo" and world > torch.cuda.device_count():
-            # More ranks than GPUs: distinct host ids make NCCL use its socket
-            # transport between ranks sharing a GPU (correct, not fast).
-            os.environ.setdefault("NCCL_HOSTID", f"pycomm-bench-{rank}")
-        os.environ.setdefault("LOCAL_RANK", str(rank))
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_rank_timeout(args))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=_rank_timeout(args))
+        _join(args, rank, world, store)
         code = _run_here(args)
     except BaseException:
         with open(err_path, "w") as f:
@@ -190,11 +208,98 @@ def _spawn_hosts(args: Any) -> int:
     return code
 
 
+def _spawn_mpiexec(args: Any) -> int:
+    """``--peers mpich``: this command again, as ``--nproc`` ranks started
+    by ``mpiexec`` (their output is this command's); killed past
+    ``--timeout`` (the ranks also watch it themselves). MPICH leaves its
+    shared-memory segment behind when a rank aborts: a failed run removes
+    the ``/dev/shm/mpich_shm_*`` files that appeared while it ran."""
+    from .peers import mpiexec
+
+    argv = _without_launch_flags(list(sys.argv[1:] if args.argv is None else args.argv))
+    cmd = [str(mpiexec()), "-n", str(args.nproc or 1), sys.executable, "-m", "pycomm.bench", *argv]
+    before = set(glob.glob("/dev/shm/mpich_shm_*"))
+    proc = subprocess.Popen(cmd)
+    code = 1
+    try:
+        code = proc.wait(timeout=args.timeout + 30)
+        return code
+    except subprocess.TimeoutExpired:
+        print(f"pycomm.bench: timed out after {args.timeout:g} s (-T/--timeout); ranks killed",
+              file=sys.stderr, flush=True)
+        return 124
+    except KeyboardInterrupt:
+        print("pycomm.bench: interrupted; stopping the ranks", file=sys.stderr)
+        return 1
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # mpiexec passes it on to the ranks
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for path in set(glob.glob("/dev/shm/mpich_shm_*")) - before if code else ():
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _mpi_rank(args: Any) -> NoReturn:
+    """One rank started by ``mpiexec``: MPI first (its rank and world are
+    this rank's), then torch.distributed through a TCPStore that rank 0
+    serves, its port broadcast over MPI. A rank that raises aborts every
+    rank (MPI_Abort), so none waits for it in a barrier. Like a spawned
+    rank, it ends with ``os._exit`` (after MPI_Finalize): no C++ static
+    destructors race the threads of the libraries at exit."""
+    import torch.distributed as dist
+
+    from .peers import mpi_world
+
+    world = mpi_world()  # before mpi4py.MPI is imported: it sets the thread level
+    from mpi4py import MPI
+
+    rank, n = world.Get_rank(), world.Get_size()
+    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("MPI_LOCALNRANKS", str(n)))
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", str(rank)))
+    _watchdog(args.timeout)
+    code = 1
+    try:
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                              timeout=_rank_timeout(args)) if rank == 0 else None
+        port = world.bcast(store.port if store is not None else None, root=0)
+        if store is None:
+            store = dist.TCPStore(addr, port, is_master=False, timeout=_rank_timeout(args))
+        _join(args, rank, n, store)
+        code = _run_here(args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        world.Abort(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.Finalize()
+    os._exit(code)
+
+
 def launch(args: Any) -> int:
     """Runs the benchmark on every rank; returns the exit code (0 ok, 1 a
-    rank failed or a result was wrong, 124 timeout)."""
+    rank failed or a result was wrong, 2 a peer cannot run, 124 timeout)."""
     if getattr(args, "hosts", None):
         return _spawn_hosts(args)
+    peers = getattr(args, "peers", [])
+    if "mpich" in peers and under_mpiexec():
+        return _mpi_rank(args)
+    if peers:
+        from .cli import error_line
+        from .peers import prepare
+
+        why = prepare(peers)
+        if why:
+            sys.stderr.write(error_line(why))
+            return 2
+    if "mpich" in peers:
+        return _spawn_mpiexec(args)
     if under_torchrun():
         if args.nproc is not None:
             raise SystemExit("pycomm.bench: --nproc spawns ranks itself; drop it under torchrun")

@@ -136,10 +136,11 @@ def fit_alpha_beta(samples: Iterable[tuple[int, float, float]], weighting: str =
 
 def fit_rows(rows: Sequence[dict[str, Any]], weighting: str = "relative") -> dict[str, Fit]:
     """One fit per algo from ``--json`` rows of all-reduce (rows with wrong
-    results are left out; in-place and out-of-place rows pool together)."""
+    results and the bounds' rows are left out; in-place and out-of-place
+    rows pool together)."""
     by_algo: dict[str, list[tuple[int, float, float]]] = {}
     for r in rows:
-        if r.get("collective", "allreduce") != "allreduce" or r.get("wrong"):
+        if r.get("collective", "allreduce") != "allreduce" or r.get("wrong") or r.get("bound"):
             continue
         by_algo.setdefault(r["algo"], []).append((r["world_size"], r["size"], r["time_us"] * 1e-6))
     if not by_algo:

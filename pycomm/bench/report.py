@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence, TextIO
 
 from .cli import format_size
+from .peers import SPECS as PEER_SPECS
 
 __all__ = [
     "ROW_KEYS",
@@ -41,10 +42,14 @@ def _placement(in_place: bool) -> str:
     return "in-place" if in_place else "out-of-place"
 
 
-def format_header(groups: Sequence[tuple[str, bool]]) -> str:
+def _group_title(algo: str, in_place: bool | None) -> str:
+    return algo if in_place is None else f"{algo} {_placement(in_place)}"
+
+
+def format_header(groups: Sequence[tuple[str, bool | None]]) -> str:
     """The three header lines; ``groups`` are the (algo, in_place) column
-    groups in print order."""
-    top = "#" + " " * 51 + "".join(f"{algo + ' ' + _placement(ip):>{_GROUP_W}}" for algo, ip in groups)
+    groups in print order (in_place None: a bound, which has no placement)."""
+    top = "#" + " " * 51 + "".join(f"{_group_title(algo, ip):>{_GROUP_W}}" for algo, ip in groups)
     names = (f"#{'size':>11}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}"
              + "".join(f"  {'time':>8}  {'algbw':>6}  {'busbw':>6}  {'#wrong':>6}" for _ in groups))
     units = (f"#{'(B)':>11}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>6}"
@@ -78,16 +83,19 @@ def avg_busbw(rows: Iterable[dict[str, Any]]) -> float:
     return sum(vals) / len(vals) if vals else 0.0
 
 
-def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str],
-                   memcpy_gbps: float | None = None, memcpy_all_gbps: float | None = None,
-                   baseline: str = "torch", memcpy_beside_gbps: float | None = None) -> str:
+#: The series each other series' speedup is printed against, when measured.
+BASELINES = ("torch", "mpich")
+
+
+def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str]) -> str:
     """The closing lines: out-of-bounds count, overall and per-algo average
-    bus bandwidth; then, with several algos, each algo's speedup over
-    ``baseline`` (its time / the algo's time) at the smallest and largest
-    size, and with ``memcpy_gbps`` (one rank copying alone, before the
-    sweep), ``memcpy_beside_gbps`` (the same, timed in the largest size's
-    rounds) and ``memcpy_all_gbps`` (every rank copying at once) each algo's
-    busbw at the largest size as a fraction of those memcpy bandwidths."""
+    bus bandwidth (the bound rows aside); then, with several algos, each
+    one's speedup over each of :data:`BASELINES` measured (its time / the
+    algo's time) at the smallest and largest size, and with bound rows
+    (bounds.py) each algo's busbw at the largest size as a fraction of each
+    bound's, with the bounds' traffic (bytes read + written per second)."""
+    bounds = [r for r in rows if r.get("bound")]
+    rows = [r for r in rows if not r.get("bound")]
     wrong = sum(r["wrong"] or 0 for r in rows)
     lines = [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
              f"# Avg bus bandwidth    : {avg_busbw(rows):g}"]
@@ -95,15 +103,15 @@ def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str],
         for a in algos:
             mine = [r for r in rows if r["algo"] == a]
             if mine:
-                lines.append(f"#   {a:<8}           : {avg_busbw(mine):g}")
+                lines.append(f"#   {a:<19}: {avg_busbw(mine):g}")
     # Ratios compare rows of one placement (the first one measured).
     first = [r for r in rows if r["in_place"] == rows[0]["in_place"]] if rows else []
     by = {(r["algo"], r["size"]): r for r in first}
     sizes = sorted({r["size"] for r in first})
-    others = [a for a in algos if a != baseline]
-    if baseline in algos and others and sizes:
+    for baseline in (b for b in BASELINES if b in algos):
+        others = [a for a in algos if a != baseline]
         parts = []
-        for size in dict.fromkeys((sizes[0], sizes[-1])):
+        for size in dict.fromkeys(sizes[:1] + sizes[-1:]):
             base = by.get((baseline, size))
             got = [f"{a} {base['time_us'] / by[(a, size)]['time_us']:.1f}x" for a in others
                    if base and (a, size) in by and by[(a, size)]["time_us"] > 0]
@@ -111,13 +119,12 @@ def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str],
                 parts.append(f"{format_size(size)}: " + ", ".join(got))
         if parts:
             lines.append(f"# Speedup over {baseline} (time ratio): " + "; ".join(parts))
-    beside = f"memcpy timed in the same rounds ({memcpy_beside_gbps or 0:.2f} GB/s)"
-    for bound, what in ((memcpy_gbps, "memcpy bandwidth"), (memcpy_beside_gbps, beside),
-                        (memcpy_all_gbps, "memcpy of every rank at once")):
-        if bound and sizes:
-            got = [f"{a} {by[(a, sizes[-1])]['busbw'] / bound:.0%}" for a in algos
-                   if (a, sizes[-1]) in by]
-            lines.append(f"# busbw / {what} at {format_size(sizes[-1])}: " + ", ".join(got))
+    for b in (r for r in bounds if sizes and r["size"] == sizes[-1] and r["busbw"] > 0):
+        got = [f"{a} {by[(a, b['size'])]['busbw'] / b['busbw']:.0%}" for a in algos
+               if (a, b["size"]) in by]
+        lines.append(f"# busbw / {b['algo']} busbw at {format_size(b['size'])} "
+                     f"(copy traffic {b['traffic_GBps']:.2f} GB/s read + written per rank): "
+                     + ", ".join(got))
     lines.append("#")
     return "\n".join(lines)
 
@@ -166,9 +173,9 @@ def load_json(path: str) -> dict[str, Any]:
 
 def plot_results(data: dict[str, Any], path: str) -> None:
     """Left: busbw vs message size (log x), one line per algo (and
-    placement), with the measured memcpy bandwidths (one rank alone: dotted;
-    every rank at once: dash-dot) as reference lines; the y axis turns
-    logarithmic when the values span more than 100x.
+    placement) and peer, with the bounds in gray (bounds.py; one core:
+    dotted, every rank at once: dash-dot); the y axis turns logarithmic when
+    the values span more than 100x.
     Right: time vs size (log-log), where latency floors show."""
     import matplotlib
 
@@ -181,25 +188,22 @@ def plot_results(data: dict[str, Any], path: str) -> None:
     series: dict[tuple[str, bool], list[dict[str, Any]]] = {}
     for r in rows:
         series.setdefault((r["algo"], r["in_place"]), []).append(r)
-    placements = {ip for _, ip in series}
+    placements = {ip for (a, ip), pts in series.items() if not pts[0].get("bound")}
     for (algo, ip), pts in sorted(series.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
         pts.sort(key=lambda r: r["size"])
-        tr = pts[0]["transport"]
-        label = f"torch.distributed ({tr})" if algo == "torch" else f"pycomm {algo} ({tr})"
-        if len(placements) > 1:
+        bound = bool(pts[0].get("bound"))
+        label = _series_label(algo, pts[0]["transport"], bound)
+        if len(placements) > 1 and not bound:
             label += f", {_placement(ip)}"
-        style = {"marker": "o", "markersize": 4, "linestyle": "-" if ip else "--"}
+        style: dict[str, Any] = {"marker": "o", "markersize": 4, "linestyle": "-" if ip else "--"}
+        if bound:
+            style = {"color": "gray", "marker": ".", "linewidth": 1.5,
+                     "linestyle": ":" if algo.endswith("core") else "-."}
         line, = ax.plot([r["size"] for r in pts], [r["busbw"] for r in pts], label=label, **style)
-        axt.plot([r["size"] for r in pts], [r["time_us"] for r in pts], color=line.get_color(),
-                 label=label, **style)
-    bounds = [(meta.get("memcpy_GBps"), ":", "1 rank"),
-              (meta.get("memcpy_all_ranks_GBps"), "-.", "every rank at once")]
-    for bw, dashes, who in bounds:
-        if bw:
-            ax.axhline(bw, color="gray", linestyle=dashes, linewidth=1.5,
-                       label=f"memcpy {bw:.2f} GB/s (measured, {who})")
+        axt.plot([r["size"] for r in pts], [r["time_us"] for r in pts],
+                 label=label, **{**style, "color": line.get_color()})
     sizes = sorted({r["size"] for r in rows})
-    positive = [r["busbw"] for r in rows if r["busbw"] > 0] + [bw for bw, _, _ in bounds if bw]
+    positive = [r["busbw"] for r in rows if r["busbw"] > 0]
     if positive and max(positive) / min(positive) > 100:
         ax.set_yscale("log")
     else:
@@ -225,6 +229,17 @@ def plot_results(data: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _series_label(algo: str, transport: str, bound: bool) -> str:
+    """A series' name in the plot's legend."""
+    if bound:
+        return f"bound: {algo} (memmove in place, 2 x size read + written)"
+    if algo == "torch":
+        return f"torch.distributed ({transport})"
+    if algo in PEER_SPECS:  # a peer's rows carry its name as their algo
+        return PEER_SPECS[algo].title
+    return f"pycomm {algo} ({transport})"
 
 
 # ------------------------------------------------------------------ progress

@@ -27,6 +27,10 @@ Timing, per (size, placement, algo), after nccl-tests:
    per algo (its call count calibrated on the first round's warm-up calls,
    the same on every rank), so the first calls after a barrier, which carry
    its exit skew, do not decide the median.
+
+The peers (``--peers``: another library's all-reduce, peers.py) are more
+series in the same rounds; so are the bounds (bounds.py: a copy of the
+size by one core and by every rank at once), in the first placement's.
 """
 
 from __future__ import annotations
@@ -45,47 +49,17 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from .bounds import BOUNDS, COPY_CORE, COPY_RANKS, Copy, traffic_gbps
 from .cli import format_size
+from .peers import open_peers
 from .report import Progress, format_header, format_row, format_summary, git_commit, plot_results, write_json
 
-__all__ = ["measure_memcpy", "run_benchmark"]
+__all__ = ["run_benchmark"]
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _copy_pair(device: torch.device, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A source and a destination of ``nbytes`` for a memcpy bound, pages
-    touched."""
-    src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    return src, dst
-
-
-def measure_memcpy(device: torch.device, nbytes: int, reps: int = 5,
-                   min_seconds: float = 0.0) -> float:
-    """Bandwidth of one tensor copy on this rank, in GB/s (bytes copied per
-    second; a copy reads and writes each byte once), the median of ``reps``
-    copies, or of as many as fill ``min_seconds`` if that is more."""
-    src, dst = _copy_pair(device, nbytes)
-    times: list[float] = []
-    until = time.perf_counter() + min_seconds
-    while len(times) < reps or time.perf_counter() < until:
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-    return src.nbytes / statistics.median(times) / 1e9
 
 
 def _fresh_start(bufs: C.Buffers, device: torch.device, barrier: Any) -> None:
@@ -144,20 +118,24 @@ def _pick_device(choice: str) -> torch.device:
 @dataclass
 class _Session:
     """One rank's side of a run: what it measures (``coll``, ``call``), the
-    pycomm communicator (None when only torch is measured) and the control
-    group that barriers and agreements go through."""
+    pycomm communicator (None when only torch is measured), the peers
+    (peers.py) and the control group that barriers and agreements go
+    through."""
 
     args: Any
     coll: C.Collective
     call: C.Call
     comm: Any
     flat: Any  # the transport="gloo" communicator of algo "flat", or None
+    peers: dict[str, Any]
     ctl: Any
     torch_backend: str
     out: TextIO
-    # One rank's memcpy of the largest size, GB/s, timed in that size's
-    # rounds beside the algos (_measure_size); None until then.
-    memcpy_beside: float | None = None
+
+    @property
+    def series(self) -> list[str]:
+        """What is measured, in table order: the algos, then the peers."""
+        return [*self.args.algo, *self.peers]
 
     @property
     def root(self) -> int:
@@ -176,6 +154,10 @@ class _Session:
     def transport_of(self, algo: str) -> str:
         if algo == "flat":
             return "gloo"
+        if algo in self.peers:
+            return str(self.peers[algo].transport)
+        if algo in BOUNDS:
+            return "memory"
         return self.torch_backend if algo == "torch" else str(self.pycomm_transport)
 
     def barrier(self) -> None:
@@ -188,6 +170,8 @@ class _Session:
         return t.tolist()
 
     def runner(self, algo: str, bufs: C.Buffers) -> Callable[[], None]:
+        if algo in self.peers:
+            return self.peers[algo].runner(bufs.tensors["tensor"], self.call.op)
         if algo == "flat":
             return C.runner(self.coll, "ring", bufs, self.flat, self.call)
         return C.runner(self.coll, algo, bufs, self.comm, self.call)
@@ -195,7 +179,8 @@ class _Session:
 
 def _open_session(args: Any) -> _Session:
     """Checks the world against the collective, picks the device, and creates
-    the control group and (unless only torch is measured) the communicator."""
+    the control group, (unless only torch is measured) the communicator and
+    the peers."""
     rank, n = dist.get_rank(), dist.get_world_size()
     coll = C.SPECS[args.collective]
     if n < coll.min_world:
@@ -216,7 +201,8 @@ def _open_session(args: Any) -> _Session:
     if "flat" in args.algo:
         flat = pycomm.init(group=dist.group.WORLD, transport="gloo", device=device,
                            set_default=False)
-    return _Session(args, coll, call, comm, flat, ctl, str(dist.get_backend()), sys.stdout)
+    peers = open_peers(args.peers, rank, n, ctl)
+    return _Session(args, coll, call, comm, flat, peers, ctl, str(dist.get_backend()), sys.stdout)
 
 
 def _probe_algos(s: _Session) -> tuple[list[str], dict[str, str]]:
@@ -224,7 +210,7 @@ def _probe_algos(s: _Session) -> tuple[list[str], dict[str, str]]:
     can run, {algo: why not} for the others)."""
     skipped: dict[str, str] = {}
     active: list[str] = []
-    for algo in s.args.algo:
+    for algo in s.series:
         err = ""
         try:
             probe = s.coll.buffers(s.call, 1, s.coll.placements[0])
@@ -243,33 +229,7 @@ def _probe_algos(s: _Session) -> tuple[list[str], dict[str, str]]:
     return active, skipped
 
 
-@dataclass(frozen=True)
-class MemcpyBounds:
-    """The machine's copy bandwidth, the bound a collective is read against:
-    ``alone``: rank 0 copies while the others wait (one core's memcpy);
-    ``together``: every rank copies at once, the slowest rank's bandwidth
-    (on CPU the ranks then share the memory system, as in a collective; on
-    GPUs each copies on its own device); GB/s of ``nbytes`` copies."""
-    alone: float
-    together: float
-    nbytes: int
-
-
-def _memcpy_reference(s: _Session) -> MemcpyBounds:
-    """Measures :class:`MemcpyBounds` on this run's device."""
-    nbytes = min(max(max(s.args.sizes), 16 << 20), 256 << 20)
-    alone = measure_memcpy(s.call.device, nbytes) if s.call.rank == 0 else 0.0
-    alone = s.agree([alone], "MAX")[0]
-    s.barrier()
-    # Long enough that the ranks' copies overlap whatever the barrier's exit
-    # skew; the median ignores the copies at the edges.
-    together = s.agree([measure_memcpy(s.call.device, nbytes, min_seconds=0.3)], "MIN")[0]
-    s.barrier()
-    return MemcpyBounds(alone, together, nbytes)
-
-
-def _print_header(s: _Session, groups: list[tuple[str, bool]], skipped: dict[str, str],
-                  memcpy: MemcpyBounds) -> None:
+def _print_header(s: _Session, groups: list[tuple[str, bool | None]], skipped: dict[str, str]) -> None:
     """Rank 0: the ``#`` lines that say what was run, then the table header."""
     a, out, coll = s.args, s.out, s.coll
     print(f"# pycomm.bench {coll.name} ({coll.title}): world_size {s.call.world_size}, device "
@@ -277,8 +237,9 @@ def _print_header(s: _Session, groups: list[tuple[str, bool]], skipped: dict[str
           f"rounds {a.rounds} (each >= {a.min_round_ms:g} ms per algo), check {a.check}", file=out)
     print(f"# transports: pycomm {s.pycomm_transport}, torch {s.torch_backend}; host "
           f"{socket.gethostname()}, torch {torch.__version__}", file=out)
-    print(f"# memcpy bandwidth (rank 0, {format_size(memcpy.nbytes)}): {memcpy.alone:.2f} GB/s; "
-          f"every rank at once: {memcpy.together:.2f} GB/s (slowest rank)", file=out)
+    for name, peer in s.peers.items():
+        print(f"# peer {name}: {peer.version}", file=out)
+    print(f"# bounds: {_BOUNDS_NOTE}", file=out)
     print("# time: calls back to back, max over ranks of each rank's median; out-of-place: "
           + ("measured" if False in coll.placements else
              "N/A (pycomm's op is in place; not emulated with an extra copy)"), file=out)
@@ -296,7 +257,7 @@ def _timed_rounds(s: _Session, runs: dict[str, Callable[[], None]],
     a = s.args
     times: dict[str, list[float]] = {algo: [] for algo in runs}
     rounds = min(a.rounds, a.iters)
-    least = {algo: _calls_per_round(s, run, bufs[algo], rank0_only=algo == _MEMCPY)
+    least = {algo: _calls_per_round(s, run, bufs[algo], rank0_only=algo == COPY_CORE)
              for algo, run in runs.items()}
     for k in range(rounds):
         per = a.iters // rounds + (1 if k < a.iters % rounds else 0)
@@ -312,7 +273,7 @@ def _calls_per_round(s: _Session, run: Callable[[], None], bufs: C.Buffers,
     """Calls that fill ``--min-round-ms`` at this algo's pace (timed on a few
     warm-up calls; the largest count any rank needs, so every rank makes the
     same calls); 0 when the option is 0. ``rank0_only``: only rank 0's calls
-    do work (the memcpy bound), so only its pace counts."""
+    do work (the one-core bound), so only its pace counts."""
     if s.args.min_round_ms <= 0:
         return 0
     probe = _time_loop(run, bufs, 5, 1, s.call.device, s.barrier)
@@ -323,12 +284,14 @@ def _calls_per_round(s: _Session, run: Callable[[], None], bufs: C.Buffers,
 
 
 def _row(s: _Session, algo: str, in_place: bool, count: int, size: int, times: list[float],
-         wrong: int) -> dict[str, Any]:
-    """One JSON row: the max over ranks of the median time, #wrong summed."""
+         wrong: int | None) -> dict[str, Any]:
+    """One JSON row: the max over ranks of the median time, #wrong summed
+    (None: not checked, a bound; its row also has ``bound`` and
+    ``traffic_GBps``, bytes read + written per second by each copying rank)."""
     t_med = s.agree([statistics.median(times), 0.0], "MAX")[0]
-    total_wrong = s.agree([float(wrong)], "SUM")[0]
+    total_wrong = s.agree([float(wrong or 0)], "SUM")[0]
     algbw = size / t_med / 1e9 if t_med > 0 else 0.0
-    return {
+    row = {
         "collective": s.coll.name, "size": size, "count": count, "dtype": s.args.dtype,
         "op": s.op, "root": s.root, "algo": algo, "in_place": in_place,
         "time_us": t_med * 1e6, "algbw": algbw,
@@ -336,38 +299,28 @@ def _row(s: _Session, algo: str, in_place: bool, count: int, size: int, times: l
         "wrong": int(total_wrong) if s.args.check else None,
         "world_size": s.call.world_size, "transport": s.transport_of(algo), "device": s.call.device.type,
     }
+    if wrong is None:
+        row.update(wrong=None, bound=True, traffic_GBps=traffic_gbps(size, t_med))
+    return row
 
 
-# The rounds' name for _memcpy_run (no algo has it).
-_MEMCPY = "memcpy (rank 0 alone)"
+_BOUNDS_NOTE = (f"{COPY_CORE} (rank 0 alone) and {COPY_RANKS} (every rank at once) read and "
+                "write each size in place (libc memmove one cache line down, warm buffer) in the "
+                "same rounds; their busbw is the collective's at the copy's time, the least an "
+                "all-reduce moving 2 x size per rank can take (bounds.py)")
 
 
-def _memcpy_run(s: _Session, nbytes: int) -> Callable[[], None]:
-    """Rank 0 copies ``nbytes`` while the others do nothing: one core's
-    memcpy (MemcpyBounds.alone), as a call the rounds can time beside the
-    algos'."""
-    if s.call.rank != 0:
-        return lambda: None
-    src, dst = _copy_pair(s.call.device, nbytes)
-
-    def copy() -> None:
-        dst.copy_(src)
-
-    return copy
-
-
-def _measure_size(s: _Session, nbytes: int, active: list[str], bar: Progress,
-                  with_memcpy: bool = False) -> list[dict[str, Any] | None]:
-    """The rows of one size: every placement, every algo (check, then time);
-    None for a "symmetric" row whose calls did not all run symmetric. With
-    ``with_memcpy``, the first placement's rounds also time one rank's memcpy
-    of the size (``s.memcpy_beside``): the bound in the same minutes as the
-    algos, which a bound measured once before the sweep may not be on a
-    machine whose memory bandwidth drifts."""
+def _measure_size(s: _Session, nbytes: int, active: list[str],
+                  bar: Progress) -> list[dict[str, Any] | None]:
+    """The rows of one size: every placement, every series (check, then
+    time); None for a "symmetric" row whose calls did not all run
+    symmetric; then the bounds (bounds.py), timed in the first placement's
+    rounds."""
     es = torch.empty((), dtype=s.call.dtype).element_size()
     count, size = s.coll.counts(nbytes, es, s.call.world_size)
     expected = s.coll.expected(s.call, count) if s.args.check else None
     line: list[dict[str, Any] | None] = []
+    bounds: list[dict[str, Any] | None] = []
     for in_place in s.coll.placements:
         bar.draw(f"{format_size(size)} {'in-place' if in_place else 'out-of-place'}")
         shared = s.coll.buffers(s.call, count, in_place)
@@ -377,13 +330,14 @@ def _measure_size(s: _Session, nbytes: int, active: list[str], bar: Progress,
         runs = {algo: s.runner(algo, bufs[algo]) for algo in active}
         wrongs = {algo: (_check_once(runs[algo], bufs[algo], expected, s.call.device, s.barrier)
                          if expected is not None else 0) for algo in active}
-        beside = with_memcpy and in_place == s.coll.placements[0]
-        if beside:
-            runs[_MEMCPY], bufs[_MEMCPY] = _memcpy_run(s, size), shared
+        first = in_place == s.coll.placements[0]
+        if first:
+            runs[COPY_CORE] = Copy(s.call.device, size, active=s.call.rank == 0)
+            runs[COPY_RANKS] = Copy(s.call.device, size)
+            bufs[COPY_CORE] = bufs[COPY_RANKS] = shared
         times = _timed_rounds(s, runs, bufs)
-        if beside:
-            mine = statistics.median(times[_MEMCPY]) if s.call.rank == 0 else 0.0
-            s.memcpy_beside = size / s.agree([mine], "MAX")[0] / 1e9
+        if first:
+            bounds = [_row(s, b, in_place, count, size, times[b], None) for b in BOUNDS]
         for algo in active:
             run = runs[algo]
             staged = isinstance(run, C.SymmetricRun) and not run.all_symmetric()
@@ -392,19 +346,21 @@ def _measure_size(s: _Session, nbytes: int, active: list[str], bar: Progress,
             else:
                 line.append(_row(s, algo, in_place, count, size, times[algo], wrongs[algo]))
             bar.advance(max(size, 1))
-        del bufs, shared
-    return line
+        del bufs, shared, runs
+    return line + bounds
 
 
-def _sweep(s: _Session, active: list[str], groups: list[tuple[str, bool]]) -> list[dict[str, Any]]:
+def _sweep(s: _Session, active: list[str],
+           groups: list[tuple[str, bool | None]]) -> list[dict[str, Any]]:
     """Every size in turn; rank 0 prints one table line per size."""
     a = s.args
     want_bar = a.progress == "on" or (a.progress == "auto" and sys.stderr.isatty())
-    bar = Progress(total=sum(max(b, 1) for b in a.sizes) * len(groups),
+    series = sum(1 for _, in_place in groups if in_place is not None)  # the bar skips the bounds
+    bar = Progress(total=sum(max(b, 1) for b in a.sizes) * series,
                    enabled=s.call.rank == 0 and want_bar)
     rows: list[dict[str, Any]] = []
     for nbytes in a.sizes:
-        line = _measure_size(s, nbytes, active, bar, with_memcpy=nbytes == max(a.sizes))
+        line = _measure_size(s, nbytes, active, bar)
         rows += [r for r in line if r is not None]
         if s.call.rank == 0:
             bar.clear()
@@ -413,8 +369,7 @@ def _sweep(s: _Session, active: list[str], groups: list[tuple[str, bool]]) -> li
     return rows
 
 
-def _meta(s: _Session, active: list[str], skipped: dict[str, str],
-          memcpy: MemcpyBounds) -> dict[str, Any]:
+def _meta(s: _Session, active: list[str], skipped: dict[str, str]) -> dict[str, Any]:
     """The JSON file's description of the run."""
     a = s.args
     return {
@@ -425,8 +380,8 @@ def _meta(s: _Session, active: list[str], skipped: dict[str, str],
         # torchrun's (and --hosts') layout: ranks a host, hosts (1: one host)
         "ranks_per_host": _ranks_per_host(s), "hosts": s.call.world_size // _ranks_per_host(s),
         "transport": s.pycomm_transport, "torch_backend": s.torch_backend,
-        "memcpy_GBps": memcpy.alone, "memcpy_all_ranks_GBps": memcpy.together,
-        "memcpy_bytes": memcpy.nbytes, "memcpy_beside_GBps": s.memcpy_beside,
+        "peers": {name: peer.version for name, peer in s.peers.items()},
+        "bounds": _BOUNDS_NOTE,
         "host": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(), "torch": torch.__version__,
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -445,9 +400,7 @@ def _ranks_per_host(s: _Session) -> int:
 def _report(s: _Session, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     """Rank 0: the summary lines, then the JSON file and the plot if asked."""
     out = s.out
-    print(format_summary(rows, meta["algos"], meta["memcpy_GBps"], meta["memcpy_all_ranks_GBps"],
-                         memcpy_beside_gbps=meta["memcpy_beside_GBps"]),
-          file=out, flush=True)
+    print(format_summary(rows, meta["algos"]), file=out, flush=True)
     if s.args.json:
         write_json(s.args.json, meta, rows)
         print(f"# wrote {s.args.json}", file=out)
@@ -461,20 +414,19 @@ def run_benchmark(args: Any) -> int:
     """Runs the sweep on this rank (torch.distributed already initialised).
     Returns the process exit code: 0, or 1 when a result was wrong.
 
-    The steps: open the session (device, control group, communicator), probe
-    which algos run, measure the memcpy bandwidths that are the reference
-    (:class:`MemcpyBounds`),
-    print the header, sweep the sizes, report (rank 0), close.
+    The steps: open the session (device, control group, communicator,
+    peers), probe which series run, print the header, sweep the sizes (the
+    bounds in the same rounds), report (rank 0), close.
     """
     s = _open_session(args)
     active, skipped = _probe_algos(s)
-    memcpy = _memcpy_reference(s)
-    groups = [(algo, ip) for ip in s.coll.placements for algo in active]
+    groups: list[tuple[str, bool | None]] = [(algo, ip) for ip in s.coll.placements for algo in active]
+    groups += [(b, None) for b in BOUNDS]
     if s.call.rank == 0:
-        _print_header(s, groups, skipped, memcpy)
+        _print_header(s, groups, skipped)
     rows = _sweep(s, active, groups)
     if s.call.rank == 0:
-        _report(s, rows, _meta(s, active, skipped, memcpy))
+        _report(s, rows, _meta(s, active, skipped))
     s.barrier()
     for comm in (s.comm, s.flat):
         if comm is not None:
