@@ -103,6 +103,7 @@ def test_fit_with_noise_and_rows():
     rows = [_row("ring", b, t * 1e6) for b, t in zip(SIZES, noisy)]
     rows.append(_row("ring", 1 << 20, 1.0, wrong=5))  # a wrong row is ignored
     rows.append(_row("ring", 1 << 20, 1.0, collective="broadcast"))  # not all-reduce
+    rows.append(_row("copy-core", 1 << 20, 1.0, bound=True))  # a bound, not an algorithm
     fits = model.fit_rows(rows)
     assert set(fits) == {"ring"}
     assert fits["ring"].alpha == pytest.approx(alpha, rel=0.2)
@@ -118,6 +119,15 @@ def test_fit_errors():
         model.fit_alpha_beta([(2, 1024, 1e-3), (2, 2048, 2e-3)], formula="torch")
     with pytest.raises(ValueError):
         model.fit_rows([_row(collective="broadcast")])
+
+
+def test_measured_times_pool_placements_and_leave_out_the_rest():
+    rows = [_row("ring", 1024, 10.0), _row("ring", 1024, 20.0, in_place=False), _row("ring", 4096, 30.0),
+            _row("ring", 4096, 1.0, wrong=3), _row("ring", 4096, 1.0, bound=True),
+            _row("ring", 4096, 1.0, collective="broadcast"), _row("tree", 4096, 40.0, world_size=3)]
+    assert model.measured_times(rows) == {
+        "ring": {2: {1024: pytest.approx(15e-6), 4096: pytest.approx(30e-6)}},  # in/out-of-place: mean
+        "tree": {3: {4096: pytest.approx(40e-6)}}}
 
 
 # ------------------------------------------------------------------ crossovers

@@ -211,15 +211,17 @@ def fit_alpha_beta(samples: Iterable[tuple[int, float, float]], weighting: str =
 
 
 def _allreduce_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows the model uses: all-reduce, no wrong elements."""
-    return [r for r in rows if r.get("collective", "allreduce") == "allreduce" and not r.get("wrong")]
+    """The rows the model uses: all-reduce, no wrong elements, not a bound
+    (a row with ``bound`` set times a copy beside the algorithms, not one)."""
+    return [r for r in rows if r.get("collective", "allreduce") == "allreduce"
+            and not r.get("wrong") and not r.get("bound")]
 
 
 def fit_rows(rows: Sequence[dict[str, Any]], weighting: str = "relative") -> dict[str, Fit]:
     """One fit per algo from ``--json`` rows of all-reduce, each with its own
     formula (the ring's for algos without one; see :attr:`Fit.formula`).
-    Rows with wrong results are left out; in-place and out-of-place rows
-    pool together.
+    Rows with wrong results and the bounds' rows are left out; in-place
+    and out-of-place rows pool together.
 
     Raises:
         ValueError: no all-reduce rows, or an algo with fewer than two.
