@@ -1,5 +1,6 @@
 """Tests of pycomm.bench: flags, busbw factors, the sweep, data checking,
-JSON schema, the cost model, and one real --nproc 2 run. Never on time."""
+JSON schema, and one real --nproc 2 run (the cost model: test_model.py).
+Never on time."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pycomm.bench import cli, model, model_cli
+from pycomm.bench import cli, report
 from pycomm.bench import collectives as C
-from pycomm.bench import report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -274,71 +274,6 @@ def test_json_schema_roundtrip(tmp_path):
     (tmp_path / "x.json").write_text("{}")
     with pytest.raises(ValueError):
         report.load_json(str(tmp_path / "x.json"))
-
-
-# ------------------------------------------------------------------ cost model
-
-def test_model_formulas():
-    assert model.ring_allreduce_time(4, 1000, 1e-6, 1e-9) == pytest.approx(6e-6 + 1.5e-6)
-    assert model.recursive_doubling_time(8, 1000, 1e-6, 1e-9) == pytest.approx(3 * (1e-6 + 1e-6))
-    assert model.halving_doubling_time(8, 1000, 1e-6, 1e-9) == pytest.approx(6e-6 + 1.75e-6)
-    assert model.ring_allreduce_time(1, 1e9, 1, 1) == 0.0
-
-
-@pytest.mark.parametrize("weighting", ["relative", "absolute"])
-def test_model_fit_recovers_alpha_beta(weighting):
-    alpha, beta = 25e-6, 1 / 5e9
-    samples = [(n, float(b), model.ring_allreduce_time(n, b, alpha, beta))
-               for n in (2, 4) for b in (1 << k for k in range(10, 27, 2))]
-    fit = model.fit_alpha_beta(samples, weighting)
-    assert fit.alpha == pytest.approx(alpha, rel=1e-6)
-    assert fit.beta == pytest.approx(beta, rel=1e-6)
-    assert fit.rel_rms < 1e-6 and fit.points == len(samples)
-
-
-def test_model_fit_with_noise_and_rows():
-    import random
-
-    rng = random.Random(0)
-    alpha, beta = 40e-6, 1 / 2e9
-    rows = []
-    for b in (1 << k for k in range(10, 27, 2)):
-        t = model.ring_allreduce_time(2, b, alpha, beta) * (1 + rng.uniform(-0.05, 0.05))
-        rows.append(_row(size=b, time_us=t * 1e6))
-    rows.append(_row(size=1 << 20, time_us=1.0, wrong=5))  # a wrong row is ignored
-    rows.append(_row(collective="broadcast", size=1 << 20, time_us=1.0))  # not all-reduce
-    fits = model.fit_rows(rows)
-    assert set(fits) == {"ring"}
-    assert fits["ring"].alpha == pytest.approx(alpha, rel=0.2)
-    assert fits["ring"].beta == pytest.approx(beta, rel=0.1)
-
-
-def test_model_fit_errors():
-    with pytest.raises(ValueError):
-        model.fit_alpha_beta([(2, 1024, 1e-3)])
-    with pytest.raises(ValueError):
-        model.fit_alpha_beta([(1, 1024, 1e-3), (1, 2048, 2e-3)])
-    with pytest.raises(ValueError):
-        model.fit_rows([_row(collective="broadcast")])
-
-
-def test_model_predict_best():
-    fit = model.Fit(alpha=10e-6, beta=1e-10, points=2, rel_rms=0.0)
-    preds = {(p["world_size"], p["size"]): p for p in model.predict(fit, [1024], [1024, 1 << 30])}
-    assert preds[(1024, 1024)]["best"] == "rec-doubling"         # small: latency wins
-    assert preds[(1024, 1 << 30)]["best"] == "halving-doubling"  # large: bandwidth + log steps
-    assert preds[(1024, 1 << 30)]["ring"] > preds[(1024, 1 << 30)]["halving-doubling"]
-
-
-def test_model_cli(tmp_path, capsys):
-    p = tmp_path / "r.json"
-    rows = [_row(size=b, time_us=model.ring_allreduce_time(2, b, 20e-6, 1e-10) * 1e6)
-            for b in (1024, 1 << 16, 1 << 20, 1 << 24)]
-    report.write_json(str(p), {"world_size": 2, "device": "cpu"}, rows)
-    assert model_cli.main([str(p), "--worlds", "8,1024", "--sizes", "1M"]) == 0
-    out = capsys.readouterr().out
-    assert "20.00" in out and "10.000" in out  # alpha 20 us, 1/beta 10 GB/s
-    assert out.count("1024      1M") == 1
 
 
 # ------------------------------------------------------------------ optional dependencies

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from .cli import parse_size
 from .hosts_model import fit_two_level, format_hosts_report
-from .model import Fit, fit_rows, format_report
+from .model import FORMULAS, Fit, crossovers, fit_rows, format_report, measured_times, predict_best
 from .report import load_json
 
 __all__ = ["main"]
@@ -55,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pycomm.bench model RESULTS.json [--worlds ...] [--sizes ...]``."""
     p = argparse.ArgumentParser(
         prog="python -m pycomm.bench model",
-        description="Fit alpha and beta to all-reduce results; predict larger worlds.")
+        description="Fit alpha and beta to all-reduce results, each algorithm with its own formula; "
+                    "print predicted and measured crossovers and the fastest algorithm per world and size.")
     p.add_argument("results", help="a --json file of `python -m pycomm.bench allreduce`")
     p.add_argument("--worlds", type=_int_list, default=list(DEFAULT_WORLDS), help="comma-separated ranks")
     p.add_argument("--sizes", type=_size_list, default=[parse_size(s) for s in DEFAULT_SIZES],
@@ -63,18 +64,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--clusters", type=_cluster_list, default=list(_DEFAULT_CLUSTERS),
                    help="HOSTSxRANKS,... predicted by the two-level model (for a --hosts run)")
     p.add_argument("--weighting", choices=("relative", "absolute"), default="relative")
-    p.add_argument("--alpha-us", type=float, help="plan with this alpha instead of the fit (with --bw-gbps)")
-    p.add_argument("--bw-gbps", type=float, help="plan with this link bandwidth (1/beta) instead of the fit")
+    p.add_argument("--alpha-us", type=float,
+                   help="predict with this alpha for every algorithm instead of the fits (with --bw-gbps)")
+    p.add_argument("--bw-gbps", type=float,
+                   help="predict with this link bandwidth (1/beta) for every algorithm instead of the fits")
     args = p.parse_args(argv)
+    if (args.alpha_us is None) != (args.bw_gbps is None):
+        p.error("--alpha-us and --bw-gbps go together")
     data = load_json(args.results)
     meta = data.get("meta", {})
     fits = fit_rows(data["rows"], args.weighting)
-    if (args.alpha_us is None) != (args.bw_gbps is None):
-        p.error("--alpha-us and --bw-gbps go together")
-    if args.alpha_us is not None:
-        fits = {"given": Fit(args.alpha_us * 1e-6, 1.0 / (args.bw_gbps * 1e9), 0, 0.0), **fits}
+    found = crossovers(fits, measured_times(data["rows"]))
+    plan, given = fits, None
+    if args.alpha_us is not None:  # one given link, every algorithm's formula
+        given = (args.alpha_us * 1e-6, 1.0 / (args.bw_gbps * 1e9))
+        plan = {a: Fit(*given, 0, 0.0, a) for a in FORMULAS}
+    modelled = any(a in FORMULAS and f.formula == a for a, f in plan.items())
+    cells = predict_best(plan, args.worlds, args.sizes) if modelled else []
     source = f"{args.results}: {meta.get('world_size', '?')} ranks, {meta.get('device', '?')}"
-    print(format_report(fits, args.worlds, args.sizes, source))
+    print(format_report(fits, found, cells, source, given))
     if int(meta.get("hosts", 1)) > 1:  # a --hosts run: the two-level model too
         hosts, per_host = int(meta["hosts"]), int(meta["ranks_per_host"])
         two = fit_two_level(data["rows"], hosts, per_host)
