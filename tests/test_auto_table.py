@@ -87,6 +87,18 @@ def test_best_by_size_skips_wrong_rows_and_other_algos():
     assert best_by_size(rows, ["ring", "tree"]) == [(1024, "ring"), (4096, "tree")]
 
 
+def test_best_by_size_keeps_a_choice_within_the_tolerance():
+    def rows(times):
+        return [{"size": s, "algo": a, "time_us": t} for s, by in times.items() for a, t in by.items()]
+
+    measured = rows({1: {"ring": 10.0, "tree": 12.0}, 2: {"ring": 10.4, "tree": 10.0},
+                     3: {"ring": 10.0, "tree": 10.1}, 4: {"ring": 20.0, "tree": 10.0}})
+    # tree is 4 % faster at size 2 and 1 % slower at 3: ring stays until size 4
+    assert best_by_size(measured, ["ring", "tree"]) == [(1, "ring"), (2, "ring"), (3, "ring"),
+                                                          (4, "tree")]
+    assert best_by_size(measured, ["ring", "tree"], tolerance=1.0)[1] == (2, "tree")
+
+
 def test_with_entry_replaces_the_same_key(tmp_path):
     path = _write(tmp_path / "t.json", [_entry(), _entry(transport="gloo")])
     table = at.with_entry(path, _entry(rules={"all_reduce": [[None, "tree"]]}))

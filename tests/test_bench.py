@@ -230,6 +230,8 @@ def _row(**kw):
          "root": -1, "algo": "ring", "in_place": True, "time_us": 10.0, "algbw": 0.1024,
          "busbw": 0.1024, "wrong": 0, "world_size": 2, "transport": "gloo", "device": "cpu"}
     r.update(kw)
+    r.setdefault("p50_us", r["time_us"])
+    r.setdefault("p99_us", 1.5 * r["time_us"])
     return r
 
 
@@ -257,6 +259,8 @@ def test_table_format():
             "ring 80%, torch 40%") in summary
     assert "#   copy" not in summary and "# Avg bus bandwidth    : 0.66144\n" in summary
     assert "copy" not in report.format_summary(rows[:5], ["ring", "torch", "mpich"])
+    # the per-call spread of every algo at the smallest and largest size
+    assert "# per-call p99 / p50 at 1K and 4K: ring 1.50 1.50, torch 1.50 1.50" in summary
     top = report.format_header([("ring", True), ("copy-ranks", None)]).splitlines()[0]
     assert top.endswith(" ring in-place" + " " * 24 + "copy-ranks")  # a bound has no placement
 

@@ -44,7 +44,8 @@ not_tensors = st.sampled_from([("list", [1.0, 2.0]), ("numpy", None), ("int", 3)
 tensor_args = st.one_of(tensor_specs.map(lambda s: ("tensor", s)), not_tensors)
 ops = st.sampled_from(["sum", "avg", "max", "min", "product", "median", "", 1, 17, -1, None, 2.5,
                        "torch.MAX"])
-algos = st.sampled_from(["auto", "ring", "direct", "nccl", "bogus", "", None, 3])
+algos = st.sampled_from(["auto", "ring", "direct", "nccl", "recursive_doubling", "halving_doubling",
+                        "tree", "bruck", "bogus", "", None, 3])
 ranks = st.sampled_from([0, 1, 2, -1, 3, 99, "0", 1.5, None, True])
 async_ops = st.sampled_from([False, True])
 

@@ -28,7 +28,8 @@ SIZES = [1 << k for k in range(10, 27, 2)]  # 1K .. 64M, x4
 
 def _row(algo: str = "ring", size: int = 1024, time_us: float = 10.0, world_size: int = 2, **kw):
     r = {"collective": "allreduce", "size": size, "count": size // 4, "dtype": "float32", "op": "sum",
-         "root": -1, "algo": algo, "in_place": True, "time_us": time_us, "algbw": 0.0, "busbw": 0.0,
+         "root": -1, "algo": algo, "in_place": True, "time_us": time_us, "p50_us": time_us,
+         "p99_us": time_us, "algbw": 0.0, "busbw": 0.0,
          "wrong": 0, "world_size": world_size, "transport": "shm", "device": "cpu"}
     r.update(kw)
     return r

@@ -85,8 +85,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_report(fits, found, cells, source, given))
     if int(meta.get("hosts", 1)) > 1:  # a --hosts run: the two-level model too
         hosts, per_host = int(meta["hosts"]), int(meta["ranks_per_host"])
-        two = fit_two_level(data["rows"], hosts, per_host)
         print("#")
+        try:
+            two = fit_two_level(data["rows"], hosts, per_host)
+        except ValueError as e:  # a run without the flat ring: nothing to fit
+            print(f"# two-level model: not fitted: {e}")
+            return 0
         print(format_hosts_report(two, args.clusters, args.sizes,
                                   f"{args.results}: {hosts} hosts x {per_host} ranks"))
     return 0

@@ -30,7 +30,7 @@ SCHEMA = "pycomm.bench/1"
 
 #: Keys every JSON row has (the contract of ``--json``).
 ROW_KEYS = ("collective", "size", "count", "dtype", "op", "root", "algo", "in_place", "time_us",
-            "algbw", "busbw", "wrong", "world_size", "transport", "device")
+            "p50_us", "p99_us", "algbw", "busbw", "wrong", "world_size", "transport", "device")
 
 _DTYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half", "bfloat16": "bfloat16",
                 "int32": "int32", "int64": "int64", "int8": "int8", "uint8": "uint8"}
@@ -93,7 +93,9 @@ def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str]) -> str:
     one's speedup over each of :data:`BASELINES` measured (its time / the
     algo's time) at the smallest and largest size, and with bound rows
     (bounds.py) each algo's busbw at the largest size as a fraction of each
-    bound's, with the bounds' traffic (bytes read + written per second)."""
+    bound's, with the bounds' traffic (bytes read + written per second);
+    and each algo's per-call p99 over its median at both ends (the noise a
+    difference between two series must exceed)."""
     bounds = [r for r in rows if r.get("bound")]
     rows = [r for r in rows if not r.get("bound")]
     wrong = sum(r["wrong"] or 0 for r in rows)
@@ -119,6 +121,14 @@ def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str]) -> str:
                 parts.append(f"{format_size(size)}: " + ", ".join(got))
         if parts:
             lines.append(f"# Speedup over {baseline} (time ratio): " + "; ".join(parts))
+    ends = list(dict.fromkeys(sizes[:1] + sizes[-1:]))
+    spread = [f"{a} " + " ".join(f"{by[(a, s)]['p99_us'] / by[(a, s)]['time_us']:.2f}" for s in ends)
+              for a in algos
+              if all((a, s) in by and by[(a, s)].get("p99_us") and by[(a, s)]["time_us"] > 0
+                     for s in ends)]
+    if spread:
+        lines.append("# per-call p99 / p50 at " + " and ".join(format_size(s) for s in ends) + ": "
+                     + ", ".join(spread))
     for b in (r for r in bounds if sizes and r["size"] == sizes[-1] and r["busbw"] > 0):
         got = [f"{a} {by[(a, b['size'])]['busbw'] / b['busbw']:.0%}" for a in algos
                if (a, b["size"]) in by]

@@ -283,18 +283,26 @@ def _calls_per_round(s: _Session, run: Callable[[], None], bufs: C.Buffers,
     return int(min(s.agree([need], "MAX")[0], 100_000))
 
 
+def _p99(times: list[float]) -> float:
+    """The 99th percentile of per-call times (nearest rank; the slowest of
+    fewer than 100)."""
+    ordered = sorted(times)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
 def _row(s: _Session, algo: str, in_place: bool, count: int, size: int, times: list[float],
          wrong: int | None) -> dict[str, Any]:
-    """One JSON row: the max over ranks of the median time, #wrong summed
+    """One JSON row: the max over ranks of the median time (``time_us``,
+    also ``p50_us``) and of the 99th percentile (``p99_us``), #wrong summed
     (None: not checked, a bound; its row also has ``bound`` and
     ``traffic_GBps``, bytes read + written per second by each copying rank)."""
-    t_med = s.agree([statistics.median(times), 0.0], "MAX")[0]
+    t_med, t_p99 = s.agree([statistics.median(times), _p99(times)], "MAX")
     total_wrong = s.agree([float(wrong or 0)], "SUM")[0]
     algbw = size / t_med / 1e9 if t_med > 0 else 0.0
     row = {
         "collective": s.coll.name, "size": size, "count": count, "dtype": s.args.dtype,
         "op": s.op, "root": s.root, "algo": algo, "in_place": in_place,
-        "time_us": t_med * 1e6, "algbw": algbw,
+        "time_us": t_med * 1e6, "p50_us": t_med * 1e6, "p99_us": t_p99 * 1e6, "algbw": algbw,
         "busbw": algbw * s.coll.bus_factor(s.call.world_size),
         "wrong": int(total_wrong) if s.args.check else None,
         "world_size": s.call.world_size, "transport": s.transport_of(algo), "device": s.call.device.type,

@@ -28,23 +28,37 @@ from .collectives import SPECS
 from .launch import launch
 from .report import git_commit
 
-__all__ = ["best_by_size", "main"]
+__all__ = ["TOLERANCE", "best_by_size", "main"]
 
 #: Study sub-command -> the table's collective name (the C++ side's).
 TABLE_NAMES = {"allreduce": "all_reduce", "allgather": "all_gather"}
 
 
-def best_by_size(rows: Sequence[dict[str, Any]], algos: Sequence[str]) -> list[tuple[int, str]]:
-    """The fastest of ``algos`` at each measured size, sizes ascending
-    (rows with wrong results do not compete)."""
-    by_size: dict[int, tuple[float, str]] = {}
+#: An algorithm within this factor of the fastest at a size counts as fast
+#: enough there: the choice then stays with the previous size's algorithm,
+#: so that measurement noise between near-equal algorithms (at 2 ranks the
+#: ring, recursive doubling and halving-doubling send nearly the same) does
+#: not cut the table into many rules.
+TOLERANCE = 1.05
+
+
+def best_by_size(rows: Sequence[dict[str, Any]], algos: Sequence[str],
+                 tolerance: float = TOLERANCE) -> list[tuple[int, str]]:
+    """An algorithm of ``algos`` per measured size, sizes ascending: the
+    previous size's choice while it is within ``tolerance`` of the fastest,
+    else the fastest (rows with wrong results do not compete)."""
+    times: dict[int, dict[str, float]] = {}
     for r in rows:
-        if r["algo"] not in algos or r.get("wrong") or r["time_us"] <= 0:
-            continue
-        best = by_size.get(r["size"])
-        if best is None or r["time_us"] < best[0]:
-            by_size[r["size"]] = (r["time_us"], r["algo"])
-    return [(size, algo) for size, (_, algo) in sorted(by_size.items())]
+        if r["algo"] in algos and not r.get("wrong") and r["time_us"] > 0:
+            times.setdefault(r["size"], {})[r["algo"]] = r["time_us"]
+    out: list[tuple[int, str]] = []
+    for size in sorted(times):
+        by_algo = times[size]
+        fastest = min(by_algo, key=by_algo.__getitem__)
+        prev = out[-1][1] if out else None
+        keep = prev in by_algo and by_algo[prev] <= tolerance * by_algo[fastest]
+        out.append((size, prev if keep and prev is not None else fastest))
+    return out
 
 
 def _candidates(coll: str, transport: str) -> list[str]:
