@@ -186,7 +186,8 @@ def plot_results(data: dict[str, Any], path: str) -> None:
     placement) and peer, with the bounds in gray (bounds.py; one core:
     dotted, every rank at once: dash-dot); the y axis turns logarithmic when
     the values span more than 100x.
-    Right: time vs size (log-log), where latency floors show."""
+    Right: time vs size (log-log), where latency floors show, with a cross
+    where each classic all-reduce algorithm's time crosses the ring's."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,6 +213,7 @@ def plot_results(data: dict[str, Any], path: str) -> None:
         line, = ax.plot([r["size"] for r in pts], [r["busbw"] for r in pts], label=label, **style)
         axt.plot([r["size"] for r in pts], [r["time_us"] for r in pts],
                  label=label, **{**style, "color": line.get_color()})
+    _mark_crossovers(axt, rows)
     sizes = sorted({r["size"] for r in rows})
     positive = [r["busbw"] for r in rows if r["busbw"] > 0]
     if positive and max(positive) / min(positive) > 100:
@@ -239,6 +241,30 @@ def plot_results(data: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _mark_crossovers(axt: Any, rows: Sequence[dict[str, Any]]) -> None:
+    """Marks on the time plot where each modelled all-reduce algorithm's
+    measured time crosses the ring's (model.measured_crossovers): a cross at
+    the crossing size, on the ring's line, labelled with the algorithm."""
+    from .model import FORMULAS, measured_crossovers, measured_times
+
+    times = measured_times(rows)
+    ring = times.get("ring", {})
+    for algo in (a for a in FORMULAS if a != "ring" and a in times):
+        for n, mine in times[algo].items():
+            if n not in ring:
+                continue
+            sizes = sorted(ring[n])
+            for change in measured_crossovers(mine, ring[n]):
+                # the ring's time at the crossing, interpolated in log-log
+                lo = max((s for s in sizes if s <= change.size), default=sizes[0])
+                hi = min((s for s in sizes if s >= change.size), default=sizes[-1])
+                f = 0.0 if hi == lo else math.log(change.size / lo) / math.log(hi / lo)
+                t = math.exp((1 - f) * math.log(ring[n][lo]) + f * math.log(ring[n][hi])) * 1e6
+                axt.plot([change.size], [t], marker="x", color="black", markersize=7)
+                axt.annotate(algo.split("_")[0], (change.size, t), fontsize=6,
+                             textcoords="offset points", xytext=(3, 4))
 
 
 def _series_label(algo: str, transport: str, bound: bool) -> str:

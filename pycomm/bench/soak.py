@@ -57,6 +57,9 @@ WEIGHTS = (6, 2, 2, 2, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1)
 MAX_IN_FLIGHT = 4  # async steps waited later, in a random order
 MAX_WORLD = 6  # the value ranges below keep every reduction exact up to this
 ANY_SOURCE_TAGS = 1000  # an any-source receive's tag: 1000 + the step's index
+# The algorithms a step may name, for the kinds that take one.
+ALGOS = {"all_reduce": ("auto", "ring", "recursive_doubling", "halving_doubling", "tree"),
+         "all_gather": ("auto", "ring", "bruck")}
 
 
 @dataclass
@@ -113,6 +116,8 @@ def draw(rng: random.Random, index: int, world: int, max_bytes: int) -> Step:
         count = rng.randint(1 << 16, max(1 << 16, max_bytes // itemsize))
     count = min(count, max(1, max_bytes // (itemsize * world)))
     step = Step(index, kind, dtype, op, count, rng.randrange(world), rng.random() < 0.5)
+    if kind in ALGOS:
+        step.extra["algo"] = rng.choice(ALGOS[kind])
     if kind == "all_to_all":
         step.extra["splits"] = [[rng.randint(0, 64) for _ in range(world)] for _ in range(world)]
     if kind in ("p2p_ring", "batch_p2p"):
@@ -200,7 +205,8 @@ class Soak:
         self.wrong += 1
         if len(self.first_wrong) < 5:
             self.first_wrong.append(
-                f"step {step.index} {step.kind} {what} ({step.dtype}, op {step.op}, count "
+                f"step {step.index} {step.kind} {what} ({step.dtype}, op {step.op}, "
+                f"algo {step.extra.get('algo', '-')}, count "
                 f"{step.count}, root {step.root}) on rank {self.rank}: got {got[:8].tolist()}, "
                 f"want {want[:8].tolist()}")
 
@@ -220,7 +226,8 @@ class Soak:
 
     def _all_reduce(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
         t = mine.clone()
-        _keep(works, self.comm.all_reduce(t, op=step.op, async_op=step.async_op))
+        _keep(works, self.comm.all_reduce(t, op=step.op, algo=step.extra["algo"],
+                                          async_op=step.async_op))
         return lambda: self.expect(step, "tensor", t, reference(self.inputs(step), step.op), step.op)
 
     def _broadcast(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
@@ -239,7 +246,7 @@ class Soak:
 
     def _all_gather(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
         out = torch.empty(step.count * self.world, dtype=step.dtype)
-        _keep(works, self.comm.all_gather(out, mine, async_op=step.async_op))
+        _keep(works, self.comm.all_gather(out, mine, algo=step.extra["algo"], async_op=step.async_op))
         return lambda: self.expect(step, "output", out, torch.cat(self.inputs(step)))
 
     def _reduce(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
