@@ -398,12 +398,14 @@ class HierarchicalComm:
 
     # -- collectives
     def all_reduce(self, t: torch.Tensor, op: int, algo: str, async_op: bool,
-                   wire_dtype: int = -1, register: bool = False) -> Any:
+                   wire_dtype: int = -1, register: bool = False, wire_block: int = 256,
+                   residual: torch.Tensor | None = None) -> Any:
         """Steps 1-3 of the module docstring. The tail of fewer than L
         elements (and, up to SMALL_BYTES, the whole tensor) is all-reduced
-        between hosts by every column alike."""
-        if wire_dtype != -1 or not self._composable(t, algo, op):
-            return self._on_flat("all_reduce", t, op, algo, async_op, wire_dtype, register)
+        between hosts by every column alike. A wire dtype runs flat."""
+        if wire_dtype != -1 or residual is not None or not self._composable(t, algo, op):
+            return self._on_flat("all_reduce", t, op, algo, async_op, wire_dtype, register,
+                                 wire_block, residual)
         # register=True may move t's storage: decided before the call returns.
         work = self._submit(lambda: self._all_reduce(t, op, algo, register), async_op or register)
         if register:

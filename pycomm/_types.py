@@ -61,17 +61,17 @@ def _to_op(op: Any) -> int:
 
 
 # The C++ DType codes of the wire dtypes (csrc/core/types.h).
-_WIRE_DTYPES = {torch.float16: 2, torch.bfloat16: 3}
+_WIRE_DTYPES = {torch.float16: 2, torch.bfloat16: 3, torch.int8: 7}
 _WIRE_NAMES = {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
 def _to_wire(wire_dtype: Any) -> int:
     """all_reduce's wire_dtype -> the core's DType code."""
     dt = _WIRE_NAMES.get(wire_dtype.lower()) if isinstance(wire_dtype, str) else wire_dtype
     if not isinstance(dt, torch.dtype) or dt not in _WIRE_DTYPES:
-        raise ValueError(f"all_reduce: wire_dtype must be None, torch.float16 or torch.bfloat16 "
-                         f"(or 'float16' / 'bfloat16'), got {wire_dtype!r}")
+        raise ValueError(f"all_reduce: wire_dtype must be None, torch.float16, torch.bfloat16 or "
+                         f"torch.int8 (or 'float16' / 'bfloat16' / 'int8'), got {wire_dtype!r}")
     return _WIRE_DTYPES[dt]
 
 

@@ -144,20 +144,20 @@ class Communicator:
     def all_reduce(
         self, tensor: torch.Tensor, op: OpLike = ..., algo: str = ...,
         *, async_op: Literal[True], wire_dtype: torch.dtype | str | None = ...,
-        register: bool = ...,
+        register: bool = ..., wire_block: int = ..., residual: torch.Tensor | None = ...,
     ) -> Work: ...
 
     @overload
     def all_reduce(
         self, tensor: torch.Tensor, op: OpLike = ..., algo: str = ...,
         async_op: bool = ..., wire_dtype: torch.dtype | str | None = ...,
-        register: bool = ...,
+        register: bool = ..., wire_block: int = ..., residual: torch.Tensor | None = ...,
     ) -> Work | None: ...
 
     def all_reduce(
         self, tensor: torch.Tensor, op: OpLike = ReduceOp.SUM, algo: str = "auto",
         async_op: bool = False, wire_dtype: torch.dtype | str | None = None,
-        register: bool = False,
+        register: bool = False, wire_block: int = 256, residual: torch.Tensor | None = None,
     ) -> Work | None:
         """Reduces ``tensor`` across all ranks in place; every rank gets the
         bitwise-identical result.
@@ -173,11 +173,13 @@ class Communicator:
             wire_dtype: ``None``, or ``torch.float16`` / ``torch.bfloat16``
                 (or the strings ``"float16"`` / ``"bfloat16"``) for a float32
                 ``tensor``: the ring then sends every step in that dtype and
-                accumulates in float32 (half the bytes; one rounding per ring
-                step). The owner of each chunk rounds its final value to the
-                wire dtype too, so every rank ends with the same bits:
-                ``wire(op over ranks)``. Ring only: ``algo="auto"`` takes the
-                ring, any other algorithm is refused.
+                accumulates in float32 (one rounding per ring step); each
+                chunk's owner rounds its final value too: every rank ends with
+                ``wire(op over ranks)``. Ring only. ``torch.int8`` (SUM/AVG
+                of float32 on CPU): one float32 scale per ``wire_block``
+                elements, each contribution and the float32 sum quantized once.
+            residual: int8 wire's error feedback, float32 like ``tensor``:
+                ``tensor + residual`` is sent, ``residual`` gets what it lost.
             register: on ``shm``, register ``tensor``: move its storage into
                 symmetric memory during this op (as :meth:`register_tensor`
                 does), for a buffer that is reduced again and again (a
@@ -193,15 +195,15 @@ class Communicator:
                 registered.
 
         Raises:
-            TypeError: unsupported dtype. ValueError: wrong device,
-            non-contiguous tensor, unknown op/algo, AVG on integers, a
-            wire_dtype that is not float16/bfloat16, with a non-float32
-            tensor, or with an algo other than "ring" / "auto".
+            TypeError: unsupported dtype. ValueError: wrong device, layout,
+            op or algo, AVG on integers, a wire_dtype it cannot send, or a
+            bad residual.
             CommError: the collective failed on this or a peer rank.
         """
         _need_tensors("all_reduce", tensor=tensor)
         wire = -1 if wire_dtype is None else _to_wire(wire_dtype)
-        return self._impl.all_reduce(tensor, _to_op(op), algo, async_op, wire, bool(register))
+        return self._impl.all_reduce(tensor, _to_op(op), algo, async_op, wire, bool(register),
+                                     int(wire_block), residual)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: OpLike = ReduceOp.SUM,

@@ -104,13 +104,15 @@ def test_an_algorithm_a_collective_lacks_is_named():
     assert got["after"] == [2.0] * 8
 
 
-def _different_algos(rank, world_size, port, transport, algos, check):
+def all_reduce_error(rank, world_size, port, transport, kwargs, check=False):
+    """Rank ``rank`` all-reduces 4096 ones with ``kwargs[rank % len(kwargs)]``
+    on a fresh communicator: the error it raised ("Type: message"), or None."""
     import pycomm
 
     comm = pycomm.init(rank=rank, world_size=world_size, store=client_store(port, world_size),
                        transport=transport, timeout=timedelta(seconds=10), check=check)
     try:
-        comm.all_reduce(torch.ones(4096), algo=algos[rank % len(algos)])
+        comm.all_reduce(torch.ones(4096), **kwargs[rank % len(kwargs)])
         return None
     except (pycomm.CommError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
@@ -118,11 +120,15 @@ def _different_algos(rank, world_size, port, transport, algos, check):
         comm.close()
 
 
+def _with_algos(algos):
+    return [{"algo": a} for a in algos]
+
+
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 @pytest.mark.parametrize("algos", [("recursive_doubling", "tree"), ("halving_doubling", "ring"),
                                    ("tree", "recursive_doubling", "halving_doubling")])
 def test_different_algo_across_ranks_raises_everywhere(transport, algos):
-    errs = spawn_ranks(_different_algos, len(algos), transport, algos, False, timeout=120)
+    errs = spawn_ranks(all_reduce_error, len(algos), transport, _with_algos(algos), timeout=120)
     assert all(isinstance(e, str) and e.startswith("CommError") for e in errs), errs
     if transport == "shm" or len(algos) == 2:
         # A rank that meets a message of another algorithm (or, on shm, sees
@@ -136,6 +142,6 @@ def test_different_algo_across_ranks_raises_everywhere(transport, algos):
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_checked_mode_names_a_different_algo_on_every_rank(transport):
     algos = ("tree", "recursive_doubling", "halving_doubling")
-    errs = spawn_ranks(_different_algos, 3, transport, algos, True, timeout=120)
+    errs = spawn_ranks(all_reduce_error, 3, transport, _with_algos(algos), True, timeout=120)
     for e in errs:
         assert e.startswith("ValueError") and "tree" in e and "halving_doubling" in e, errs

@@ -156,7 +156,7 @@ def _wire_errors(comm):
         (dict(tensor=torch.zeros(4, dtype=torch.float64), wire_dtype=torch.float16), ValueError),
         (dict(tensor=torch.zeros(4, dtype=torch.float16), wire_dtype=torch.float16), ValueError),
         (dict(tensor=torch.zeros(4), wire_dtype=torch.float32), ValueError),
-        (dict(tensor=torch.zeros(4), wire_dtype="int8"), ValueError),
+        (dict(tensor=torch.zeros(4), wire_dtype="int16"), ValueError),
         (dict(tensor=torch.zeros(4), wire_dtype=3), ValueError),
     ]
     if comm.transport == "shm":

@@ -43,6 +43,7 @@ const char* algo_name(int32_t a) {
     case AlgoKind::kHalvingDoubling: return "halving_doubling";
     case AlgoKind::kTree: return "tree";
     case AlgoKind::kBruck: return "bruck";
+    case AlgoKind::kQuantInt8: return "quantized, wire=int8";
     case AlgoKind::kNone: break;
   }
   return "-";
@@ -134,7 +135,9 @@ std::string mismatch_message(int me, const OpHeader& mine, int peer, const OpHea
     if (mine.dtype != theirs.dtype) differs("dtype", dname(mine.dtype), dname(theirs.dtype));
     if (mine.op != theirs.op) differs("reduce op", oname(mine.op), oname(theirs.op));
     if (mine.root != theirs.root) {
-      differs("root", std::to_string(mine.root), std::to_string(theirs.root));
+      const bool block = mine.algo == static_cast<int32_t>(AlgoKind::kQuantInt8);
+      differs(block ? "wire_block" : "root", std::to_string(mine.root),
+              std::to_string(theirs.root));
     }
     if (mine.algo != theirs.algo) differs("algo", algo_name(mine.algo), algo_name(theirs.algo));
   }

@@ -50,6 +50,9 @@ enum class AlgoKind : int32_t {
   kHalvingDoubling = 7,
   kTree = 8,
   kBruck = 9,
+  // all_reduce(wire_dtype=int8): quantized_all_reduce; the header's root
+  // carries the wire block size.
+  kQuantInt8 = 10,
 };
 
 // The algorithms a caller names (algo="..."), in the order messages list

@@ -253,6 +253,13 @@ void cpu_reduce_wire(float* dst, const float* a, const void* b, size_t count, DT
   });
 }
 
+void Reducer::quantize(void*, const float*, size_t, size_t, float*) {
+  throw UsageError("this reducer has no int8 wire (all_reduce(wire_dtype=torch.int8) runs on CPU)");
+}
+void Reducer::dequantize(float*, const void*, size_t, size_t, bool) {
+  throw UsageError("this reducer has no int8 wire (all_reduce(wire_dtype=torch.int8) runs on CPU)");
+}
+
 void Reducer::to_wire(void*, const float*, size_t, DType) {
   throw UsageError("this reducer has no wire-dtype conversions");
 }

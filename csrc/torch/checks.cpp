@@ -84,10 +84,11 @@ ReduceOp to_op(int op, DType dtype, const char* opname) {
 std::optional<DType> to_wire_dtype(int wire_dtype, DType tensor_dtype, const char* opname) {
   if (wire_dtype < 0) return std::nullopt;
   const DType w = static_cast<DType>(wire_dtype);
-  if (wire_dtype >= kNumDTypes || (w != DType::kFloat16 && w != DType::kBFloat16)) {
-    throw UsageError(
-        join_msg({opname, ": wire_dtype must be torch.float16 or torch.bfloat16, got ",
-                  wire_dtype < kNumDTypes ? dtype_name(w) : std::to_string(wire_dtype)}));
+  if (wire_dtype >= kNumDTypes ||
+      (w != DType::kFloat16 && w != DType::kBFloat16 && w != DType::kInt8)) {
+    throw UsageError(cat(opname,
+                         ": wire_dtype must be torch.float16, torch.bfloat16 or torch.int8, got ",
+                         wire_dtype < kNumDTypes ? dtype_name(w) : std::to_string(wire_dtype)));
   }
   if (tensor_dtype != DType::kFloat32) {
     throw UsageError(join_msg({opname,
@@ -96,6 +97,43 @@ std::optional<DType> to_wire_dtype(int wire_dtype, DType tensor_dtype, const cha
                                dtype_name(w), "), got ", dtype_name(tensor_dtype)}));
   }
   return w;
+}
+
+void check_int8_wire(const at::Tensor& t, ReduceOp op, const std::string& algo, int64_t block,
+                     const std::optional<at::Tensor>& residual, const char* opname) {
+  const char* what = ": wire_dtype=torch.int8";
+  if (!t.is_cpu()) {
+    throw UsageError(cat(opname, what, " runs on CPU tensors so far, got ", t.device().str()));
+  }
+  if (op != ReduceOp::kSum && op != ReduceOp::kAvg) {
+    throw UsageError(cat(opname, what, " needs op SUM or AVG, got ", op_name(op), ": the ",
+                         op_name(op), " of quantized values is not that of the values"));
+  }
+  if (algo != "auto") {
+    throw UsageError(cat(opname, what,
+                         " runs its own algorithm (quantized all-to-all, float32 sums, "
+                         "all-gather): pass algo='auto', not '",
+                         algo, "'"));
+  }
+  if (block < 1 || block > (int64_t{1} << 20)) {
+    throw UsageError(cat(opname, ": wire_block must be in [1, 1048576], got ", block));
+  }
+  if (!residual) return;
+  const at::Tensor& r = *residual;
+  if (r.scalar_type() != at::kFloat || !r.is_cpu() || !r.is_contiguous()) {
+    throw UsageError(cat(opname, ": residual must be a contiguous float32 CPU tensor, got ",
+                         c10::toString(r.scalar_type()), " on ", r.device().str(),
+                         r.is_contiguous() ? "" : ", not contiguous"));
+  }
+  if (r.numel() != t.numel()) {
+    throw UsageError(
+        cat(opname, ": residual must have tensor's ", t.numel(), " elements, got ", r.numel()));
+  }
+  const char *a = static_cast<const char*>(t.data_ptr()),
+             *b = static_cast<const char*>(r.data_ptr());
+  if (t.numel() > 0 && a < b + r.nbytes() && b < a + t.nbytes()) {
+    throw UsageError(cat(opname, ": residual must not share memory with tensor"));
+  }
 }
 
 std::string indexed(const char* name, size_t i) {

@@ -28,6 +28,11 @@ ReduceOp to_op(int op, DType dtype, const char* opname);
 // all_reduce's wire_dtype (-1: none): a float16/bfloat16 DType for a float32
 // tensor, else UsageError (ValueError) naming the problem.
 std::optional<DType> to_wire_dtype(int wire_dtype, DType tensor_dtype, const char* opname);
+// all_reduce(wire_dtype=int8)'s own checks: a CPU tensor, SUM or AVG,
+// algo "auto", a block in [1, 2^20], and `residual`, when given, a float32
+// CPU tensor of tensor's size that does not overlap it.
+void check_int8_wire(const at::Tensor& t, ReduceOp op, const std::string& algo, int64_t block,
+                     const std::optional<at::Tensor>& residual, const char* opname);
 // "name[i]", the argument name of a list's item.
 std::string indexed(const char* name, size_t i);
 // A list argument of world_size tensors like `like` (same dtype and numel),

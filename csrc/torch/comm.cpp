@@ -298,17 +298,33 @@ c10::intrusive_ptr<Work> Comm::launch_p2p(const char* op, std::vector<at::Tensor
 }
 
 c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std::string& algo,
-                                          bool async_op, int wire_dtype, bool to_register) {
+                                          bool async_op, int wire_dtype, bool to_register,
+                                          int64_t wire_block,
+                                          const std::optional<at::Tensor>& residual) {
   constexpr const char* kOp = "all_reduce";
   check_open(kOp);
   check_tensor(t, "tensor", kOp);
   const DType dt = to_dtype(t.scalar_type(), "tensor");
   const ReduceOp rop = to_op(op, dt, kOp);
   const std::optional<DType> wire = to_wire_dtype(wire_dtype, dt, kOp);
-  AlgoKind kind = pick(algo, CollKind::kAllReduce, t.nbytes(), wire.has_value());
-  if (wire) kind = wire_kind(*wire);
+  const bool quantized = wire == DType::kInt8;
+  if (quantized) check_int8_wire(t, rop, algo, wire_block, residual, kOp);
+  if (residual && !quantized) {
+    throw UsageError("all_reduce: residual (error feedback) needs wire_dtype=torch.int8");
+  }
+  AlgoKind kind = quantized ? AlgoKind::kQuantInt8
+                            : pick(algo, CollKind::kAllReduce, t.nbytes(), wire.has_value());
+  if (wire && !quantized) kind = wire_kind(*wire);
   void* data = t.data_ptr();
   const size_t count = t.numel();
+  const size_t block = static_cast<size_t>(wire_block);
+  at::Tensor qwork =
+      quantized
+          ? at::empty({static_cast<int64_t>(quantized_all_reduce_work_bytes(count, block, size_))},
+                      t.options().dtype(at::kByte))
+          : at::Tensor();
+  void* qbuf = quantized ? qwork.data_ptr() : nullptr;
+  float* res = residual ? residual->data_ptr<float>() : nullptr;
   SymmetricMemory::Decision sym;
   if (kind == AlgoKind::kDirect) sym = symmetric_->decide(t, to_register, exec_->on_own_thread());
   // A registration holds one caller at a time until the move is done: another
@@ -318,9 +334,14 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   auto symmetric = symmetric_;
   c10::intrusive_ptr<Work> work = launch(
       kOp, {t},
-      collective(OpHeader::of(CollKind::kAllReduce, count, int32_t(dt), int32_t(rop), -1, kind),
+      collective(OpHeader::of(CollKind::kAllReduce, count, int32_t(dt), int32_t(rop),
+                              quantized ? int32_t(wire_block) : -1, kind),
                  [=](const Context& ctx) {
                    switch (kind) {
+                     case AlgoKind::kQuantInt8:
+                       quantized_all_reduce(ctx, static_cast<float*>(data), count, res, block, rop,
+                                            qbuf);
+                       break;
                      case AlgoKind::kRingWireF16:
                      case AlgoKind::kRingWireBF16:
                        ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire, rop);
@@ -341,7 +362,9 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
                      default: ring_all_reduce(ctx, data, count, dt, rop); break;
                    }
                  }),
-      wait_of(async_op));
+      wait_of(async_op),
+      quantized ? std::vector<at::Tensor>{qwork, residual.value_or(qwork)}
+                : std::vector<at::Tensor>{});
   if (work) SymmetricMemory::wait_for_decision(*work, sym);
   return work;
 }

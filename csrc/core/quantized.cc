@@ -1,0 +1,87 @@
+// The all-reduce of float32 with an 8-bit block-scaled wire (algorithms.h,
+// quantized_all_reduce): each rank's contribution is quantized once, its
+// owner sums the contributions in float32, and the sum is quantized once more
+// for the all-gather. No partial sum is ever re-quantized.
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+#include "algorithms.h"
+#include "quant.h"
+
+namespace pycomm {
+namespace {
+
+// Chunk j of the data: whole blocks dealt out evenly (ceil), so that every
+// chunk's blocks are blocks of the whole tensor; the last chunks may be
+// short or empty. Its quantized copy sits at a 16-byte aligned offset in the
+// work buffer (chunks laid out in rank order).
+struct QuantChunks {
+  size_t count, block, per;
+  static QuantChunks of(size_t count, size_t block, int n) {
+    return {count, block, ceil_div(ceil_div(count, block), static_cast<size_t>(n)) * block};
+  }
+  size_t begin(int j) const { return std::min(count, static_cast<size_t>(j) * per); }
+  size_t length(int j) const { return std::min(count, begin(j) + per) - begin(j); }
+  size_t bytes(int j) const { return quant_bytes(length(j), block); }
+  static size_t stride(size_t bytes) { return ceil_div(bytes, 16) * 16; }
+  size_t offset(int j) const { return static_cast<size_t>(j) * stride(quant_bytes(per, block)); }
+};
+
+}  // namespace
+
+size_t quantized_all_reduce_work_bytes(size_t count, size_t block, int n) {
+  const QuantChunks c = QuantChunks::of(count, block, n);
+  // n quantized chunks (this rank's contribution, then the gathered result)
+  // + n contributions to this rank's chunk.
+  return 2 * c.offset(n);
+}
+
+void quantized_all_reduce(const Context& ctx, float* data, size_t count, float* residual,
+                          size_t block, ReduceOp op, void* work) {
+  Transport& tr = ctx.transport;
+  Reducer& red = ctx.reducer;
+  const int n = tr.world_size(), r = tr.rank();
+  const QuantChunks c = QuantChunks::of(count, block, n);
+  char* mine = static_cast<char*>(work);  // chunk j of this rank's contribution at offset(j)
+  char* theirs = mine + c.offset(n);      // rank q's contribution to chunk r at offset(q)
+  // Error feedback: what is quantized is data + residual, and the residual
+  // becomes what the quantization lost.
+  if (residual) red.reduce(data, data, residual, count, DType::kFloat32, ReduceOp::kSum);
+  for (int j = 0; j < n; ++j) {
+    red.quantize(mine + c.offset(j), data + c.begin(j), c.length(j), block,
+                 residual ? residual + c.begin(j) : nullptr);
+  }
+  // Reduce-scatter, direct: chunk j of every contribution goes to rank j.
+  std::vector<P2POp> ops;
+  for (int j = 0; j < n; ++j) {
+    if (j == r) continue;
+    ops.push_back({P2POp::kSend, mine + c.offset(j), c.bytes(j), j});
+    ops.push_back({P2POp::kRecv, theirs + c.offset(j), c.bytes(r), j});
+  }
+  if (!ops.empty()) tr.exchange(ops.data(), ops.size());
+  // The owner sums the n contributions in float32, in rank order (every
+  // element by one expression), into its chunk of `data`.
+  float* sum = data + c.begin(r);
+  for (int q = 0; q < n; ++q) {
+    const char* src = q == r ? mine + c.offset(r) : theirs + c.offset(q);
+    red.dequantize(sum, src, c.length(r), block, /*add=*/q > 0);
+  }
+  if (op == ReduceOp::kAvg) red.scale(sum, c.length(r), DType::kFloat32, 1.0 / n);
+  // The sum, quantized once, is what every rank gets: the owner too.
+  red.quantize(mine + c.offset(r), sum, c.length(r), block, nullptr);
+  red.dequantize(sum, mine + c.offset(r), c.length(r), block, /*add=*/false);
+  // All-gather of the quantized sums.
+  ops.clear();
+  for (int j = 0; j < n; ++j) {
+    if (j == r) continue;
+    ops.push_back({P2POp::kSend, mine + c.offset(r), c.bytes(r), j});
+    ops.push_back({P2POp::kRecv, mine + c.offset(j), c.bytes(j), j});
+  }
+  if (!ops.empty()) tr.exchange(ops.data(), ops.size());
+  for (int j = 0; j < n; ++j) {
+    if (j != r) red.dequantize(data + c.begin(j), mine + c.offset(j), c.length(j), block, false);
+  }
+}
+
+}  // namespace pycomm
