@@ -253,6 +253,14 @@ void cpu_reduce_wire(float* dst, const float* a, const void* b, size_t count, DT
   });
 }
 
+bool cpu_uses_avx2() {
+#if PYCOMM_X86_SIMD
+  return have_avx2_f16c();
+#else
+  return false;
+#endif
+}
+
 void Reducer::quantize(void*, const float*, size_t, size_t, float*) {
   throw UsageError("this reducer has no int8 wire (all_reduce(wire_dtype=torch.int8) runs on CPU)");
 }

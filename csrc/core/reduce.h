@@ -26,6 +26,10 @@ void cpu_from_wire(float* dst, const void* src, size_t count, DType wire);
 void cpu_reduce_wire(float* dst, const float* a, const void* b, size_t count, DType wire,
                      ReduceOp op);
 
+// Whether the AVX2 paths run: the CPU has AVX2 and F16C, and
+// PYCOMM_CPU_SIMD is not "scalar" (reduce.cc; quant.cc asks too).
+bool cpu_uses_avx2();
+
 // The reduction half of an algorithm's execution context. On CPU the calls
 // execute at once on the calling thread; on GPU they enqueue kernels on the
 // reduction stream (ordered after whatever the transport's wait() made it wait
