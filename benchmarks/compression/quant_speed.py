@@ -1,6 +1,6 @@
-"""Speed of the int8 wire's kernels on one core: quantize (with the error
-feedback residual) + dequantize-accumulate of float32, in GB/s of float32
-input, for the AVX2 path and the portable one (PYCOMM_CPU_SIMD=scalar, in a
+"""Speed of the int8 wire's kernels on one core: quantize (with and without
+the error-feedback residual, which adds a 4-byte write per element) +
+dequantize-accumulate of float32, in GB/s of float32 input, for the AVX2 path and the portable one (PYCOMM_CPU_SIMD=scalar, in a
 second process), beside a plain copy of the same bytes (torch copy_).
 
     python benchmarks/compression/quant_speed.py --json quant_speed.json [--mib 64]
@@ -42,11 +42,13 @@ def measure(mib: int, block: int, reps: int) -> dict[str, float]:
     q = _C.quantize_int8(x, block, err)
     copy_dst = torch.empty(n)
     t_q = _best(lambda: _C.quantize_int8(x, block, err), reps)
+    t_q0 = _best(lambda: _C.quantize_int8(x, block), reps)
     t_d = _best(lambda: _C.dequantize_int8(acc, q, block, True), reps)
     t_c = _best(lambda: copy_dst.copy_(x), reps)
     gb = n * 4 / 1e9
-    return {"quantize_GBps": gb / t_q, "dequantize_add_GBps": gb / t_d,
-            "both_GBps": gb / (t_q + t_d), "copy_GBps": gb / t_c}
+    return {"quantize_GBps": gb / t_q, "quantize_no_residual_GBps": gb / t_q0,
+            "dequantize_add_GBps": gb / t_d, "both_GBps": gb / (t_q + t_d),
+            "both_no_residual_GBps": gb / (t_q0 + t_d), "copy_GBps": gb / t_c}
 
 
 def main() -> int:
