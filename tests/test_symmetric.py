@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from tests._dist import COMM_TIMEOUT, client_store, run_ranks, spawn_ranks
-from tests.reference import assert_matches, digest, rank_input, reference
-from tests.test_collectives import _cases
+from tests.reference import all_reduce_cases, assert_matches, digest, rank_input, reference
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shm")
 
@@ -41,7 +40,7 @@ def _registered_cases(comm, register: bool):
     """Every (count, dtype, op) case of test_collectives, all-reduced from a
     registered tensor (or a plain one); digests of the results."""
     out = []
-    for count, dtype, op in _cases(True):
+    for count, dtype, op in all_reduce_cases(True):
         inputs = [rank_input(r, count, dtype, op) for r in range(comm.world_size)]
         t = inputs[comm.rank].clone()
         if register:
