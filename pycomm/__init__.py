@@ -72,10 +72,12 @@ __version__ = "0.1.0"
 # when one drifts.
 def all_reduce(tensor: torch.Tensor, op: OpLike = ReduceOp.SUM, algo: str = "auto",
                async_op: bool = False, wire_dtype: torch.dtype | str | None = None,
-               register: bool = False) -> Work | None:
+               register: bool = False, wire_block: int = 256,
+               residual: torch.Tensor | None = None) -> Work | None:
     """:meth:`Communicator.all_reduce` on the default communicator."""
     return get_default().all_reduce(tensor, op=op, algo=algo, async_op=async_op,
-                                    wire_dtype=wire_dtype, register=register)
+                                    wire_dtype=wire_dtype, register=register,
+                                    wire_block=wire_block, residual=residual)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: OpLike = ReduceOp.SUM,

@@ -177,7 +177,7 @@ int main() {
   }
 }
 """
-_CORE = ["algorithms.cc", "reduce.cc", "types.cc", "op_header.cc"]
+_CORE = ["algorithms.cc", "reduce.cc", "types.cc", "op_header.cc", "quant.cc"]
 # DType codes of csrc/core/types.h: float32, float64, float16, int8
 _DTYPE_CODES = (0, 1, 2, 7)
 
