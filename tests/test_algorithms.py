@@ -17,7 +17,6 @@ from tests.reference import assert_matches, rank_input, reference
 from tests.test_collectives import _all_gather_cases, _all_reduce_cases
 
 CLASSIC = ["recursive_doubling", "halving_doubling", "tree"]
-WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7]
 
 
 def _classic_all_reduce(comm, large: bool):
@@ -31,7 +30,8 @@ def _same_bits_on_every_rank(per_rank):
             assert per_rank[r][algo] == digests, f"{algo}: rank {r} differs from rank 0"
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", [
+    1, 2, 3, 4, 5, pytest.param(6, marks=pytest.mark.slow), pytest.param(7, marks=pytest.mark.slow)])
 def test_classic_all_reduce_shm(world_size):
     # large sizes (many slices, the fold's hand-offs in slices) on 3 and 4 ranks
     per_rank = run_ranks(_classic_all_reduce, world_size, "shm", world_size in (3, 4),
@@ -48,8 +48,9 @@ def test_classic_all_reduce_gloo(world_size):
 
 
 @pytest.mark.parametrize("transport,world_size", [
-    ("shm", 1), ("shm", 2), ("shm", 3), ("shm", 4), ("shm", 5), ("shm", 7),
-    ("gloo", 3), ("gloo", 6)])
+    ("shm", 1), ("shm", 2), ("shm", 3), ("shm", 4), ("shm", 5),
+    pytest.param("shm", 7, marks=pytest.mark.slow), ("gloo", 3),
+    pytest.param("gloo", 6, marks=pytest.mark.slow)])
 def test_bruck_all_gather(transport, world_size):
     run_ranks(_all_gather_cases, world_size, transport, "bruck")
 
