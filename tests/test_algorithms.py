@@ -1,7 +1,8 @@
 """The classic algorithms (csrc/core/classic.cc): recursive doubling,
 halving-doubling and the pipelined tree for all_reduce, Bruck for
 all_gather. Every op x dtype x size against float64 references on 1 to 7
-ranks (3, 5, 6, 7: the fold of a non-power-of-two world), bitwise identical
+ranks (3, 5, 6, 7: the fold of a non-power-of-two world; 6 and 7 with -m
+slow), bitwise identical
 on every rank, on shm and gloo; the algorithm named where it cannot run; a
 different algo across ranks is a CommError on every rank."""
 
