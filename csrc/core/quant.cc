@@ -6,13 +6,7 @@
 #include <cstring>
 
 #include "reduce.h"
-
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
-#define PYCOMM_X86_SIMD 1
-#include <immintrin.h>
-#else
-#define PYCOMM_X86_SIMD 0
-#endif
+#include "x86_simd.h"
 
 namespace pycomm {
 namespace {
