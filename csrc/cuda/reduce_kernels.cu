@@ -1,11 +1,17 @@
-// Reduction kernels: grid-stride loops over 16-byte packs (one LDG.128 per
-// operand per pack), several packs in flight per thread, a scalar prologue to
-// reach 16-byte alignment and a scalar epilogue. The arithmetic is
-// pycomm::combine / pycomm::scale_one from csrc/core/elementwise.h, the very
-// functors the CPU path runs (fp16/bf16 accumulate in fp32, RNE back).
+// Reduction kernels: each block owns one tile of kUnroll x kTileThreads
+// 16-byte packs (one LDG.128 per operand per pack, all of a thread's loads
+// issued before its stores), and the grid has one block per tile. That is the
+// shape of torch's vectorized elementwise kernels: the many short blocks let
+// the hardware keep every SM's memory pipeline full, where a bounded grid of
+// long-lived 512-thread blocks looping over the data stayed below a copy's
+// bandwidth (benchmarks/results/gpu/kernel-probe-2026-11-27 compares the
+// shapes). The few elements before the first and after the last aligned pack
+// go one by one.
 //
-// Build with -fmad=false (setup.py and scripts/compile_cuda.sh do): no FMA
-// contraction, so every result is bitwise the CPU one.
+// The arithmetic is pycomm::combine / pycomm::scale_one from
+// csrc/core/elementwise.h, the very functors the CPU path runs (fp16/bf16
+// accumulate in fp32, RNE back). Build with -fmad=false (setup.py does): no
+// FMA contraction, so every result is bitwise the CPU one.
 #include "reduce_kernels.h"
 
 #include <algorithm>
@@ -21,9 +27,11 @@ namespace pycomm {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 512;
-constexpr int kUnroll = 4;       // packs in flight per thread and operand
-constexpr int kBlocksPerSM = 4;  // 4 x 512 threads = 2048 = a full H100 SM
+constexpr int kThreads = 512;      // wire kernels (plain grid-stride loops)
+constexpr int kBlocksPerSM = 4;    // 4 x 512 threads = 2048 = a full H100 SM
+constexpr int kTileThreads = 128;  // reduction kernels: threads per block
+constexpr int kUnroll = 4;         // packs per thread and operand
+constexpr size_t kTilePacks = static_cast<size_t>(kUnroll) * kTileThreads;
 
 template <class T>
 struct alignas(16) Pack {
@@ -51,51 +59,51 @@ struct ScaleOp {
 };
 
 // dst[i] = f(a[i], b[i]). Elements [0, head) and [head + npacks*N, count) are
-// done one by one; the packs in between are 16-byte aligned in all three
-// arrays. dst may equal a (and b): each thread reads an element before it
-// writes it, and no two threads touch the same element.
+// done one by one (grid-stride over the whole grid); the packs in between are
+// 16-byte aligned in all three arrays, one tile per block. dst may equal a
+// (and b): each thread reads an element before it writes it, and no two
+// threads touch the same element.
 template <class T, class F, bool kBinary>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kTileThreads)
     elementwise_kernel(T* dst, const T* a, const T* b, size_t head, size_t npacks, size_t count,
                        F f) {
   using P = Pack<T>;
   constexpr int N = P::N;
-  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const size_t nthreads = static_cast<size_t>(gridDim.x) * blockDim.x;
-
   const size_t tail = head + npacks * N;
-  for (size_t i = tid; i < head; i += nthreads) dst[i] = f(a[i], kBinary ? b[i] : a[i]);
-  for (size_t i = tail + tid; i < count; i += nthreads) dst[i] = f(a[i], kBinary ? b[i] : a[i]);
+  const size_t scalars = head + (count - tail);
+  const size_t nthreads = static_cast<size_t>(gridDim.x) * kTileThreads;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * kTileThreads + threadIdx.x; i < scalars;
+       i += nthreads) {
+    const size_t j = i < head ? i : tail + (i - head);
+    dst[j] = f(a[j], kBinary ? b[j] : a[j]);
+  }
 
+  // This block's tile (launch() sizes the grid to one block per tile).
   P* pd = reinterpret_cast<P*>(dst + head);
   const P* pa = reinterpret_cast<const P*>(a + head);
   const P* pb = reinterpret_cast<const P*>((kBinary ? b : a) + head);
-  size_t p = tid;
-  // Main loop: kUnroll independent packs per thread, all loads issued before
-  // any store (so aliasing dst == a cannot serialise them).
-  for (; p + (kUnroll - 1) * nthreads < npacks; p += kUnroll * nthreads) {
-    P x[kUnroll], y[kUnroll];
+  const size_t base = static_cast<size_t>(blockIdx.x) * kTilePacks + threadIdx.x;
+  P x[kUnroll], y[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      x[u] = pa[p + u * nthreads];
-      if constexpr (kBinary) y[u] = pb[p + u * nthreads];
+  for (int u = 0; u < kUnroll; ++u) {
+    const size_t p = base + static_cast<size_t>(u) * kTileThreads;
+    if (p < npacks) {
+      x[u] = pa[p];
+      if constexpr (kBinary) y[u] = pb[p];
     }
+  }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kUnroll; ++u) {
+    const size_t p = base + static_cast<size_t>(u) * kTileThreads;
+    if (p < npacks) {
 #pragma unroll
       for (int e = 0; e < N; ++e) x[u].v[e] = f(x[u].v[e], kBinary ? y[u].v[e] : x[u].v[e]);
-      pd[p + u * nthreads] = x[u];
+      pd[p] = x[u];
     }
   }
-  for (; p < npacks; p += nthreads) {
-    P x = pa[p];
-    P y;
-    if constexpr (kBinary) y = pb[p];
-#pragma unroll
-    for (int e = 0; e < N; ++e) x.v[e] = f(x.v[e], kBinary ? y.v[e] : x.v[e]);
-    pd[p] = x;
-  }
 }
+
+constexpr size_t kMaxGrid = 0x7fffffff;  // gridDim.x's limit
 
 int sm_count() {
   static std::atomic<int> cache[64] = {};
@@ -124,12 +132,18 @@ void launch(T* dst, const T* a, const T* b, size_t count, F f, cudaStream_t stre
     head = count;  // different misalignments: element by element
     npacks = 0;
   }
-  const size_t work = npacks ? (npacks + kUnroll - 1) / kUnroll : count;
-  const size_t max_blocks = static_cast<size_t>(sm_count()) * kBlocksPerSM;
+  const size_t tiles = (npacks + kTilePacks - 1) / kTilePacks;
+  if (tiles > kMaxGrid) {
+    throw UsageError(cat("reduction of ", count, " elements exceeds one kernel launch's grid"));
+  }
+  // One block per tile; the scalars (every element when the three arrays are
+  // misaligned differently) share that grid, or get one block per tile's
+  // worth of them if there are more.
+  const size_t scalar_blocks = (count - npacks * N + kTilePacks - 1) / kTilePacks;
   const unsigned blocks = static_cast<unsigned>(
-      std::max<size_t>(1, std::min(max_blocks, (work + kThreads - 1) / kThreads)));
+      std::clamp<size_t>(std::max(tiles, scalar_blocks), 1, kMaxGrid));
   elementwise_kernel<T, F, kBinary>
-      <<<blocks, kThreads, 0, stream>>>(dst, a, b, head, npacks, count, f);
+      <<<blocks, kTileThreads, 0, stream>>>(dst, a, b, head, npacks, count, f);
   PYCOMM_CUDA_CHECK_LAUNCH();
 }
 
