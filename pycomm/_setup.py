@@ -541,7 +541,8 @@ def plan_transport(st: Any, r: int, n: int, asked: Settings) -> Plan:
 
 
 #: A builder: (store, rank, world size, asked, plan) -> (the transport it
-#: built, the C++ communicator, objects the communicator must keep alive).
+#: built, the C++ communicator with its algo="auto" table, objects the
+#: communicator must keep alive). A hierarchy's parts have their own tables.
 Builder = Callable[[Any, int, int, Settings, Plan], tuple[str, Any, list[Any]]]
 
 
@@ -552,6 +553,7 @@ def _timeout_ms(asked: Settings) -> int:
 def _build_gloo(st: Any, r: int, n: int, asked: Settings, plan: Plan) -> tuple[str, Any, list[Any]]:
     pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, asked.timeout)
     impl = _C.make_gloo_comm(pg, _timeout_ms(asked), slice_bytes_for(asked.slice_bytes, "gloo"))
+    impl.auto_table = auto_table_for("cpu", "gloo", n)
     return "gloo", impl, [pg]
 
 
@@ -560,6 +562,7 @@ def _build_shm(st: Any, r: int, n: int, asked: Settings, plan: Plan) -> tuple[st
                     fallback_ok=plan.fallback_ok)
     if impl is None:  # every rank alike: some rank could not set up shared memory
         return _build_gloo(st, r, n, asked, plan)
+    impl.auto_table = auto_table_for("cpu", "shm", n)
     return "shm", impl, []
 
 
@@ -598,8 +601,6 @@ def build(st: Any, r: int, n: int, asked: Settings) -> tuple[Any, Settings, list
     publish_process(st, r)
     chosen = plan_transport(st, r, n, asked)
     transport, impl, keepalive = BUILDERS[chosen.transport](st, r, n, asked, chosen)
-    if transport in ("shm", "gloo"):  # nccl's came with it; a hierarchy's parts have theirs
-        impl.auto_table = auto_table_for("cpu", transport, n)
     if asked.check:
         if hasattr(impl, "check"):
             impl.check = True
