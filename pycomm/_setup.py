@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from . import _auto_table, _hierarchy
 from ._ext import _C, CommError
-from ._store import agree_errors, all_gather, wait_for
+from ._store import agree_errors, all_gather, broadcast
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 DEFAULT_SLICE_BYTES = 512 * 1024
@@ -376,11 +376,9 @@ def init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes: 
     # dies or is interrupted before every rank has mapped it (the last one to
     # do so unlinks it, shm_transport.h), the survivors can remove it: every
     # rank unlinks the name when init fails here, whatever the reason.
-    if rank == 0:
-        # Unique per job (rank 0's pid + random) and per communicator.
-        st.set(f"{key}/intent", f"/pycomm-{os.getpid()}-{_shm_count}-{uuid.uuid4().hex[:12]}")
-    wait_for(st, {0: f"{key}/intent"}, "shm setup")
-    intent = st.get(f"{key}/intent").decode()
+    # Unique per job (rank 0's pid + random) and per communicator.
+    name = f"/pycomm-{os.getpid()}-{_shm_count}-{uuid.uuid4().hex[:12]}" if rank == 0 else None
+    intent = broadcast(st, f"{key}/intent", rank, name, "shm setup")
     try:
         impl, errors = _map_shm(st, key, intent, rank, world_size, timeout_ms, slice_bytes)
     except BaseException:
@@ -416,26 +414,24 @@ def _map_shm(st: Any, key: str, name: str, rank: int, world_size: int, timeout_m
     """init_shm's steps: rank 0 creates segment ``name``, the others map it,
     then a store barrier. Returns (this rank's communicator or None, every
     rank's error)."""
-    impl, err = None, ""
+    impl, err, outcome = None, "", None
     if rank == 0:
         try:
             impl = _C.make_shm_comm(name, rank, world_size, True, timeout_ms, slice_bytes)
-            st.set(f"{key}/name", name)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             err = f"rank 0: {e}"
-            st.set(f"{key}/name", "!" + err)
-    else:
-        wait_for(st, {0: f"{key}/name"}, "shm setup")
-        published = st.get(f"{key}/name").decode()
-        if published.startswith("!"):
-            err = published[1:]
-        else:
-            try:
-                impl = _C.make_shm_comm(name, rank, world_size, False, timeout_ms, slice_bytes)
-            except Exception as e:  # noqa: BLE001
-                err = f"rank {rank}: {e}"
-    # Barrier: every rank has mapped the segment (or failed to).
+        outcome = "!" + err if err else name  # the others map the segment or learn why not
     try:
+        published = broadcast(st, f"{key}/name", rank, outcome, "shm setup")
+        if rank != 0:
+            if published.startswith("!"):
+                err = published[1:]
+            else:
+                try:
+                    impl = _C.make_shm_comm(name, rank, world_size, False, timeout_ms, slice_bytes)
+                except Exception as e:  # noqa: BLE001
+                    err = f"rank {rank}: {e}"
+        # Barrier: every rank has mapped the segment (or failed to).
         errors = agree_errors(st, f"{key}/mapped", rank, world_size, err, "shm setup")
     except BaseException:
         if impl is not None:
@@ -500,11 +496,8 @@ def make_nccl(st: Any, r: int, n: int, dev: torch.device, timeout: timedelta,
     """NCCL bootstrap: rank 0 creates the unique id and publishes it through
     the (prefixed, per-communicator) store; every rank initialises on ``dev``
     (from cuda_device: an existing device)."""
-    key = "nccl/unique_id"
-    if r == 0:
-        st.set(key, _C.nccl_unique_id().hex())
-    wait_for(st, {0: key}, "NCCL setup")
-    uid = bytes.fromhex(st.get(key).decode())
+    uid = bytes.fromhex(broadcast(st, "nccl/unique_id", r,
+                                  _C.nccl_unique_id().hex() if r == 0 else None, "NCCL setup"))
     timeout_ms = int(timeout.total_seconds() * 1000)
     return _C.make_nccl_comm(uid, r, n, dev.index, timeout_ms, slice_bytes,
                              auto_table_for("cuda", "nccl", n))
@@ -548,7 +541,8 @@ def plan_transport(st: Any, r: int, n: int, asked: Settings) -> Plan:
 
 
 #: A builder: (store, rank, world size, asked, plan) -> (the transport it
-#: built, the C++ communicator, objects the communicator must keep alive).
+#: built, the C++ communicator with its algo="auto" table, objects the
+#: communicator must keep alive). A hierarchy's parts have their own tables.
 Builder = Callable[[Any, int, int, Settings, Plan], tuple[str, Any, list[Any]]]
 
 
@@ -559,6 +553,7 @@ def _timeout_ms(asked: Settings) -> int:
 def _build_gloo(st: Any, r: int, n: int, asked: Settings, plan: Plan) -> tuple[str, Any, list[Any]]:
     pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, asked.timeout)
     impl = _C.make_gloo_comm(pg, _timeout_ms(asked), slice_bytes_for(asked.slice_bytes, "gloo"))
+    impl.auto_table = auto_table_for("cpu", "gloo", n)
     return "gloo", impl, [pg]
 
 
@@ -567,6 +562,7 @@ def _build_shm(st: Any, r: int, n: int, asked: Settings, plan: Plan) -> tuple[st
                     fallback_ok=plan.fallback_ok)
     if impl is None:  # every rank alike: some rank could not set up shared memory
         return _build_gloo(st, r, n, asked, plan)
+    impl.auto_table = auto_table_for("cpu", "shm", n)
     return "shm", impl, []
 
 
@@ -605,8 +601,6 @@ def build(st: Any, r: int, n: int, asked: Settings) -> tuple[Any, Settings, list
     publish_process(st, r)
     chosen = plan_transport(st, r, n, asked)
     transport, impl, keepalive = BUILDERS[chosen.transport](st, r, n, asked, chosen)
-    if transport in ("shm", "gloo"):  # nccl's came with it; a hierarchy's parts have theirs
-        impl.auto_table = auto_table_for("cpu", transport, n)
     if asked.check:
         if hasattr(impl, "check"):
             impl.check = True

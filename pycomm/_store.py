@@ -5,7 +5,8 @@ Every collective decision of the setup (the host ids behind
 ``transport="auto"``, the shm segment being mapped on every rank, the
 hosts' addresses, shared memory on every host) is one :func:`all_gather`
 of a short string per rank, or one :func:`agree_errors` when what the ranks
-share is "ok or why not".
+share is "ok or why not". What one rank creates for all (the shm segment's
+name, the NCCL unique id) is one :func:`broadcast`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from ._ext import CommError
 
-__all__ = ["agree_errors", "all_gather", "wait_for"]
+__all__ = ["agree_errors", "all_gather", "broadcast", "wait_for"]
 
 
 def wait_for(store: Any, keys: dict[int, str], what: str) -> None:
@@ -51,3 +52,16 @@ def agree_errors(store: Any, key: str, rank: int, world_size: int, error: str,
     list on every rank: a collective "did it work everywhere?"."""
     values = all_gather(store, key, rank, world_size, "!" + error if error else "ok", what)
     return [(q, v[1:]) for q, v in enumerate(values) if v != "ok"]
+
+
+def broadcast(store: Any, key: str, rank: int, value: str | None, what: str,
+              root: int = 0) -> str:
+    """Rank ``root``'s ``value`` on every rank: the root sets ``key``, every
+    rank waits for it (:func:`wait_for`) and reads it back. ``value`` is
+    read on the root only (the others pass None)."""
+    if rank == root:
+        if value is None:
+            raise ValueError(f"broadcast of {key!r}: the root (rank {root}) has no value")
+        store.set(key, value)
+    wait_for(store, {root: key}, what)
+    return store.get(key).decode()

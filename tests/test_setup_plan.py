@@ -39,6 +39,14 @@ def test_all_gather_and_agree_errors():
     assert errors == [[(1, "bad")]] * 3
 
 
+def test_broadcast_gives_every_rank_the_roots_value():
+    values = _on_ranks(3, lambda st, r: _store.broadcast(st, "b", r, "x" if r == 1 else None,
+                                                         "test", root=1))
+    assert values == ["x"] * 3
+    with pytest.raises(ValueError, match="the root"):
+        _store.broadcast(dist.HashStore(), "b", 0, None, "test")
+
+
 def test_wait_for_names_the_missing_ranks():
     store = dist.HashStore()
     store.set_timeout(timedelta(milliseconds=200))
