@@ -140,8 +140,8 @@ void launch(T* dst, const T* a, const T* b, size_t count, F f, cudaStream_t stre
   // misaligned differently) share that grid, or get one block per tile's
   // worth of them if there are more.
   const size_t scalar_blocks = (count - npacks * N + kTilePacks - 1) / kTilePacks;
-  const unsigned blocks = static_cast<unsigned>(
-      std::clamp<size_t>(std::max(tiles, scalar_blocks), 1, kMaxGrid));
+  const unsigned blocks =
+      static_cast<unsigned>(std::clamp<size_t>(std::max(tiles, scalar_blocks), 1, kMaxGrid));
   elementwise_kernel<T, F, kBinary>
       <<<blocks, kTileThreads, 0, stream>>>(dst, a, b, head, npacks, count, f);
   PYCOMM_CUDA_CHECK_LAUNCH();
