@@ -5,6 +5,7 @@ feedback, every rank holding the same parameters."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pycomm import hooks
@@ -78,3 +79,25 @@ def test_ddp_with_int8_hook_trains_like_plain_ddp():
     for name in ("ef", "no_ef"):
         assert per_rank[0][name][1] == per_rank[1][name][1], name
     print({k: v[0] for k, v in per_rank[0].items()})
+
+
+# ---------------------------------------------------------------- the example
+
+@pytest.mark.parametrize("flags", [(), ("--no-error-feedback",)])
+def test_example_compressed_ddp_under_torchrun(flags):
+    """examples/compressed_ddp.py: both ranks report, hold the same bits, and
+    end near plain DDP (the int8 wire rounds: close, not equal)."""
+    import re
+
+    from tests._dist import run_torchrun
+
+    proc = run_torchrun("examples/compressed_ddp.py", 2, *flags)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ef = str(not flags)
+    found = re.findall(rf"rank (\d)/2 int8 \(error feedback {ef}\) \[shm\] last loss ([\d.]+) "
+                       r"\(plain DDP ([\d.]+)\), max \|param - plain DDP's\| = ([\d.e+-]+), "
+                       r"ranks identical: True", proc.stdout)
+    assert sorted(f[0] for f in found) == ["0", "1"], proc.stdout
+    for _, loss, plain_loss, diff in found:
+        assert float(diff) < 0.05, proc.stdout
+        assert abs(float(loss) - float(plain_loss)) < 0.1 * float(plain_loss) + 1e-3, proc.stdout
