@@ -351,41 +351,57 @@ def test_allreduce_hook_moves_ddp_buckets_into_symmetric_memory(view):
         assert diff < 1e-5, diff
 
 
-def _join_rank(rank: int, world_size: int, port: int):
-    """Uneven inputs under torch DDP's join(): the rank that runs out first
-    shadows the others' all-reduces with zero buckets through the hook. Those
-    ask to be registered (moved into symmetric memory) while the active ranks' buckets are
-    there already, so those all-reduces must stage, not disagree. (join()
-    needs a default process group: fresh processes.)"""
+def _join_comm(rank: int, world_size: int, port: int):
+    """A fresh process's default gloo group (join() needs one) and an shm
+    communicator over it."""
     import pycomm
 
     dist.init_process_group("gloo", store=client_store(port, world_size), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=60))
-    comm = pycomm.init(group=dist.group.WORLD, transport="shm")
-    n, r = world_size, rank
+    return pycomm.init(group=dist.group.WORLD, transport="shm")
+
+
+def train_joined(comm, register=None) -> list[torch.Tensor]:
+    """DDP under join() with uneven inputs (rank 0 runs out after 3 steps, the
+    others do 5); ``register(ddp)`` installs a hook. The parameters."""
+    n, r = comm.world_size, comm.rank
     shard = slice(r * BATCH // n, (r + 1) * BATCH // n)
+    model = _fresh_model()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
+    if register is not None:
+        register(ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    with ddp.join():
+        for step in range(3 if r == 0 else 5):
+            x, y = _data(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x[shard]), y[shard]).backward()
+            opt.step()
+    return [p.detach().clone() for p in model.parameters()]
 
-    def train(hook):
-        model = _fresh_model()
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
-        if hook is not None:
-            ddp.register_comm_hook(comm, hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-        with ddp.join():
-            for step in range(3 if r == 0 else 5):
-                x, y = _data(step)
-                opt.zero_grad()
-                nn.functional.mse_loss(ddp(x[shard]), y[shard]).backward()
-                opt.step()
-        return [p.detach().clone() for p in model.parameters()]
 
+def run_joined(rank: int, world_size: int, port: int, register, result):
+    """In a fresh process: DDP under join() without a hook and with
+    ``register``'s; ``result(comm, plain, hooked)`` is returned."""
+    comm = _join_comm(rank, world_size, port)
     try:
-        plain = train(None)
-        hooked = train(hooks.allreduce_hook)
-        return _max_diff(hooked, plain), comm.symmetric_all_reduces
+        plain = train_joined(comm)
+        hooked = train_joined(comm, lambda ddp: register(comm, ddp))
+        return result(comm, plain, hooked)
     finally:
         comm.close()
         dist.destroy_process_group()
+
+
+def _join_rank(rank: int, world_size: int, port: int):
+    """Uneven inputs under torch DDP's join(): the rank that runs out first
+    shadows the others' all-reduces with zero buckets through the hook. Those
+    ask to be registered (moved into symmetric memory) while the active ranks' buckets are
+    there already, so those all-reduces must stage, not disagree."""
+    return run_joined(rank, world_size, port,
+                      lambda comm, ddp: ddp.register_comm_hook(comm, hooks.allreduce_hook),
+                      lambda comm, plain, hooked: (_max_diff(hooked, plain),
+                                                   comm.symmetric_all_reduces))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -81,6 +81,143 @@ def test_ddp_with_int8_hook_trains_like_plain_ddp():
     print({k: v[0] for k, v in per_rank[0].items()})
 
 
+# ------------------------------------- DDP options, no_sync, join, pycomm.parallel
+
+# Every case: int8 (error feedback on, every weight over the int8 wire) against
+# the same training without a hook; 5 SGD steps as above, same bound.
+INT8_TOL = 4e-3
+
+
+def _options_case(comm, flags: dict):
+    pg = _torch_pg(comm, f"int8-opt-{next(_pg_count)}")
+    plain = _train(comm, pg, **dict(flags))
+    state = hooks.CompressionState(comm, exact_below=0)
+    params = _train(comm, pg, hooks.int8_hook, state, **dict(flags))
+    return _max_diff(params, plain), digest(torch.cat([p.reshape(-1) for p in params])), sorted(state.residuals)
+
+
+@pytest.mark.parametrize("flags", [
+    {"gradient_as_bucket_view": True},
+    {"static_graph": True},
+    {"find_unused_parameters": True, "unused": True},
+], ids=["bucket_view", "static_graph", "find_unused"])
+def test_int8_hook_with_ddp_options(flags):
+    """DDP rebuilds its buckets after the first step: the residuals follow
+    (one per bucket index, restarted where a bucket changed size)."""
+    per_rank = run_ranks(_options_case, 2, "shm", flags, timeout=300)
+    for diff, _, residuals in per_rank:
+        assert diff < INT8_TOL, (flags, diff)
+        assert len(residuals) > 1, residuals  # several buckets, each its own residual
+    assert per_rank[0][1] == per_rank[1][1]  # every rank the same bits
+
+
+def _no_sync_case(comm):
+    """Gradient accumulation: two micro-batches per step, the first under
+    no_sync() (no all-reduce), the second synchronised; int8 vs no hook."""
+    import contextlib
+
+    import torch.nn as nn
+
+    from tests.test_hooks import BATCH, BUCKET_MB, LR, _data, _fresh_model
+
+    pg = _torch_pg(comm, f"int8-nosync-{next(_pg_count)}")
+    n, r = comm.world_size, comm.rank
+    shard = slice(r * BATCH // n, (r + 1) * BATCH // n)
+
+    def train(hooked: bool) -> tuple[list[torch.Tensor], int]:  # params, backwards
+        model = _fresh_model()
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=pg,
+                                                  bucket_cap_mb=BUCKET_MB)
+        calls = [0]
+        if hooked:
+            state = hooks.CompressionState(comm, exact_below=0)
+
+            def counting(st, bucket):
+                calls[0] += bucket.is_last()  # one per all-reducing backward
+                return hooks.int8_hook(st, bucket)
+
+            ddp.register_comm_hook(state, counting)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        for step in range(4):
+            opt.zero_grad()
+            for micro in range(2):
+                x, y = _data(10 * step + micro)
+                with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                    nn.functional.mse_loss(ddp(x[shard]), y[shard]).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()], calls[0]
+
+    plain, _ = train(False)
+    params, calls = train(True)
+    return _max_diff(params, plain), calls, digest(torch.cat([p.reshape(-1) for p in params]))
+
+
+def test_int8_hook_under_no_sync():
+    per_rank = run_ranks(_no_sync_case, 2, "shm", timeout=300)
+    for diff, calls, _ in per_rank:
+        assert diff < INT8_TOL, diff
+        assert calls == 4, calls  # only the 4 synchronised backwards
+    assert per_rank[0][2] == per_rank[1][2]
+
+
+def _join_rank(rank: int, world_size: int, port: int):
+    """Uneven inputs under torch DDP's join(): the rank that runs out first
+    shadows the others' all-reduces through the hook with zero buckets (plus
+    its residual, which error feedback still owes)."""
+    from tests.test_hooks import run_joined
+
+    def register(comm, ddp):
+        ddp.register_comm_hook(hooks.CompressionState(comm, exact_below=0), hooks.int8_hook)
+
+    return run_joined(rank, world_size, port, register,
+                      lambda comm, plain, hooked: (_max_diff(hooked, plain), digest(
+                          torch.cat([p.reshape(-1) for p in hooked]))))
+
+
+def test_int8_hook_under_join():
+    from tests._dist import spawn_ranks
+
+    per_rank = spawn_ranks(_join_rank, 2, timeout=300)
+    for diff, _ in per_rank:
+        assert diff < INT8_TOL, diff
+    assert per_rank[0][1] == per_rank[1][1]
+
+
+def _parallel_case(comm):
+    """pycomm.parallel.DistributedDataParallel takes the hook unchanged."""
+    import torch.nn as nn
+
+    from pycomm.parallel import DistributedDataParallel
+    from tests.test_hooks import BATCH, LR, STEPS, _data, _fresh_model
+
+    shard = slice(comm.rank * BATCH // comm.world_size, (comm.rank + 1) * BATCH // comm.world_size)
+
+    def train(hooked: bool) -> list[torch.Tensor]:
+        model = _fresh_model()
+        ddp = DistributedDataParallel(model, comm, bucket_cap_mb=0.001)
+        if hooked:
+            ddp.register_comm_hook(hooks.CompressionState(comm, exact_below=0), hooks.int8_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        for step in range(STEPS):
+            x, y = _data(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x[shard]), y[shard]).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain = train(False)
+    params = train(True)
+    return _max_diff(params, plain), digest(torch.cat([p.reshape(-1) for p in params]))
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_int8_hook_with_pycomm_parallel(transport):
+    per_rank = run_ranks(_parallel_case, 2, transport, timeout=300)
+    for diff, _ in per_rank:
+        assert 0 < diff < INT8_TOL, diff  # rounded (not exact), and close
+    assert per_rank[0][1] == per_rank[1][1]
+
+
 # ---------------------------------------------------------------- the example
 
 @pytest.mark.parametrize("flags", [(), ("--no-error-feedback",)])
