@@ -82,6 +82,10 @@ def test_parse_args_defaults():
     ["allreduce", "-b", "1M", "-e", "1K"],
     ["allreduce", "--nproc", "0"],
     ["alltoallv"],
+    ["allreduce", "--wire", "int4"],
+    ["allgather", "--wire", "int8"],
+    ["allreduce", "--wire", "int8", "-o", "max"],
+    ["allreduce", "--wire", "int8", "-d", "bf16"],
 ])
 def test_parse_args_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
@@ -398,6 +402,42 @@ def test_end_to_end_symmetric_series(tmp_path):
                   "--algo", "ring,symmetric"], tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "# algo symmetric: skipped" in res.stdout
+
+
+def test_wire_check_and_bytes():
+    """The --wire series' check: a real int8 all-reduce (reference quantizer)
+    passes within wire_atol and fails at the dtype's own tolerance; the bytes
+    a rank sends, counted by hand."""
+    from tests.test_quantized import _reference_all_reduce
+
+    n, count = 3, 1000
+    inputs = [C.rank_values(r, count).double() for r in range(n)]
+    expected = torch.stack(inputs).sum(0)
+    got = _reference_all_reduce([t.float() for t in inputs], "sum", C.WIRE_BLOCK)
+    assert C.count_wrong(got, expected, C.wire_atol("int8", inputs, expected)) == 0
+    assert C.count_wrong(got, expected) > 0  # the bound is what lets it pass
+    assert C.count_wrong(got + 0.1 * expected.abs().max().float(), expected,
+                         C.wire_atol("int8", inputs, expected)) == count
+    # 1000 elements = 4 blocks, 2 per chunk at 3 ranks (chunks of 512, 488, 0):
+    # out 488 + 2 scales, then its 512 + 2 scales to 2 ranks
+    assert C.sent_bytes("wire_int8", count, 4, n) == (488 + 8) + 2 * (512 + 8)
+    assert C.sent_bytes("ring", 1024, 4, 4) == 2 * 3 * 256 * 4
+    assert C.sent_bytes("tree", 1024, 4, 4) is None and C.sent_bytes("ring", 8, 4, 1) == 0
+    assert cli.parse_args(["allreduce", "--wire", "int8", "-o", "avg"]).algo == [
+        "ring", "torch", "wire_int8"]
+
+
+def test_end_to_end_wire_series(tmp_path):
+    res = _bench(["allreduce", "--nproc", "2", "-b", "4K", "-e", "1M", "-f", "16", "-n", "2",
+                  "-w", "1", "--algo", "ring", "--wire", "int8", "--json", "r.json"], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "wire_int8 in-place" in res.stdout and "# Out of bounds values : 0 OK" in res.stdout
+    assert "# bytes sent per rank per call at 1M: ring 1.05 MB, wire_int8 0.266 MB (0.25x ring)" \
+        in res.stdout, res.stdout
+    rows = [r for r in json.loads((tmp_path / "r.json").read_text())["rows"]
+            if r["algo"] == "wire_int8"]
+    assert sorted(r["size"] for r in rows) == [4096, 65536, 1 << 20]
+    assert all(r["wrong"] == 0 and r["sent_bytes"] > 0 for r in rows)
 
 
 @pytest.mark.parametrize("coll", ["reduce", "gather", "scatter", "alltoall"])

@@ -11,6 +11,7 @@ import importlib.util
 import re
 from typing import Callable, Sequence
 
+from . import collectives as C
 from . import peers as P
 from .collectives import SPECS
 
@@ -139,22 +140,26 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _algo_list(text: str) -> list[str]:
-    algos = [a.strip().lower() for a in re.split(r"[,\s]+", text) if a.strip()]
-    if not algos:
-        raise argparse.ArgumentTypeError("--algo needs at least one of " + ", ".join(ALGOS))
-    for a in algos:
-        if a not in ALGOS:
-            raise argparse.ArgumentTypeError(f"unknown algo {a!r}; choose from {', '.join(ALGOS)}")
-    return list(dict.fromkeys(algos))  # keep order, drop repeats
+def _names(kind: str, choices: Sequence[str], at_least_one: bool = False) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of ``choices`` (lower-cased,
+    in order, repeats dropped)."""
+
+    def parse(text: str) -> list[str]:
+        names = [a.strip().lower() for a in re.split(r"[,\s]+", text) if a.strip()]
+        if at_least_one and not names:
+            raise argparse.ArgumentTypeError(f"--{kind} needs at least one of " + ", ".join(choices))
+        for a in names:
+            if a not in choices:
+                raise argparse.ArgumentTypeError(
+                    f"unknown {kind} {a!r}; choose from {', '.join(choices)}")
+        return list(dict.fromkeys(names))
+
+    return parse
 
 
-def _peer_list(text: str) -> list[str]:
-    peers = [a.strip().lower() for a in re.split(r"[,\s]+", text) if a.strip()]
-    for a in peers:
-        if a not in P.PEERS:
-            raise argparse.ArgumentTypeError(f"unknown peer {a!r}; choose from {', '.join(P.PEERS)}")
-    return list(dict.fromkeys(peers))
+_algo_list = _names("algo", ALGOS, at_least_one=True)
+_wire_list = _names("wire", tuple(C.WIRES))
+_peer_list = _names("peer", P.PEERS)
 
 
 def _zero_one(text: str) -> int:
@@ -226,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "or all (every algorithm of the collective, auto and torch); measured "
                         "interleaved per size (default: ring,torch; with --hosts: "
                         "auto,flat,torch)")
+    p.add_argument("--wire", type=_wire_list, default=[], metavar="LIST",
+                   help=f"allreduce of float32 (sum, avg) also over a quantized wire, one series "
+                        f"per name ({', '.join(C.WIRES)}): all_reduce(wire_dtype=..., "
+                        f"wire_block={C.WIRE_BLOCK}), checked within its rounding bound; the "
+                        "JSON and the summary give the bytes each rank sends per call")
     p.add_argument("--peers", type=_peer_list, default=[], metavar="LIST",
                    help=f"comma-separated list of {', '.join(P.PEERS)}: another library's all-reduce "
                         "as one more series in the same rounds (pycomm/bench/peers.py)")
@@ -300,6 +310,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
     except ValueError as e:
         p.error(str(e))
+    if args.wire:
+        if args.collective != "allreduce" or dt != "float32" or op not in ("sum", "avg"):
+            p.error(f"--wire needs allreduce of float32 with -o sum or avg, got "
+                    f"{args.collective} of {dt} with -o {op}")
+        args.algo += [f"wire_{w}" for w in args.wire if f"wire_{w}" not in args.algo]
     if not SPECS[args.collective].reduces:
         args.op = "none"  # no reduction; printed as nccl-tests does
     if args.plot:

@@ -86,20 +86,68 @@ def tolerance(dtype: torch.dtype) -> float:
     return 4 * torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
 
 
-def count_wrong(result: torch.Tensor, expected: torch.Tensor) -> int:
+def count_wrong(result: torch.Tensor, expected: torch.Tensor, atol: float = 0.0) -> int:
     """Elements of ``result`` that differ from ``expected`` (exact values,
     cast to ``result``'s dtype first, so rounding and integer wrap-around
-    match) beyond :func:`tolerance`. NaN counts as wrong."""
+    match) beyond :func:`tolerance`, or beyond ``atol`` where that is larger
+    (a quantized wire's bound, :func:`wire_atol`). NaN counts as wrong."""
     res = result.detach().reshape(-1).cpu()
     if res.numel() != expected.numel():
         raise ValueError(f"result has {res.numel()} elements, expected {expected.numel()}")
     exp = expected.reshape(-1).to(res.dtype)
     if res.dtype.is_floating_point:
         tol = tolerance(res.dtype)
-        ok = torch.isclose(res.double(), exp.double(), rtol=tol, atol=tol)
+        ok = torch.isclose(res.double(), exp.double(), rtol=tol, atol=max(tol, atol))
     else:
         ok = res == exp
     return int((~ok).sum())
+
+
+#: ``--wire`` series: all_reduce(wire_dtype=...) of float32, one name per
+#: wire, with the largest rounding of one quantization relative to its
+#: block's largest magnitude (int8: half a step of absmax / 127).
+WIRES = {"int8": 1 / 254}
+#: The elements per scale of the ``--wire`` series (all_reduce's default).
+WIRE_BLOCK = 256
+
+
+def wire_of(algo: str) -> str | None:
+    """The wire of a ``--wire`` series name ("wire_int8" -> "int8"), or None."""
+    name = algo[len("wire_"):] if algo.startswith("wire_") else None
+    return name if name in WIRES else None
+
+
+def wire_atol(wire: str, inputs: Sequence[torch.Tensor], expected: torch.Tensor) -> float:
+    """How far a quantized all-reduce may land from the exact result: each
+    contribution is rounded once (at most its largest magnitude times the
+    wire's relative step) and the sum once more; 1 % over, for float32's own
+    rounding of the scales."""
+    most = sum(float(t.abs().max()) for t in inputs if t.numel())
+    most += float(expected.abs().max()) if expected.numel() else 0.0
+    return 1.01 * WIRES[wire] * most
+
+
+def sent_bytes(algo: str, count: int, elem_size: int, world_size: int) -> int | None:
+    """Bytes one rank sends in one all-reduce of ``count`` elements: the
+    ring's 2 (n - 1) chunks, or a ``--wire`` series' quantized chunks (each
+    whole blocks, 1 byte an element and a float32 scale a block) out in the
+    all-to-all and its own chunk to the n - 1 others in the all-gather
+    (rank 0's, whose chunk is never short). None for the other algos."""
+    n = world_size
+    if n == 1:
+        return 0
+    if algo == "ring":
+        return 2 * (n - 1) * -(-count // n) * elem_size
+    if wire_of(algo) is None:
+        return None
+    blocks = -(-count // WIRE_BLOCK)
+    per = -(-blocks // n) * WIRE_BLOCK
+
+    def quantized(length: int) -> int:
+        return length + 4 * -(-length // WIRE_BLOCK)
+
+    lengths = [max(0, min(count, (j + 1) * per) - min(count, j * per)) for j in range(n)]
+    return sum(quantized(x) for x in lengths[1:]) + (n - 1) * quantized(lengths[0])
 
 
 def _sentinel(t: torch.Tensor) -> None:
@@ -286,6 +334,10 @@ class AllReduce(_InPlace):
     def pycomm_runner(self, comm: Any, t: Tensors, c: Call, algo: str) -> Run:
         if algo == "symmetric":
             return SymmetricRun(comm, t["tensor"], c.op)
+        wire = wire_of(algo)
+        if wire is not None:
+            return lambda: comm.all_reduce(t["tensor"], op=c.op, wire_dtype=wire,
+                                           wire_block=WIRE_BLOCK)
         return lambda: comm.all_reduce(t["tensor"], op=c.op, algo=algo)
 
     def torch_runner(self, t: Tensors, c: Call) -> Run:

@@ -129,6 +129,13 @@ def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str]) -> str:
     if spread:
         lines.append("# per-call p99 / p50 at " + " and ".join(format_size(s) for s in ends) + ": "
                      + ", ".join(spread))
+    sent = [(a, by[(a, sizes[-1])]["sent_bytes"]) for a in algos
+            if sizes and by.get((a, sizes[-1]), {}).get("sent_bytes") is not None]
+    if any(a.startswith("wire_") for a, _ in sent):
+        ring = dict(sent).get("ring")
+        lines.append(f"# bytes sent per rank per call at {format_size(sizes[-1])}: " + ", ".join(
+            f"{a} {b / 1e6:.3g} MB" + (f" ({b / ring:.2f}x ring)" if ring and a != "ring" else "")
+            for a, b in sent))
     for b in (r for r in bounds if sizes and r["size"] == sizes[-1] and r["busbw"] > 0):
         got = [f"{a} {by[(a, b['size'])]['busbw'] / b['busbw']:.0%}" for a in algos
                if (a, b["size"]) in by]

@@ -70,12 +70,25 @@ def _fresh_start(bufs: C.Buffers, device: torch.device, barrier: Any) -> None:
 
 
 def _check_once(run: Any, bufs: C.Buffers, expected: Any, device: torch.device,
-                barrier: Any) -> int:
-    """Elements of one untimed call's result that differ from ``expected``."""
+                barrier: Any, atol: float = 0.0) -> int:
+    """Elements of one untimed call's result that differ from ``expected``
+    (beyond ``atol`` too, where that is larger than the dtype's tolerance)."""
     _fresh_start(bufs, device, barrier)
     run()
     _sync(device)
-    return C.count_wrong(bufs.result, expected)
+    return C.count_wrong(bufs.result, expected, atol)
+
+
+def _atol(s: "_Session", algo: str, count: int, expected: Any) -> float:
+    """The absolute tolerance of ``algo``'s check: a ``--wire`` series'
+    quantization bound (collectives.wire_atol), else 0."""
+    wire = C.wire_of(algo)
+    if wire is None or expected is None:
+        return 0.0
+    inputs = [s.coll.inputs(s.call, count, r).double() for r in range(s.call.world_size)]
+    if s.call.op == "avg":
+        inputs = [t / s.call.world_size for t in inputs]
+    return C.wire_atol(wire, inputs, expected)
 
 
 def _time_loop(run: Any, bufs: C.Buffers, iters: int, warmup: int, device: torch.device,
@@ -306,6 +319,8 @@ def _row(s: _Session, algo: str, in_place: bool, count: int, size: int, times: l
         "busbw": algbw * s.coll.bus_factor(s.call.world_size),
         "wrong": int(total_wrong) if s.args.check else None,
         "world_size": s.call.world_size, "transport": s.transport_of(algo), "device": s.call.device.type,
+        "sent_bytes": (C.sent_bytes(algo, count, size // max(count, 1), s.call.world_size)
+                       if s.coll.name == "allreduce" else None),
     }
     if wrong is None:
         row.update(wrong=None, bound=True, traffic_GBps=traffic_gbps(size, t_med))
@@ -336,7 +351,8 @@ def _measure_size(s: _Session, nbytes: int, active: list[str],
         bufs = {algo: s.coll.buffers(s.call, count, in_place) if algo == "symmetric" else shared
                 for algo in active}
         runs = {algo: s.runner(algo, bufs[algo]) for algo in active}
-        wrongs = {algo: (_check_once(runs[algo], bufs[algo], expected, s.call.device, s.barrier)
+        wrongs = {algo: (_check_once(runs[algo], bufs[algo], expected, s.call.device, s.barrier,
+                                     _atol(s, algo, count, expected))
                          if expected is not None else 0) for algo in active}
         first = in_place == s.coll.placements[0]
         if first:
