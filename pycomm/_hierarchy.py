@@ -28,10 +28,14 @@ result). ``register=True`` counts only there (steps 1-3 stage).
 broadcast, reduce_scatter and all_gather compose likewise (see their
 docstrings); send/recv use shm inside a host and the flat gloo communicator
 between hosts; reduce, gather, scatter, all-to-all and barrier run on the
-flat communicator. Calls the composition does not cover
-(``wire_dtype``, ``algo`` other than "auto"/"ring", empty or non-contiguous
-tensors) go to the flat communicator as well, so they behave (and fail)
-exactly as on ``transport="gloo"``.
+flat communicator. A quantized wire (``wire_dtype=torch.int8``, with or
+without ``residual``) composes too: steps 1 and 3 stay exact in shared
+memory and only step 2, where the bytes cost, is quantized (its error
+feedback on the matching slice of ``residual``). Calls the composition does
+not cover (a 16-bit ``wire_dtype``, ``algo`` other than "auto"/"ring", empty
+or non-contiguous tensors, arguments the flat op refuses) go to the flat
+communicator as well, so they behave (and fail) exactly as on
+``transport="gloo"``.
 
 The rule for uneven hosts: the composition needs the same number L >= 2 of
 ranks on every host; otherwise (3 + 1 ranks, or one rank a host) "auto"
@@ -55,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from ._store import agree_errors
-from ._types import ReduceOp
+from ._types import QUANTIZED_WIRES, ReduceOp
 
 #: Largest all-reduce (bytes) taken as intra all-reduce + inter all-reduce of
 #: the whole tensor (2 latency steps) rather than steps 1-3 (an estimate: the
@@ -402,7 +406,12 @@ class HierarchicalComm:
                    residual: torch.Tensor | None = None) -> Any:
         """Steps 1-3 of the module docstring. The tail of fewer than L
         elements (and, up to SMALL_BYTES, the whole tensor) is all-reduced
-        between hosts by every column alike. A wire dtype runs flat."""
+        between hosts by every column alike. A quantized wire quantizes
+        step 2 only; a 16-bit one runs flat."""
+        if self._quantized_composable(t, algo, op, wire_dtype, register, wire_block, residual):
+            wire = (wire_dtype, wire_block, residual)
+            work = self._submit(lambda: self._all_reduce(t, op, algo, False, wire), async_op)
+            return work if async_op else None
         if wire_dtype != -1 or residual is not None or not self._composable(t, algo, op):
             return self._on_flat("all_reduce", t, op, algo, async_op, wire_dtype, register,
                                  wire_block, residual)
@@ -412,8 +421,33 @@ class HierarchicalComm:
             work.wait()
         return work if async_op else None
 
-    def _all_reduce(self, t: torch.Tensor, op: int, algo: str,
-                    register: bool) -> list[torch.Tensor]:
+    def _quantized_composable(self, t: torch.Tensor, algo: str, op: int, wire_dtype: int,
+                              register: bool, wire_block: int,
+                              residual: torch.Tensor | None) -> bool:
+        """Whether a quantized-wire all_reduce composes: only calls the flat
+        op would accept (else it runs flat and raises there, as on gloo)."""
+        return (wire_dtype in QUANTIZED_WIRES and algo == "auto" and not register
+                and t.dtype == torch.float32 and self._composable(t, algo, op)
+                and op in (int(ReduceOp.SUM), int(ReduceOp.AVG)) and wire_block > 0
+                and (residual is None or (residual.dtype == torch.float32
+                                          and residual.device.type == "cpu"
+                                          and residual.is_contiguous()
+                                          and residual.shape == t.shape)))
+
+    def _between_hosts(self, part: torch.Tensor, offset: int, op: int,
+                       wire: tuple[int, int, torch.Tensor | None] | None) -> None:
+        """Step 2 on ``part`` (elements ``offset`` on of the tensor): the
+        ring, or the quantized wire with the matching slice of the residual."""
+        if wire is None:
+            self.inter.all_reduce(part, op, "ring", False)
+            return
+        code, block, residual = wire
+        mine = None if residual is None else residual.view(-1)[offset:offset + part.numel()]
+        self.inter.all_reduce(part, op, "auto", False, code, False, block, mine)
+
+    def _all_reduce(self, t: torch.Tensor, op: int, algo: str, register: bool,
+                    wire: tuple[int, int, torch.Tensor | None] | None = None
+                    ) -> list[torch.Tensor]:
         flat = t.view(-1)
         m = 0 if t.nbytes <= SMALL_BYTES else flat.numel() // self._n_local  # ALL_REDUCE_STEPS
         whole = m * self._n_local
@@ -429,9 +463,9 @@ class HierarchicalComm:
         else:
             self.intra.all_reduce(flat, op, algo, False, -1, register)
         if m:
-            self.inter.all_reduce(mine, op, "ring", False)  # 2.
+            self._between_hosts(mine, self._local * m, op, wire)  # 2.
         if whole < flat.numel():
-            self.inter.all_reduce(flat[whole:], op, "ring", False)
+            self._between_hosts(flat[whole:], whole, op, wire)
         if m:  # 3. in place, as NCCL allows: the input is this rank's block of the output
             self.intra.all_gather(flat[:whole], mine, algo, False)
         return [t]

@@ -64,6 +64,9 @@ def _to_op(op: Any) -> int:
 _WIRE_DTYPES = {torch.float16: 2, torch.bfloat16: 3, torch.int8: 7}
 _WIRE_NAMES = {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "int8": torch.int8}
+#: The block-scaled wires (each rank's contribution quantized once, summed in
+#: float32): across hosts only the step between hosts uses them (_hierarchy).
+QUANTIZED_WIRES = frozenset({_WIRE_DTYPES[torch.int8]})
 
 
 def _to_wire(wire_dtype: Any) -> int:

@@ -82,6 +82,42 @@ def check_collectives(comm: pycomm.Communicator) -> None:
     comm.barrier()
 
 
+def check_quantized_wire(comm: pycomm.Communicator) -> None:
+    """all_reduce(wire_dtype=torch.int8): on shm+gloo only the step between
+    hosts is quantized. Host 0's ranks hold 127 and 0.5 (local 0) and 0 and
+    0.5 (local 1), alternating; host 1 zeros. Summed exactly inside host 0,
+    each pair is 127, 1: an int8 block with scale 1, so the result is exact.
+    The flat quantized op rounds local 0's 0.5 to 0 (scale 1) and then the
+    sum's 0.5 to 0: 127, 0. Small (one intra all-reduce) and large (the
+    reduce-scatter's chunks, blocks at any offset) sizes; every rank the same
+    bits, with error feedback's residual too."""
+    n = comm.world_size
+    host, local = int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])
+    for count in (1000, 300_001):
+        pattern = torch.tensor([127.0, 0.5]).repeat(count // 2 + 1)[:count]
+        t = torch.zeros(count)
+        if host == 0 and local < 2:
+            t = pattern.clone() if local == 0 else pattern.clone().mul_(pattern == 0.5)
+        want = torch.tensor([127.0, 1.0]).repeat(count // 2 + 1)[:count]
+        comm.all_reduce(t, wire_dtype=torch.int8)
+        if comm.transport == "shm+gloo":
+            assert torch.equal(t, want), f"int8 wire {count} (between hosts only): {t[:4]}"
+        else:  # the flat quantized op: local 0's 0.5 and then the sum's round to 0
+            assert torch.equal(t, want.masked_fill(want == 1.0, 0.0)), f"int8 wire {count} flat"
+        g = torch.Generator().manual_seed(comm.rank)
+        t, residual = torch.randn(count, generator=g), torch.zeros(count)
+        exact = torch.zeros(count, dtype=torch.float64)
+        for q in range(n):
+            exact += torch.randn(count, generator=torch.Generator().manual_seed(q)).double()
+        comm.all_reduce(t, op="avg", wire_dtype=torch.int8, residual=residual)
+        everyone = torch.empty(n * count)
+        comm.all_gather(everyone, t)
+        assert all(torch.equal(row, t) for row in everyone.view(n, count)), "int8 wire: ranks differ"
+        # two roundings of at most absmax / 254 each (absmax of a sum of n normals < 6 sqrt(n))
+        assert (t.double() - exact / n).abs().max() < 2 * 6 * n ** 0.5 / 254, "int8 wire avg"
+        assert residual.abs().max() > 0, "int8 wire: no error feedback"
+
+
 def check_register_on_some_ranks(comm: pycomm.Communicator) -> None:
     """register=True on some ranks only, and a tensor registered on one rank
     while its peer's is not: every rank still issues the same ops (the
@@ -307,6 +343,7 @@ def main() -> None:
         return check_backend()
     comm = pycomm.init(transport=sys.argv[1] if len(sys.argv) > 1 else "auto", timeout=60)
     check_collectives(comm)
+    check_quantized_wire(comm)
     print(f"OK {comm.rank} {socket.gethostname()} {comm.transport}", flush=True)
     comm.close()
 
