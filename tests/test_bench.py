@@ -498,3 +498,22 @@ def test_symmetric_bare_times_pycomm_beside_its_own_loop(tmp_path):
     assert sorted(data["times_s"]) == ["bare", "memcpy", "pycomm"]
     assert all(len(v) == 3 and min(v) > 0 for v in data["times_s"].values())
     assert data["meta"]["commit"] and data["meta"]["mib"] == 1
+
+
+def test_sent_bytes_between_hosts(monkeypatch):
+    """On shm+gloo the count is what crosses hosts: this rank's 1/L of the
+    tensor among the H hosts (2 x 2 here), by the ring ("auto") or quantized;
+    "flat" is the gloo ring over all n ranks."""
+    from types import SimpleNamespace
+
+    from pycomm.bench import runner
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    s = SimpleNamespace(coll=C.SPECS["allreduce"], call=SimpleNamespace(world_size=4),
+                        transport_of=lambda a: "gloo" if a == "flat" else "shm+gloo")
+    count = 1 << 20
+    assert runner._sent_bytes(s, "auto", count, 4 * count) == 2 * (count // 2 // 2) * 4
+    assert runner._sent_bytes(s, "wire_int8", count, 4 * count) == \
+        C.sent_bytes("wire_int8", count // 2, 4, 2)
+    assert runner._sent_bytes(s, "flat", count, 4 * count) == 2 * 3 * (count // 4) * 4
+    assert runner._sent_bytes(s, "torch", count, 4 * count) is None

@@ -157,7 +157,7 @@ def _names(kind: str, choices: Sequence[str], at_least_one: bool = False) -> Cal
     return parse
 
 
-_algo_list = _names("algo", ALGOS, at_least_one=True)
+_algo_list = _names("algo", (*ALGOS, *(f"wire_{w}" for w in C.WIRES)), at_least_one=True)
 _wire_list = _names("wire", tuple(C.WIRES))
 _peer_list = _names("peer", P.PEERS)
 
@@ -310,7 +310,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
     except ValueError as e:
         p.error(str(e))
-    if args.wire:
+    if args.wire or any(C.wire_of(a) for a in args.algo):  # --algo wire_int8 is --wire int8
         if args.collective != "allreduce" or dt != "float32" or op not in ("sum", "avg"):
             p.error(f"--wire needs allreduce of float32 with -o sum or avg, got "
                     f"{args.collective} of {dt} with -o {op}")

@@ -133,7 +133,8 @@ def format_summary(rows: Sequence[dict[str, Any]], algos: Sequence[str]) -> str:
             if sizes and by.get((a, sizes[-1]), {}).get("sent_bytes") is not None]
     if any(a.startswith("wire_") for a, _ in sent):
         ring = dict(sent).get("ring")
-        lines.append(f"# bytes sent per rank per call at {format_size(sizes[-1])}: " + ", ".join(
+        where = " (between hosts on shm+gloo)" if any(r["transport"] == "shm+gloo" for r in first) else ""
+        lines.append(f"# bytes sent per rank per call{where} at {format_size(sizes[-1])}: " + ", ".join(
             f"{a} {b / 1e6:.3g} MB" + (f" ({b / ring:.2f}x ring)" if ring and a != "ring" else "")
             for a, b in sent))
     for b in (r for r in bounds if sizes and r["size"] == sizes[-1] and r["busbw"] > 0):

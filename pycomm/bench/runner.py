@@ -303,6 +303,20 @@ def _p99(times: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
+def _sent_bytes(s: _Session, algo: str, count: int, size: int) -> int | None:
+    """Bytes one rank sends per all-reduce call (collectives.sent_bytes); on
+    shm+gloo the bytes between hosts: step 2 moves this rank's 1/L of the
+    tensor among the H hosts ("auto" by the ring, a wire series quantized)."""
+    if s.coll.name != "allreduce":
+        return None
+    es, n = size // max(count, 1), s.call.world_size
+    if s.transport_of(algo) == "shm+gloo":  # even hosts: torchrun's LOCAL_WORLD_SIZE ranks each
+        per_host = int(os.environ.get("LOCAL_WORLD_SIZE", n))
+        return C.sent_bytes("ring" if algo == "auto" else algo, -(-count // per_host), es,
+                            n // per_host)
+    return C.sent_bytes("ring" if algo == "flat" else algo, count, es, n)
+
+
 def _row(s: _Session, algo: str, in_place: bool, count: int, size: int, times: list[float],
          wrong: int | None) -> dict[str, Any]:
     """One JSON row: the max over ranks of the median time (``time_us``,
@@ -319,8 +333,7 @@ def _row(s: _Session, algo: str, in_place: bool, count: int, size: int, times: l
         "busbw": algbw * s.coll.bus_factor(s.call.world_size),
         "wrong": int(total_wrong) if s.args.check else None,
         "world_size": s.call.world_size, "transport": s.transport_of(algo), "device": s.call.device.type,
-        "sent_bytes": (C.sent_bytes(algo, count, size // max(count, 1), s.call.world_size)
-                       if s.coll.name == "allreduce" else None),
+        "sent_bytes": _sent_bytes(s, algo, count, size),
     }
     if wrong is None:
         row.update(wrong=None, bound=True, traffic_GBps=traffic_gbps(size, t_med))
