@@ -59,3 +59,24 @@ def test_accuracy_study_runs(tmp_path):
         assert 1e-4 < rows[name]["grad_rel_error_mean"] < 0.1, rows[name]
         assert 0 < rows[name]["param_drift_vs_fp32"] < 0.05, rows[name]
         assert rows[name]["bucket_calls"] == rows["fp32"]["bucket_calls"] > 0
+
+
+def test_hosts_ddp_runs(tmp_path):
+    """benchmarks/compression/hosts_ddp.py at a toy width: every variant timed
+    across 2 x 2 simulated hosts on shm+gloo, the speedups in the JSON."""
+    from pycomm.bench import simhosts
+
+    why = simhosts.unavailable_reason()
+    if why is not None:
+        pytest.skip(str(why))
+    out = tmp_path / "h.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compression" / "hosts_ddp.py"),
+                           "--width", "64", "--rounds", "1", "--steps", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["transport"] == "shm+gloo"
+    assert set(data["step_ms"]) == {"torch-gloo", "hook-allreduce", "hook-bf16", "hook-ring-bf16",
+                                    "hook-int8"}
+    assert data["speedup_over_torch-gloo"]["torch-gloo"] == 1.0
+    assert "hook-int8" in proc.stdout

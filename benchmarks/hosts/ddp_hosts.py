@@ -5,12 +5,12 @@ slowest rank's) and the largest difference of the trained parameters.
 
     python benchmarks/hosts/ddp_hosts.py --json benchmarks/hosts/ddp_2x2.json
 """
+import functools
 import json
 import os
 import statistics
 import subprocess
 import sys
-import time
 
 
 def _model():
@@ -27,6 +27,7 @@ def rank_main():
     import torch.distributed as dist
 
     import pycomm  # noqa: F401 - registers the "pycomm" backend
+    from pycomm.bench.runner import mse_train_step, slowest_step_s
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -42,15 +43,9 @@ def rank_main():
         for name, m in ddps.items():
             opt = torch.optim.SGD(m.parameters(), lr=1e-3)
             for step in range(7):
-                dist.barrier()
-                t0 = time.perf_counter()
-                torch.nn.functional.mse_loss(m(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-                dt = torch.tensor([time.perf_counter() - t0])
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                dt = slowest_step_s(functools.partial(mse_train_step, m, opt, x, y))
                 if step >= 2:  # 2 warm-up steps a round
-                    times[name].append(dt.item())
+                    times[name].append(dt)
     params = [list(m.parameters()) for m in ddps.values()]
     diff = max((a - b).abs().max().item() for a, b in zip(*params))
     if r == 0:

@@ -57,6 +57,25 @@ from .report import Progress, format_header, format_row, format_summary, git_com
 __all__ = ["run_benchmark"]
 
 
+def slowest_step_s(step: Callable[[], object]) -> float:
+    """Runs ``step`` on every rank of the default group at once (a barrier
+    first) and returns the slowest rank's seconds: a training step's time
+    as the job sees it (DDP benchmarks)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    dt = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return dt.item()
+
+
+def mse_train_step(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One SGD step of ``model`` on an MSE loss (DDP benchmarks' step)."""
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
