@@ -210,7 +210,7 @@ def _parallel_case(comm):
     return _max_diff(params, plain), digest(torch.cat([p.reshape(-1) for p in params]))
 
 
-@pytest.mark.parametrize("transport", ["shm", "gloo"])
+@pytest.mark.parametrize("transport", ["shm", pytest.param("gloo", marks=pytest.mark.slow)])
 def test_int8_hook_with_pycomm_parallel(transport):
     per_rank = run_ranks(_parallel_case, 2, transport, timeout=300)
     for diff, _ in per_rank:
@@ -220,7 +220,7 @@ def test_int8_hook_with_pycomm_parallel(transport):
 
 # ---------------------------------------------------------------- the example
 
-@pytest.mark.parametrize("flags", [(), ("--no-error-feedback",)])
+@pytest.mark.parametrize("flags", [(), pytest.param(("--no-error-feedback",), marks=pytest.mark.slow)])
 def test_example_compressed_ddp_under_torchrun(flags):
     """examples/compressed_ddp.py: both ranks report, hold the same bits, and
     end near plain DDP (the int8 wire rounds: close, not equal)."""
