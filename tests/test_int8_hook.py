@@ -220,7 +220,8 @@ def test_int8_hook_with_pycomm_parallel(transport):
 
 # ---------------------------------------------------------------- the example
 
-@pytest.mark.parametrize("flags", [(), pytest.param(("--no-error-feedback",), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("flags", [
+    (), pytest.param(("--no-error-feedback",), marks=pytest.mark.slow)])
 def test_example_compressed_ddp_under_torchrun(flags):
     """examples/compressed_ddp.py: both ranks report, hold the same bits, and
     end near plain DDP (the int8 wire rounds: close, not equal)."""
