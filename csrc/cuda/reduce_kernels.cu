@@ -110,6 +110,13 @@ int sm_count() {
   return n;
 }
 
+// Blocks for `n` work items of one thread each: enough to cover them, at most
+// kBlocksPerSM per multiprocessor (the threads then stride), at least one.
+unsigned grid_for(size_t n) {
+  const size_t max_blocks = static_cast<size_t>(sm_count()) * kBlocksPerSM;
+  return static_cast<unsigned>(std::max<size_t>(1, std::min(max_blocks, ceil_div(n, kThreads))));
+}
+
 template <class T, bool kBinary, class F>
 void launch(T* dst, const T* a, const T* b, size_t count, F f, cudaStream_t stream) {
   if (count == 0) return;
@@ -124,12 +131,9 @@ void launch(T* dst, const T* a, const T* b, size_t count, F f, cudaStream_t stre
     head = count;  // different misalignments: element by element
     npacks = 0;
   }
-  const size_t work = npacks ? (npacks + kUnroll - 1) / kUnroll : count;
-  const size_t max_blocks = static_cast<size_t>(sm_count()) * kBlocksPerSM;
-  const unsigned blocks = static_cast<unsigned>(
-      std::max<size_t>(1, std::min(max_blocks, (work + kThreads - 1) / kThreads)));
+  const size_t work = npacks ? ceil_div(npacks, kUnroll) : count;
   elementwise_kernel<T, F, kBinary>
-      <<<blocks, kThreads, 0, stream>>>(dst, a, b, head, npacks, count, f);
+      <<<grid_for(work), kThreads, 0, stream>>>(dst, a, b, head, npacks, count, f);
   PYCOMM_CUDA_CHECK_LAUNCH();
 }
 
@@ -177,12 +181,6 @@ __global__ void __launch_bounds__(kThreads)
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     dst[i] = fn(a[i], Codec<W>::load(b[i]));
   }
-}
-
-unsigned grid_for(size_t n) {
-  const size_t max_blocks = static_cast<size_t>(sm_count()) * kBlocksPerSM;
-  return static_cast<unsigned>(
-      std::max<size_t>(1, std::min(max_blocks, (n + kThreads - 1) / kThreads)));
 }
 
 }  // namespace
