@@ -1,11 +1,11 @@
 """Plain torch.distributed code on pycomm: run with
     torchrun --nproc-per-node 2 examples/torch_backend.py          # CPU tensors
     torchrun --nproc-per-node 2 examples/torch_backend.py --cuda   # cuda:LOCAL_RANK
-    torchrun --nproc-per-node 2 examples/torch_backend.py --symmetric
+    torchrun --nproc-per-node 2 examples/torch_backend.py --register
 `import pycomm` registers backend="pycomm"; the rest is ordinary torch code
 (collectives and DistributedDataParallel), and every collective runs on pycomm
 (with --cuda: on the group's CUDA communicator, made at the first CUDA op).
---symmetric passes pycomm.backend.Options(symmetric=True): DDP's gradient
+--register passes pycomm.backend.Options(register=True): DDP's gradient
 bucket moves into shared memory at its second all-reduce, and the later ones
 run from there (counted in the last line)."""
 
@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm  # noqa: F401  (registers the "pycomm" backend)
 
-symmetric = "--symmetric" in sys.argv[1:]
-options = pycomm.backend.Options(symmetric=True) if symmetric else None
+register = "--register" in sys.argv[1:]
+options = pycomm.backend.Options(register=True) if register else None
 dist.init_process_group(backend="pycomm", pg_options=options)  # RANK, WORLD_SIZE, ... from torchrun
 rank, world = dist.get_rank(), dist.get_world_size()
 if "--cuda" in sys.argv[1:]:
@@ -55,7 +55,7 @@ w = model.module[0].weight.detach().clone()
 w0 = w.clone()
 dist.broadcast(w0, src=0)
 ok &= torch.equal(w, w0)
-sym = pycomm.backend.get_communicator().symmetric_all_reduces  # 0 without --symmetric
+sym = pycomm.backend.get_communicator().symmetric_all_reduces  # 0 without --register
 print(f"rank {rank}/{world} backend={dist.get_backend()} all_reduce={t.tolist()} "
       f"loss={loss.item():.4f} symmetric={sym} {'OK' if ok else 'WRONG'}", flush=True)
 dist.destroy_process_group()

@@ -58,8 +58,8 @@ Options (:class:`Options`, passed as ``pg_options=``, or the environment):
 ``transport`` (``PYCOMM_BACKEND_TRANSPORT``, CPU), ``algo``
 (``PYCOMM_BACKEND_ALGO``, CPU), ``cuda_algo`` (``PYCOMM_BACKEND_CUDA_ALGO``),
 ``timeout`` (else ``init_process_group``'s), ``check`` (``PYCOMM_CHECK``),
-``slice_bytes`` (``PYCOMM_SLICE_BYTES``), ``symmetric``
-(``PYCOMM_BACKEND_SYMMETRIC``: DDP's buckets move into symmetric memory). A
+``slice_bytes`` (``PYCOMM_SLICE_BYTES``), ``register``
+(``PYCOMM_BACKEND_REGISTER``: DDP's buckets move into symmetric memory). A
 ``new_group`` without ``pg_options`` takes the default group's options.
 """
 
@@ -119,16 +119,16 @@ class Options:
         check: checked mode (see :func:`pycomm.init`); env ``PYCOMM_CHECK``.
         slice_bytes: ring pipelining granularity (both devices); env
             ``PYCOMM_SLICE_BYTES``, else each transport's default.
-        symmetric: on the shm transport, move the CPU tensors that the group
-            all-reduces again and again (DDP's gradient buckets) into
-            symmetric memory, so their all-reduces run without staging
-            (:meth:`pycomm.Communicator.register_tensor`). A tensor moves at
-            its second all-reduce when, on every rank, it is all of a storage
-            of at least 256 KiB that torch's allocator made and that is still
-            alive since its first. Values, views and autograd are unaffected,
-            but its ``data_ptr()`` changes: anything holding the old address
-            (a ``numpy()`` view of it) would see freed memory, so it is off by
-            default. Env ``PYCOMM_BACKEND_SYMMETRIC=1``.
+        register: on the shm transport, register the CPU tensors that the
+            group all-reduces again and again (DDP's gradient buckets): move
+            them into symmetric memory, so their all-reduces run without
+            staging (:meth:`pycomm.Communicator.register_tensor`). A tensor
+            moves at its second all-reduce when, on every rank, it is all of
+            a storage of at least 256 KiB that torch's allocator made and
+            that is still alive since its first. Values, views and autograd
+            are unaffected, but its ``data_ptr()`` changes: anything holding
+            the old address (a ``numpy()`` view of it) would see freed
+            memory, so it is off by default. Env ``PYCOMM_BACKEND_REGISTER=1``.
 
     Example::
 
@@ -141,7 +141,7 @@ class Options:
     timeout: timedelta | float | None = None
     check: bool | None = None
     slice_bytes: int | None = None
-    symmetric: bool | None = None
+    register: bool | None = None
 
     def resolved(self) -> "Options":
         """These options with the environment's defaults filled in and checked.
@@ -161,11 +161,11 @@ class Options:
         if cuda_algo not in _CUDA_ALGOS:
             raise ValueError(
                 f"pycomm backend: cuda_algo={cuda_algo!r} is not one of {_CUDA_ALGOS}")
-        symmetric = self.symmetric
-        if symmetric is None:
-            symmetric = ENV.flag("PYCOMM_BACKEND_SYMMETRIC")
+        register = self.register
+        if register is None:
+            register = ENV.flag("PYCOMM_BACKEND_REGISTER")
         return replace(self, transport=transport, algo=algo, cuda_algo=cuda_algo,
-                       symmetric=symmetric)
+                       register=register)
 
 
 # The default group's options: a new_group without pg_options inherits them.
@@ -222,7 +222,7 @@ def _make_backend(comm: Communicator, store: Any, timeout: timedelta | float,
     """The C++ ``ProcessGroupPycomm`` over the group's CPU communicator
     ``comm``, with a factory for its CUDA one (over ``store``) and a shrinker
     for ``torch.distributed.shrink_group``."""
-    comm._impl.auto_register = bool(opts.symmetric) and comm.transport == "shm"
+    comm._impl.auto_register = bool(opts.register) and comm.transport == "shm"
     for key in [k for k, c in _communicators.items() if c.closed]:
         del _communicators[key]  # groups destroyed since (shutdown closed them)
     # The C++ backend wraps one C++ communicator: across hosts ("shm+gloo"),

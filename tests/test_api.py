@@ -130,11 +130,9 @@ def test_jit_fallback_builds_when_no_prebuilt_extension(tmp_path):
     assert "JIT-compiling" in proc.stderr and "sum 3.0" in proc.stdout
 
 
-def test_module_twins_match_the_methods():
-    """Every module-level twin (pycomm.all_reduce, ...) takes exactly its
-    Communicator method's parameters: names, kinds, defaults, annotations
-    and return type (a parameter added to a method and not to its twin, as
-    register= once was to all_reduce, fails here)."""
+def _module_twins() -> list[str]:
+    """The module-level twins: pycomm's public functions named like a
+    Communicator method (pycomm.all_reduce, ...)."""
     import inspect
 
     import pycomm
@@ -142,7 +140,20 @@ def test_module_twins_match_the_methods():
     twins = [n for n in pycomm.__all__
              if inspect.isfunction(getattr(pycomm, n)) and hasattr(pycomm.Communicator, n)]
     assert {"all_reduce", "broadcast", "send", "split", "batch_isend_irecv"} <= set(twins)
-    for name in twins:
+    return twins
+
+
+def test_module_twins_match_the_methods():
+    """Every module-level twin (pycomm.all_reduce, ...) takes exactly its
+    Communicator method's parameters: names, kinds (keyword-only markers
+    included), defaults, annotations and return type (a parameter added to a
+    method and not to its twin, as register= once was to all_reduce, fails
+    here)."""
+    import inspect
+
+    import pycomm
+
+    for name in _module_twins():
         method = inspect.signature(getattr(pycomm.Communicator, name))
         params = list(method.parameters.values())[1:]  # without self
         want = method.replace(parameters=params)
@@ -151,3 +162,40 @@ def test_module_twins_match_the_methods():
             assert not got.parameters and not params, name
             continue
         assert got == want, f"pycomm.{name}{got} != Communicator.{name}{want}"
+
+
+def test_module_twins_forward_every_argument(monkeypatch):
+    """Every twin hands each of its arguments to its method on the default
+    communicator, as that method's parameter of the same name (a twin that
+    takes a parameter and drops it, leaving the method's default, or passes
+    it on as another one, fails here)."""
+    import inspect
+
+    import pycomm
+
+    calls: dict[str, dict] = {}
+
+    class Recorder:
+        def __getattr__(self, name: str):
+            method = getattr(pycomm.Communicator, name)
+
+            def record(*args, **kwargs):
+                calls[name] = inspect.signature(method).bind(self, *args, **kwargs).arguments
+                calls[name].pop("self")
+
+            return record
+
+    recorder = Recorder()
+    monkeypatch.setattr(pycomm, "get_default", lambda: recorder)
+    monkeypatch.setattr(pycomm, "is_initialized", lambda: True)  # close() asks first
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for name in _module_twins():
+        params = list(inspect.signature(getattr(pycomm, name)).parameters.values())
+        assert all(p.kind in (*positional, inspect.Parameter.KEYWORD_ONLY) for p in params), name
+        sent = {p.name: object() for p in params}  # compared by identity
+        getattr(pycomm, name)(*(sent[p.name] for p in params if p.kind in positional),
+                              **{p.name: sent[p.name] for p in params if p.kind not in positional})
+        assert name in calls, f"pycomm.{name} did not call Communicator.{name}"
+        got = calls.pop(name)
+        assert got.keys() == sent.keys() and all(got[k] is sent[k] for k in sent), \
+            f"pycomm.{name} passed {sorted(got)} for {sorted(sent)}"

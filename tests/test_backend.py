@@ -491,13 +491,13 @@ def _symmetric_maps() -> int:
         return sum(1 for line in f if "/pycomm-" in line and ".s" in line.rsplit("/", 1)[-1])
 
 
-def _symmetric_option(rank: int, world_size: int, port: int) -> dict:
+def _register_option(rank: int, world_size: int, port: int) -> dict:
     import numpy as np
     import torch.distributed as dist
 
     import pycomm
 
-    _init(rank, world_size, port, pg_options=pycomm.backend.Options(symmetric=True))
+    _init(rank, world_size, port, pg_options=pycomm.backend.Options(register=True))
     comm = pycomm.backend.get_communicator()
     n = world_size
     expect = float(sum(range(1, n + 1)))
@@ -523,7 +523,7 @@ def _symmetric_option(rank: int, world_size: int, port: int) -> dict:
     mine = torch.empty(100_000)  # rank 0 registers, rank 1 reduces fresh tensors: nobody moves
     out["mixed"] = reduce_twice(
         lambda: mine.fill_(rank + 1) if rank == 0 else torch.full((100_000,), rank + 1.0))
-    off = dist.new_group(pg_options=pycomm.backend.Options(symmetric=False))
+    off = dist.new_group(pg_options=pycomm.backend.Options(register=False))
     other = torch.empty(100_000)
     seen = []
     for _ in range(3):
@@ -534,20 +534,20 @@ def _symmetric_option(rank: int, world_size: int, port: int) -> dict:
     return out
 
 
-def test_symmetric_option_moves_only_reused_whole_allocations():
-    for out in spawn_ranks(_symmetric_option, 2, timeout=120):
+def test_register_option_moves_only_reused_whole_allocations():
+    for out in spawn_ranks(_register_option, 2, timeout=120):
         assert out["repeated"] == [False, True, True], out
         for case in ("small", "view", "numpy", "mixed", "off"):
             assert not any(out[case]), (case, out)
 
 
-def _ddp_symmetric_rank(rank: int, world_size: int, port: int, steps: int) -> dict:
+def _ddp_registered_rank(rank: int, world_size: int, port: int, steps: int) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import pycomm
 
-    _init(rank, world_size, port, pg_options=pycomm.backend.Options(symmetric=True))
+    _init(rank, world_size, port, pg_options=pycomm.backend.Options(register=True))
     try:
         model = _mlp(hidden=384, depth=3)  # 0.3 M parameters: buckets of 256 KiB or more
         ddp = DDP(model, bucket_cap_mb=0.5)
@@ -559,9 +559,9 @@ def _ddp_symmetric_rank(rank: int, world_size: int, port: int, steps: int) -> di
         dist.destroy_process_group()
 
 
-def test_torch_ddp_with_symmetric_buckets_equals_one_process():
+def test_torch_ddp_with_registered_buckets_equals_one_process():
     steps = 4
-    ranks = spawn_ranks(_ddp_symmetric_rank, 2, steps, timeout=240)
+    ranks = spawn_ranks(_ddp_registered_rank, 2, steps, timeout=240)
     ref = _mlp(hidden=384, depth=3)
     _train(ref, *_batch(), steps)
     for r, out in enumerate(ranks):
@@ -615,9 +615,9 @@ def test_torch_pipelining_equals_one_process(schedule):
 
 # ---------------------------------------------------------------- example
 
-@pytest.mark.parametrize("symmetric", [False, True])
-def test_example_under_torchrun(symmetric):
-    proc = run_torchrun("examples/torch_backend.py", 2, *(["--symmetric"] if symmetric else []))
+@pytest.mark.parametrize("register", [False, True])
+def test_example_under_torchrun(register):
+    proc = run_torchrun("examples/torch_backend.py", 2, *(["--register"] if register else []))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # ranks print concurrently: lines may interleave, so match records, not lines
     records = re.findall(r"rank (\d)/2 backend=pycomm all_reduce=\[[^\]]*\] loss=[\d.]+ "
@@ -625,5 +625,5 @@ def test_example_under_torchrun(symmetric):
     assert sorted(r for r, _ in records) == ["0", "1"], proc.stdout
     # 5 steps; DDP rebuilds its bucket after step 1, and the new one moves at
     # its second all-reduce (step 3), which runs from symmetric memory on
-    assert all(int(n) >= 3 if symmetric else int(n) == 0 for _, n in records), proc.stdout
+    assert all(int(n) >= 3 if register else int(n) == 0 for _, n in records), proc.stdout
     assert "WRONG" not in proc.stdout

@@ -181,8 +181,8 @@ variant("hook-ring-fp16")(_torch_ddp_with(hooks.ring_fp16_hook))
 variant("pycomm-ddp", exact=True)(
     lambda model, env: PycommDDP(model, env.comm, bucket_cap_mb=env.bucket_cap_mb))
 variant("backend-pycomm", exact=True)(_torch_ddp_on_pycomm())  # transport, algo "auto"
-# The same with Options(symmetric=True): DDP's buckets move into symmetric memory.
-variant("backend-pycomm-symmetric", exact=True)(_torch_ddp_on_pycomm(symmetric=True))
+# The same with Options(register=True): DDP's buckets move into symmetric memory.
+variant("backend-pycomm-symmetric", exact=True)(_torch_ddp_on_pycomm(register=True))
 # Diagnostics (not data parallel, or not the defaults): run when named.
 variant("hook-fp16", default=False)(_torch_ddp_with(hooks.fp16_compress_hook))
 variant("backend-pycomm-ring", default=False, exact=True)(_torch_ddp_on_pycomm(algo="ring"))

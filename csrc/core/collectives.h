@@ -31,10 +31,15 @@ void reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp 
 // n-1 hops of latency, every link carries the data once, all ranks work at once. Root's result:
 // x_root op (x_root+1 op (... op x_root-1)).
 //
-// Measured against ring reduce-scatter + each rank sending its reduced chunk
-// to the root, the chain was as fast or faster at every size on 2 and 3 ranks
-// (benchmarks/collectives/README.md, "reduce: a chain, not ring
-// reduce-scatter + gather"), so reduce() is the chain alone.
+// reduce() is the chain alone, not ring reduce-scatter + each rank sending
+// its reduced chunk to the root. Small: one hop per rank instead of n-1 ring
+// steps and a hop to the root. Large: the pipelined chain keeps every rank
+// busy at once (receive slice k+1 while reducing slice k and forwarding slice
+// k-1) and the root takes in the data once, while the ring's second phase
+// (the root receiving (n-1)/n of the data) runs after the first, with the
+// other ranks idle. It is also NCCL's ring reduce: a chain ending at the
+// root. The measurements: benchmarks/collectives/README.md, "reduce: a chain,
+// not ring reduce-scatter + gather".
 void chain_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op, int root);
 
 // ---- gather / scatter (rooted.cc) -----------------------------------------

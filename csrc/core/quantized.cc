@@ -24,7 +24,7 @@ struct QuantChunks {
   size_t begin(int j) const { return std::min(count, static_cast<size_t>(j) * per); }
   size_t length(int j) const { return std::min(count, begin(j) + per) - begin(j); }
   size_t bytes(int j) const { return quant_bytes(length(j), block); }
-  static size_t stride(size_t bytes) { return ceil_div(bytes, 16) * 16; }
+  static size_t stride(size_t bytes) { return round_up(bytes, 16); }
   size_t offset(int j) const { return static_cast<size_t>(j) * stride(quant_bytes(per, block)); }
 };
 

@@ -8,14 +8,7 @@
 namespace pycomm {
 
 void reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op, int root) {
-  // Why a chain and not ring reduce-scatter + a gather of the chunks to the
-  // root: measured on shm (benchmarks/collectives/README.md has the numbers),
-  // the chain wins at every size. Small: one hop per rank instead of n-1 ring steps and
-  // a hop to the root. Large: the pipelined chain keeps every rank busy at
-  // once (receive slice k+1 while reducing slice k and forwarding slice k-1),
-  // and the root takes in the data once; the ring's second phase (the root
-  // receiving (n-1)/n of the data) runs after the first, with the other
-  // ranks idle. It is also NCCL's ring reduce: a chain ending at the root.
+  // The chain alone: collectives.h (chain_reduce) says why.
   chain_reduce(ctx, data, count, dtype, op, root);
 }
 
@@ -34,7 +27,7 @@ void chain_reduce(const Context& ctx, void* data, size_t count, DType dtype, Red
   const size_t per = slice_elems(ctx.slice_bytes, es);
   const size_t S = ceil_div(count, per);
   // Two receive slots, 16-byte aligned, one slice each.
-  const size_t slot = ceil_div(per * es, kChunkAlignBytes) * kChunkAlignBytes;
+  const size_t slot = round_up(per * es, kChunkAlignBytes);
   if (ctx.scratch_bytes < 2 * slot) {
     throw UsageError("chain_reduce: scratch of " + std::to_string(ctx.scratch_bytes) +
                      " bytes is smaller than two slices of " + std::to_string(slot));

@@ -47,8 +47,6 @@ constexpr size_t kReasonBytes = 1024;  // Header::reason: why the first rank abo
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "need lock-free 32-bit atomics");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
 
-inline size_t round_up(size_t a, size_t b) { return (a + b - 1) / b * b; }
-
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   _mm_pause();

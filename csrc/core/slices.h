@@ -36,7 +36,7 @@ struct RecvSlots {
 };
 
 inline RecvSlots recv_slots(const Context& ctx, size_t slice_bytes) {
-  const size_t padded = ceil_div(slice_bytes, kChunkAlignBytes) * kChunkAlignBytes;
+  const size_t padded = round_up(slice_bytes, kChunkAlignBytes);
   const bool match = ctx.scratch_bytes >= 2 * (padded + kChunkAlignBytes);
   return RecvSlots{static_cast<char*>(ctx.scratch), match ? padded + kChunkAlignBytes : slice_bytes,
                    match};

@@ -64,10 +64,12 @@ std::string cat(const Args&... args) {
 }
 
 // Index arithmetic of the algorithms: `a` modulo `n` in [0, n) for any sign
-// of `a` (the rank k steps before or after r is mod(r -/+ k, n)), and the
-// number of pieces of `b` that hold `a`.
+// of `a` (the rank k steps before or after r is mod(r -/+ k, n)), the
+// number of pieces of `b` that hold `a`, and `a` rounded up to a multiple of
+// `b` (an alignment, a cache line, a page).
 inline int mod(int a, int n) { return ((a % n) + n) % n; }
 inline size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+inline size_t round_up(size_t a, size_t b) { return ceil_div(a, b) * b; }
 
 // Every failure of a collective (timeout, dead peer, transport error, misuse
 // detected in the core) is a CommError. The binding maps it to

@@ -118,6 +118,13 @@ int sm_count() {
   return n;
 }
 
+// Blocks for `n` work items of one thread each: enough to cover them, at most
+// kBlocksPerSM per multiprocessor (the threads then stride), at least one.
+unsigned grid_for(size_t n) {
+  const size_t max_blocks = static_cast<size_t>(sm_count()) * kBlocksPerSM;
+  return static_cast<unsigned>(std::max<size_t>(1, std::min(max_blocks, ceil_div(n, kThreads))));
+}
+
 template <class T, bool kBinary, class F>
 void launch(T* dst, const T* a, const T* b, size_t count, F f, cudaStream_t stream) {
   if (count == 0) return;
@@ -132,14 +139,14 @@ void launch(T* dst, const T* a, const T* b, size_t count, F f, cudaStream_t stre
     head = count;  // different misalignments: element by element
     npacks = 0;
   }
-  const size_t tiles = (npacks + kTilePacks - 1) / kTilePacks;
+  const size_t tiles = ceil_div(npacks, kTilePacks);
   if (tiles > kMaxGrid) {
     throw UsageError(cat("reduction of ", count, " elements exceeds one kernel launch's grid"));
   }
   // One block per tile; the scalars (every element when the three arrays are
   // misaligned differently) share that grid, or get one block per tile's
   // worth of them if there are more.
-  const size_t scalar_blocks = (count - npacks * N + kTilePacks - 1) / kTilePacks;
+  const size_t scalar_blocks = ceil_div(count - npacks * N, kTilePacks);
   const unsigned blocks =
       static_cast<unsigned>(std::clamp<size_t>(std::max(tiles, scalar_blocks), 1, kMaxGrid));
   elementwise_kernel<T, F, kBinary>
@@ -191,12 +198,6 @@ __global__ void __launch_bounds__(kThreads)
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     dst[i] = fn(a[i], Codec<W>::load(b[i]));
   }
-}
-
-unsigned grid_for(size_t n) {
-  const size_t max_blocks = static_cast<size_t>(sm_count()) * kBlocksPerSM;
-  return static_cast<unsigned>(
-      std::max<size_t>(1, std::min(max_blocks, (n + kThreads - 1) / kThreads)));
 }
 
 }  // namespace

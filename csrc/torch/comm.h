@@ -136,7 +136,7 @@ class Comm {
   bool is_registered(const at::Tensor& t) const;
   // All-reduces so far that ran from symmetric memory (no staging).
   uint64_t symmetric_all_reduces() const { return symmetric_->ops(); }
-  // With this on (the backend's Options(symmetric=True)), an all_reduce on
+  // With this on (the backend's Options(register=True)), an all_reduce on
   // shm of a tensor that is all of a storage of >= kAutoRegisterMinBytes that
   // torch's CPU allocator made, and that this communicator reduced before (and
   // is still alive), asks to register it (as all_reduce(register=True)); if

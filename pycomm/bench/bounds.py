@@ -15,12 +15,12 @@ pages are mapped and its lines warm. On a CPU it is libc's memmove
 (``ctypes.memmove``: glibc's AVX/ERMS loop) of the buffer onto itself one
 cache line lower: each line is read and written back in turn, as an
 in-place all-reduce touches its tensor, and the footprint is the tensor's.
-A copy from one buffer to another is no bound for that: on the 2-core VM
-of issue 40 it moved 0.5-0.6x the bytes per second of the in-place pass at
-64 MiB (its stores go to lines it has not read, non-temporal past glibc's
-threshold), and pycomm's symmetric all-reduce ran at 1.3x its busbw at 16
-and 64 MiB. On a GPU: one half of the buffer copied onto the other and
-back (``copy_``; CUDA copies must not overlap).
+A copy from one buffer to another is no bound for that: its stores go to
+lines it has not read (non-temporal past glibc's threshold), so it moves
+fewer bytes per second than the in-place pass, and an all-reduce in
+symmetric memory beats it (the README's "The bound" has the figures). On a
+GPU: one half of the buffer copied onto the other and back (``copy_``;
+CUDA copies must not overlap).
 
 How a series reads against them: a bound row's time is the copy's, its
 algbw and busbw are those the collective would have if it took that time.
