@@ -1,11 +1,10 @@
 // The CPU executor: the transport's ops run on a worker thread in submission
 // order; synchronous calls run inline when nothing is queued.
 #include <chrono>
-#include <deque>
-#include <list>
 #include <mutex>
 
 #include "../core/check.h"
+#include "../core/deferred_p2p.h"
 #include "../core/reduce.h"
 #include "../core/worker.h"
 #include "checks.h"
@@ -25,7 +24,7 @@ size_t scratch_bytes(size_t slice_bytes, int world_size) {
 
 namespace {
 
-class CpuExecutor final : public Executor {
+class CpuExecutor final : public Executor, private DeferredP2P::Transfers {
  public:
   CpuExecutor(std::unique_ptr<Transport> transport, const CommOptions& options)
       : Executor(transport->rank(), transport->world_size(), transport->name()),
@@ -36,7 +35,7 @@ class CpuExecutor final : public Executor {
     transport_->set_timeout(timeout_);
     if (transport_->checks_interrupts()) transport_->set_interrupt_check(&check_interrupt);
     worker_ = std::make_unique<Worker>();
-    worker_->set_idle_poll([this] { return poll_deferred(); });
+    worker_->set_idle_poll([this] { return deferred_.poll(); });
     worker_->set_idle_wait([this](int64_t ns) { return transport_->idle_wait(ns); },
                            [this] { transport_->interrupt(); });
   }
@@ -56,7 +55,7 @@ class CpuExecutor final : public Executor {
     work->set_worker(worker_.get());
     // A wait on the worker thread (in a Future callback) for a pending
     // isend/irecv drives them itself.
-    work->set_pump([this](const Work* target) { return poll_deferred(target); });
+    work->set_pump([this](const Work* target) { return deferred_.poll(target); });
     work->set_on_interrupt([this](const std::string& why) { abort(why); });
     return work;
   }
@@ -97,8 +96,9 @@ class CpuExecutor final : public Executor {
   }
 
   // Synchronous: post and wait like run(). Asynchronous: the task only posts
-  // and the worker's idle poll (poll_deferred) completes the Work, so a
-  // pending isend never blocks a later irecv or collective.
+  // and hands the group to deferred_, which the worker's idle poll and waits
+  // inside callbacks (Work::set_pump) complete, so a pending isend never
+  // blocks a later irecv or collective.
   void run_p2p(const c10::intrusive_ptr<Work>& work, std::vector<P2POp> ops, Wait wait,
                std::vector<at::Tensor> keep) override {
     if (wait != Wait::kAsync) {
@@ -107,21 +107,16 @@ class CpuExecutor final : public Executor {
           std::move(keep));
       return;
     }
-    std::string peers;
-    for (size_t i = 0; i < ops.size(); ++i) {
-      peers += cat(i ? ", " : "", ops[i].kind == P2POp::kSend ? "send to " : "recv from ");
-      peers += ops[i].peer == kAnySource ? std::string("any rank") : cat("rank ", ops[i].peer);
-      if (ops[i].tag != 0) peers += cat(" with tag ", ops[i].tag);
-    }
+    std::string peers = describe_peers(ops.data(), ops.size());
     std::function<void()> post = [this, work, ops, peers = std::move(peers),
                                   keep = std::move(keep)] {
       if (fail_if_aborted(work)) return;
       try {
         const Handle h = transport_->post(ops.data(), ops.size());
-        std::vector<MatchKey> keys;
-        for (const P2POp& op : ops) keys.push_back({op.kind, op.peer, op.tag});
-        deferred_.push_back({work, h, std::chrono::steady_clock::now() + timeout_, peers,
-                             std::move(keys), next_seq_++});
+        DeferredP2P::Completion completion{
+            [work] { work->complete(); },
+            [this, work, peers](const std::exception& e) { fail_p2p(work, e, peers); }};
+        deferred_.add(h, ops.data(), ops.size(), peers, work.get(), std::move(completion));
         worker_->kick();
       } catch (const std::exception& e) {
         fail_p2p(work, e, peers);
@@ -163,44 +158,6 @@ class CpuExecutor final : public Executor {
   }
 
  private:
-  // What a message matches by: two sends (or two receives) with equal keys
-  // pair with the peer's messages in posting order. A receive from any rank
-  // shares a key with every receive of its tag.
-  struct MatchKey {
-    int kind;
-    int peer;
-    int tag;
-    bool overtakes(const MatchKey& earlier) const {
-      return kind == earlier.kind && tag == earlier.tag &&
-             (peer == earlier.peer || peer == kAnySource || earlier.peer == kAnySource);
-    }
-  };
-  struct Deferred {
-    c10::intrusive_ptr<Work> work;
-    Handle handle;
-    std::chrono::steady_clock::time_point deadline;
-    std::string peers;           // "send to rank 1, recv from rank 2": for the timeout message
-    std::vector<MatchKey> keys;  // one per message of the group
-    uint64_t seq;                // posting order
-  };
-
-  // An op that ended, set aside by a poll until its turn to complete.
-  struct Ending {
-    Deferred op;
-    std::exception_ptr error;
-    bool taken = false;  // completed (or being completed) by some poll
-  };
-
-  // Whether `d` would end before an earlier op it pairs in order with.
-  static bool ahead_of(const Deferred& d, const std::vector<MatchKey>& pending) {
-    for (const MatchKey& k : d.keys) {
-      for (const MatchKey& e : pending) {
-        if (k.overtakes(e)) return true;
-      }
-    }
-    return false;
-  }
-
   // On the worker: fails `work` if an earlier op aborted the communicator.
   bool fail_if_aborted(const c10::intrusive_ptr<Work>& work) {
     if (!aborted_) return false;
@@ -222,122 +179,10 @@ class CpuExecutor final : public Executor {
     }
   }
 
-  // On the executing thread; true while any deferred op is pending. Ops
-  // that ended leave deferred_ before their Works complete: completing runs
-  // Future callbacks right here, which may post more (push_back) or poll
-  // (Work::wait's pump re-enters this function).
-  //
-  // Ops end in posting order among those that pair in order (MatchKey), as
-  // their messages matched: the gloo transport notices its messages on
-  // threads of their own, in any order, and a later receive seen first ran
-  // its callbacks first. Callbacks that wait for peers then waited in an
-  // order no other rank followed (3 ranks, each callback sending an echo and
-  // waiting for one: a deadlock in about half the runs). An op is not tested
-  // while an earlier one it pairs in order with is pending.
-  //
-  // In a poll nested in a deferred op's callbacks, only ops posted since
-  // they began, and the op waited for, are tested (finish). No order serves
-  // every pattern: a callback that waits for a message that depends on
-  // another op's callback, one that ended after its own op, waits until the
-  // timeout; chaining with then() instead of waiting avoids it.
-  //
-  // Returns true while an op this poll may complete is pending: a wait on
-  // anything else (an op queued behind the running one) must stop pumping
-  // and raise rather than spin.
-  bool poll_deferred(const Work* target = nullptr) {
-    // The waited op may have ended in an outer poll (this is re-entered from
-    // callbacks), which set it aside: it completes here, the outer poll skips it.
-    for (Ending& e : ending_) {
-      if (target != nullptr && !e.taken && e.op.work.get() == target) {
-        e.taken = true;
-        finish(e);
-        return true;
-      }
-    }
-    // Keys that must not be overtaken: the ops that outer polls set aside
-    // and have not completed yet, then the pending ones met so far. Those
-    // older than the running callback complete after it, so they cannot
-    // hold back the ops it waits for (that would wait until the timeout).
-    std::vector<MatchKey> pending;
-    for (const Ending& e : ending_) {
-      if (!e.taken && e.op.seq >= floor_) {
-        pending.insert(pending.end(), e.op.keys.begin(), e.op.keys.end());
-      }
-    }
-    std::vector<std::list<Ending>::iterator> ended;
-    for (auto it = deferred_.begin(); it != deferred_.end();) {
-      // Older than the running callback: after it, unless the callback
-      // waits for that very op (`target`, from Work::wait's pump).
-      if (it->seq < floor_ && it->work.get() != target) {
-        ++it;
-        continue;
-      }
-      std::exception_ptr error;
-      if (op_ended(*it, pending, error)) {
-        ended.push_back(ending_.insert(ending_.end(), Ending{std::move(*it), error}));
-        it = deferred_.erase(it);
-      } else {
-        pending.insert(pending.end(), it->keys.begin(), it->keys.end());
-        ++it;
-      }
-    }
-    for (auto e : ended) {
-      if (!e->taken) {
-        e->taken = true;
-        finish(*e);
-      }
-      ending_.erase(e);
-    }
-    for (const Deferred& d : deferred_) {
-      if (d.seq >= floor_ || d.work.get() == target) return true;
-    }
-    return false;
-  }
-
-  // Whether deferred op `d` has ended: its transfers are done (a true test()
-  // consumes the handle; not tested while it would overtake `pending`), or
-  // it failed (`error`: aborted, the transport failed, its deadline passed).
-  bool op_ended(const Deferred& d, const std::vector<MatchKey>& pending,
-                std::exception_ptr& error) {
-    try {
-      if (aborted_) throw CommError("communicator aborted (" + abort_reason() + ")");
-      if (!ahead_of(d, pending) && transport_->test(d.handle)) return true;
-      if (std::chrono::steady_clock::now() > d.deadline) {
-        throw CommError(cat("timed out after ", timeout_.count(),
-                            " ms, the timeout of this communicator (", d.peers,
-                            "); is the peer alive and did it post the matching operation?"));
-      }
-      return false;
-    } catch (const std::exception&) {
-      error = std::current_exception();
-      return true;
-    }
-  }
-
-  // Completes (or fails) an op that ended. Its callbacks run now; a poll
-  // nested in them (a wait) completes only the ops posted from here on and
-  // the one it waits for, so an older deferred op's callbacks never run
-  // inside this one's (which may yet send what a peer waits for before it
-  // answers an older one). A collective's callbacks (run()) and a failed
-  // op's do not set this floor: the failure aborts the communicator anyway.
-  void finish(Ending& e) {
-    if (e.error) {
-      try {
-        std::rethrow_exception(e.error);
-      } catch (const std::exception& ex) {
-        fail_p2p(e.op.work, ex, e.op.peers);
-      }
-      return;
-    }
-    const uint64_t outer = floor_;
-    floor_ = next_seq_;
-    try {
-      e.op.work->complete();
-    } catch (...) {
-      floor_ = outer;
-      throw;
-    }
-    floor_ = outer;
+  // DeferredP2P::Transfers: this executor's transport and abort state.
+  bool done(Handle h) override { return transport_->test(h); }
+  void check_not_aborted() override {
+    if (aborted_) throw CommError("communicator aborted (" + abort_reason() + ")");
   }
 
   std::unique_ptr<Transport> transport_;
@@ -345,10 +190,7 @@ class CpuExecutor final : public Executor {
   size_t slice_bytes_;
   CpuReducer reducer_;
   std::vector<char> scratch_;
-  std::deque<Deferred> deferred_;  // touched only by the executing thread
-  std::list<Ending> ending_;       // ended, set aside by a poll, not completed yet
-  uint64_t next_seq_ = 0;          // Deferred::seq of the next one posted
-  uint64_t floor_ = 0;             // polls complete ops of this seq or later
+  DeferredP2P deferred_{*this, timeout_};  // user isend/irecv; only the executing thread
   std::unique_ptr<Worker> worker_;
   std::atomic<bool> aborted_{false};
   mutable std::mutex abort_mu_;
