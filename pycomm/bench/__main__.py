@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 -m pycomm.bench allreduce -b 1K -e 64M -f 4
     python -m pycomm.bench model r.json
     python -m pycomm.bench soak --nproc 3 --duration 60
+    python -m pycomm.bench chaos --nproc 3 --faults 20
     python -m pycomm.bench tune --nproc 4 --transport gloo --out auto_table.json
 """
 
@@ -31,6 +32,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .soak import main as soak_main
 
         return soak_main(argv[1:])
+    if argv and argv[0] == "chaos":
+        from .chaos import main as chaos_main
+
+        return chaos_main(argv[1:])
     from .cli import parse_args
     from .launch import launch
 

@@ -311,15 +311,12 @@ def launch(args: Any) -> int:
     return _spawn(args, args.nproc or 1)
 
 
-def run_script(argv: list[str], nproc: int, *, timeout: float = 300,
-               env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
-    """Runs ``python argv...`` as ``nproc`` local ranks with torchrun's
-    variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT) but no elastic agent: a rank that dies leaves the others
-    running, as ``Communicator.shrink`` needs. Like torchrun's agent, this
-    process serves the store (``TORCHELASTIC_USE_AGENT_STORE``), so the store
-    outlives every rank, rank 0 included. Past ``timeout`` seconds every rank
-    is killed. Returns each rank's finished process (output captured)."""
+def start_script(argv: list[str], nproc: int, *, timeout: float = 300,
+                 env: dict[str, str] | None = None) -> tuple[Any, list[subprocess.Popen]]:
+    """Starts ``python argv...`` as ``nproc`` local ranks (see
+    :func:`run_script`) and returns at once: (the store this process
+    serves, which must outlive the ranks; the ranks' processes, output
+    piped)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, nproc, True, wait_for_workers=False,
@@ -332,6 +329,19 @@ def run_script(argv: list[str], nproc: int, *, timeout: float = 300,
                         TORCHELASTIC_USE_AGENT_STORE="True")
         procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    return store, procs
+
+
+def run_script(argv: list[str], nproc: int, *, timeout: float = 300,
+               env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Runs ``python argv...`` as ``nproc`` local ranks with torchrun's
+    variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) but no elastic agent: a rank that dies leaves the others
+    running, as ``Communicator.shrink`` needs. Like torchrun's agent, this
+    process serves the store (``TORCHELASTIC_USE_AGENT_STORE``), so the store
+    outlives every rank, rank 0 included. Past ``timeout`` seconds every rank
+    is killed. Returns each rank's finished process (output captured)."""
+    store, procs = start_script(argv, nproc, timeout=timeout, env=env)
     deadline = time.monotonic() + timeout
     done = []
     for p in procs:

@@ -460,8 +460,13 @@ def run_soak(args: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     commit = git_commit() if rank == 0 else ""  # the code that runs, read before it runs
     before = {"fds": _fds(), "threads": _threads(), "rss_mb": _max_rss_mb()}
-    comm = pycomm.init(group=dist.group.WORLD, transport=args.transport, set_default=False)
+    comm = pycomm.init(group=dist.group.WORLD, transport=args.transport, set_default=False,
+                       **({"timeout": args.op_timeout} if args.op_timeout else {}))
     soak = Soak(comm, args)
+    if args.chaos:
+        from .chaos import run_under_chaos
+
+        return run_under_chaos(args.chaos, rank, lambda: _traffic(soak, comm, args))
     start = last_report = time.monotonic()
     flag = torch.zeros(1, dtype=torch.int32)
     index = 0
@@ -500,6 +505,16 @@ def run_soak(args: argparse.Namespace) -> int:
     flag = torch.tensor([code], dtype=torch.int32)
     dist.broadcast(flag, src=0)
     return int(flag.item())
+
+
+def _traffic(soak: Soak, comm: Any, args: argparse.Namespace) -> None:
+    """Chaos mode's traffic: steps until an error (or ``--steps``); no
+    stop flag, since the fault ends the run."""
+    index = 0
+    while args.steps is None or index < args.steps:
+        soak.run_step(index)
+        index += 1
+    soak.drain()
 
 
 def _report(args: argparse.Namespace, rows: list[Any], elapsed: float, segments: list[str],
@@ -561,6 +576,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
     p.add_argument("-T", "--timeout", type=float, default=None,
                    help="overall limit (default: duration + 300 s); ranks are killed past it")
+    p.add_argument("--op-timeout", type=float, default=None, metavar="SECONDS",
+                   help="the communicator's timeout (pycomm.init(timeout=...))")
+    p.add_argument("--chaos", metavar="DIR", default=None, help=argparse.SUPPRESS)  # chaos.py
     args = p.parse_args(argv)
     if args.nproc is not None and not 1 <= args.nproc <= MAX_WORLD:
         p.error(f"--nproc must be 1 to {MAX_WORLD} (the inputs keep every reduction exact up to it)")
