@@ -11,7 +11,8 @@ random moment more, and injects one fault into one random rank:
     term  SIGTERM (a scheduler's preemption)
     stop  SIGSTOP, held until the trial ends (a rank frozen past the timeout)
     exit  the rank leaves mid-program with exit status 0 (SIGUSR1 raises
-          SystemExit in it: Python's normal shutdown, no close of its own)
+          SystemExit in it: Python's normal shutdown, no close of its own;
+          soak.run_under_chaos is each rank's side)
 
 The rule each trial checks: every survivor raises an error out of its
 collective (recorded with its type and message, and whether the message
@@ -37,38 +38,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-__all__ = ["FAULTS", "main", "run_under_chaos"]
+__all__ = ["FAULTS", "main"]
 
 FAULTS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP,
           "exit": signal.SIGUSR1}
 GRACE_S = 5.0  # the rule: an error within the timeout + this
 HUNG_S = 30.0  # past the timeout + this a survivor is killed and counted as hung
-
-
-# ---------------------------------------------------------------- in each rank
-
-def run_under_chaos(directory: str, rank: int, traffic: Callable[[], None]) -> int:
-    """Runs ``traffic`` in a chaos trial: says when it started (a file), and
-    on an error writes it (time, type, message) and leaves at once (exit 3),
-    so that nothing after the fault can hang. SIGUSR1 is the "exit" fault."""
-    def leave(signum: int, frame: Any) -> None:
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGUSR1, leave)
-    Path(directory, f"rank{rank}.ready").touch()
-    try:
-        traffic()
-    except SystemExit:
-        raise
-    except BaseException as e:  # noqa: BLE001 - what a survivor raised is the record
-        error = {"t": time.time(), "type": type(e).__name__, "message": str(e)[:2000]}
-        Path(directory, f"rank{rank}.error").write_text(json.dumps(error))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(3)
-    return 0
 
 
 # ---------------------------------------------------------------- the driver

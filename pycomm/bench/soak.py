@@ -35,11 +35,13 @@ import json
 import os
 import random
 import resource
+import signal
 import statistics
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -464,8 +466,6 @@ def run_soak(args: argparse.Namespace) -> int:
                        **({"timeout": args.op_timeout} if args.op_timeout else {}))
     soak = Soak(comm, args)
     if args.chaos:
-        from .chaos import run_under_chaos
-
         return run_under_chaos(args.chaos, rank, lambda: _traffic(soak, comm, args))
     start = last_report = time.monotonic()
     flag = torch.zeros(1, dtype=torch.int32)
@@ -505,6 +505,28 @@ def run_soak(args: argparse.Namespace) -> int:
     flag = torch.tensor([code], dtype=torch.int32)
     dist.broadcast(flag, src=0)
     return int(flag.item())
+
+
+def run_under_chaos(directory: str, rank: int, traffic: Callable[[], None]) -> int:
+    """Runs ``traffic`` in a chaos trial (chaos.py): says when it started (a file), and
+    on an error writes it (time, type, message) and leaves at once (exit 3),
+    so that nothing after the fault can hang. SIGUSR1 is the "exit" fault."""
+    def leave(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGUSR1, leave)
+    Path(directory, f"rank{rank}.ready").touch()
+    try:
+        traffic()
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - what a survivor raised is the record
+        error = {"t": time.time(), "type": type(e).__name__, "message": str(e)[:2000]}
+        Path(directory, f"rank{rank}.error").write_text(json.dumps(error))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)
+    return 0
 
 
 def _traffic(soak: Soak, comm: Any, args: argparse.Namespace) -> None:
