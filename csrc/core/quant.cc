@@ -1,5 +1,6 @@
 #include "quant.h"
 
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -11,21 +12,130 @@
 namespace pycomm {
 namespace {
 
-// The scale of a block, and the factor that maps it onto codes.
-struct BlockScale {
-  float scale;    // value = scale * code
-  float to_code;  // code = round(x * to_code)
-};
-
-// From the block's largest magnitude, or finite = false.
-BlockScale scale_of(float absmax, bool finite) {
-  if (!finite) return {std::nanf(""), 0.0f};
-  if (absmax == 0.0f) return {0.0f, 0.0f};
-  return {absmax / 127.0f, 127.0f / absmax};
+uint32_t bits_of(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+float float_of(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
 }
 
-// One block, portable: the reference the AVX2 path equals bit for bit.
-BlockScale quantize_block(const float* x, size_t n, int8_t* codes, float* err) {
+// A float8 format with kMant mantissa bits and exponent bias kBias.
+// round_fp8 maps |x| (float32 bits, finite and below the format's overflow
+// threshold) to the code of |x| rounded to nearest, ties to even:
+//   subnormal (|x| < 2^(1 - kBias)): |x| + 2^(24 - kBias - kMant), whose
+//     float32 ulp is the format's subnormal step, leaves the rounded number
+//     of steps in the low bits (the float32 addition rounds to nearest even);
+//   normal: rebias the exponent and add half an ulp of the format less one,
+//     plus the kept mantissa's lowest bit (ties to even), then truncate.
+template <int kMant, int kBias>
+uint8_t round_fp8(uint32_t abs_bits) {
+  constexpr int kDrop = 23 - kMant;  // float32 mantissa bits the format drops
+  constexpr uint32_t kMinNormal = uint32_t(127 + 1 - kBias) << 23;
+  constexpr uint32_t kDenorm = uint32_t(127 + 24 - kBias - kMant) << 23;
+  if (abs_bits < kMinNormal) {
+    return static_cast<uint8_t>(bits_of(float_of(abs_bits) + float_of(kDenorm)) - kDenorm);
+  }
+  const uint32_t odd = (abs_bits >> kDrop) & 1u;
+  abs_bits += (uint32_t(kBias - 127) << 23) + ((1u << (kDrop - 1)) - 1u) + odd;
+  return static_cast<uint8_t>(abs_bits >> kDrop);
+}
+
+// float8_e4m3fn: |x| >= 480 (the first value that rounds past 0x7e = 448)
+// and NaN give NaN (0x7f), as torch's conversion does.
+uint8_t encode_e4m3(float x) {
+  const uint32_t b = bits_of(x), sign = (b >> 24) & 0x80u, a = b & 0x7fffffffu;
+  const uint8_t code = a >= bits_of(480.0f) ? uint8_t{0x7f} : round_fp8<3, 7>(a);
+  return static_cast<uint8_t>(code | sign);
+}
+
+// float8_e5m2: |x| >= 65536 gives infinity (0x7c), NaN gives NaN (0x7f).
+uint8_t encode_e5m2(float x) {
+  const uint32_t b = bits_of(x), sign = (b >> 24) & 0x80u, a = b & 0x7fffffffu;
+  const uint8_t code = a > 0x7f800000u
+                           ? uint8_t{0x7f}
+                           : (a >= bits_of(65536.0f) ? uint8_t{0x7c} : round_fp8<2, 15>(a));
+  return static_cast<uint8_t>(code | sign);
+}
+
+// The exact float32 value of every code of a format (int8: the integer).
+using DecodeTable = std::array<float, 256>;
+
+DecodeTable make_table(QuantFormat f) {
+  DecodeTable t{};
+  for (int c = 0; c < 256; ++c) {
+    const float sign = (c & 0x80) ? -1.0f : 1.0f;
+    switch (f) {
+      case QuantFormat::kInt8: t[c] = static_cast<float>(static_cast<int8_t>(c)); break;
+      case QuantFormat::kFp8E4M3: {
+        const int e = (c >> 3) & 15, m = c & 7;
+        t[c] = (e == 15 && m == 7) ? std::nanf("")
+               : e == 0            ? sign * std::ldexp(float(m), -9)
+                                   : sign * std::ldexp(float(8 + m), e - 10);
+        break;
+      }
+      case QuantFormat::kFp8E5M2: {
+        const int e = (c >> 2) & 31, m = c & 3;
+        t[c] = e == 31  ? (m == 0 ? sign * INFINITY : std::nanf(""))
+               : e == 0 ? sign * std::ldexp(float(m), -16)
+                        : sign * std::ldexp(float(4 + m), e - 17);
+        break;
+      }
+    }
+  }
+  return t;
+}
+
+const DecodeTable& table_of(QuantFormat f) {
+  static const DecodeTable tables[kNumQuantFormats] = {make_table(QuantFormat::kInt8),
+                                                       make_table(QuantFormat::kFp8E4M3),
+                                                       make_table(QuantFormat::kFp8E5M2)};
+  return tables[static_cast<int>(f)];
+}
+
+// y = x * (M / absmax) to a code, per format (quant.h). The codes' values
+// are the decode table's.
+struct Int8Codes {
+  static constexpr float kMax = 127.0f;
+  static uint8_t encode(float y) {
+    float q = std::nearbyint(y);  // ties to even (the default rounding mode)
+    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+    return static_cast<uint8_t>(static_cast<int8_t>(q));
+  }
+};
+struct E4M3Codes {
+  static constexpr float kMax = 448.0f;
+  static uint8_t encode(float y) { return encode_e4m3(y > kMax ? kMax : (y < -kMax ? -kMax : y)); }
+};
+struct E5M2Codes {
+  static constexpr float kMax = 57344.0f;
+  static uint8_t encode(float y) { return encode_e5m2(y > kMax ? kMax : (y < -kMax ? -kMax : y)); }
+};
+
+// The scale of a block, and the factor that maps it onto codes.
+struct BlockScale {
+  float scale;    // value = scale * decode(code)
+  float to_code;  // code = encode(x * to_code)
+};
+
+// From the block's largest magnitude, or finite = false. A block so small
+// that max / absmax overflows (absmax < max / FLT_MAX, around 1e-34 and
+// below) counts as all zero: x * inf would give NaN codes for its zeros, and
+// its values go whole into the residual instead.
+BlockScale scale_of(float absmax, bool finite, float max) {
+  if (!finite) return {std::nanf(""), 0.0f};
+  const float to_code = max / absmax;  // +inf for absmax 0
+  if (!(to_code <= FLT_MAX)) return {0.0f, 0.0f};
+  return {absmax / max, to_code};
+}
+
+// One block, portable: the reference the AVX2 path (int8) equals bit for bit.
+template <class Codes>
+BlockScale quantize_block(const float* x, size_t n, uint8_t* codes, float* err,
+                          const DecodeTable& value) {
   float absmax = 0.0f;
   bool finite = true;
   for (size_t i = 0; i < n; ++i) {
@@ -33,20 +143,24 @@ BlockScale quantize_block(const float* x, size_t n, int8_t* codes, float* err) {
     finite = finite && a <= FLT_MAX;  // false for inf and NaN
     absmax = a > absmax ? a : absmax;
   }
-  const BlockScale s = scale_of(absmax, finite);
+  const BlockScale s = scale_of(absmax, finite, Codes::kMax);
+  if (!finite) {  // a NaN block's codes are 0, and so is its error
+    std::memset(codes, 0, n);
+    if (err) std::memset(err, 0, n * sizeof(float));
+    return s;
+  }
   for (size_t i = 0; i < n; ++i) {
-    // ties to even (the default rounding mode); a NaN block's codes are 0
-    float q = finite ? std::nearbyint(x[i] * s.to_code) : 0.0f;
-    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-    codes[i] = static_cast<int8_t>(q);
-    if (err) err[i] = finite ? x[i] - s.scale * q : 0.0f;
+    const uint8_t c = Codes::encode(x[i] * s.to_code);
+    codes[i] = c;
+    if (err) err[i] = x[i] - s.scale * value[c];
   }
   return s;
 }
 
-void dequantize_block(float* dst, const int8_t* codes, size_t n, float scale, bool add) {
+void dequantize_block(float* dst, const uint8_t* codes, size_t n, float scale, bool add,
+                      const DecodeTable& value) {
   for (size_t i = 0; i < n; ++i) {
-    const float v = scale * static_cast<float>(codes[i]);
+    const float v = scale * value[codes[i]];
     dst[i] = add ? dst[i] + v : v;
   }
 }
@@ -77,7 +191,7 @@ PYCOMM_AVX2 BlockScale quantize_block_avx2(const float* x, size_t n, int8_t* cod
     finite = finite && a <= FLT_MAX;
     absmax = a > absmax ? a : absmax;
   }
-  const BlockScale s = scale_of(absmax, finite);
+  const BlockScale s = scale_of(absmax, finite, Int8Codes::kMax);
   if (!finite) {
     std::memset(codes, 0, n);
     if (err) std::memset(err, 0, n * sizeof(float));
@@ -115,38 +229,71 @@ PYCOMM_AVX2 void dequantize_block_avx2(float* dst, const int8_t* codes, size_t n
     if (add) v = _mm256_add_ps(_mm256_loadu_ps(dst + i), v);
     _mm256_storeu_ps(dst + i, v);
   }
-  dequantize_block(dst + i, codes + i, n - i, scale, add);
+  dequantize_block(dst + i, reinterpret_cast<const uint8_t*>(codes) + i, n - i, scale, add,
+                   table_of(QuantFormat::kInt8));
 }
 #endif  // PYCOMM_X86_SIMD
 
-}  // namespace
-
-void cpu_quantize_int8(void* dst, const float* src, size_t count, size_t block, float* err) {
-  const size_t blocks = ceil_div(count, block);
-  char* scales = static_cast<char*>(dst);
-  int8_t* codes = reinterpret_cast<int8_t*>(scales + blocks * sizeof(float));
+// Every block of a run in one format (int8 on AVX2 where the CPU has it).
+template <class Codes>
+void quantize_blocks(QuantFormat f, char* scales, uint8_t* codes, const float* src, size_t count,
+                     size_t block, float* err) {
+  const DecodeTable& value = table_of(f);
 #if PYCOMM_X86_SIMD
-  const bool avx2 = cpu_uses_avx2();
+  const bool avx2 = f == QuantFormat::kInt8 && cpu_uses_avx2();
 #endif
-  for (size_t b = 0; b < blocks; ++b) {
-    const size_t lo = b * block, n = count - lo < block ? count - lo : block;
+  for (size_t b = 0, lo = 0; lo < count; ++b, lo += block) {
+    const size_t n = count - lo < block ? count - lo : block;
     float* e = err ? err + lo : nullptr;
 #if PYCOMM_X86_SIMD
-    const BlockScale s = avx2 ? quantize_block_avx2(src + lo, n, codes + lo, e)
-                              : quantize_block(src + lo, n, codes + lo, e);
+    const BlockScale s =
+        avx2 ? quantize_block_avx2(src + lo, n, reinterpret_cast<int8_t*>(codes + lo), e)
+             : quantize_block<Codes>(src + lo, n, codes + lo, e, value);
 #else
-    const BlockScale s = quantize_block(src + lo, n, codes + lo, e);
+    const BlockScale s = quantize_block<Codes>(src + lo, n, codes + lo, e, value);
 #endif
     std::memcpy(scales + b * sizeof(float), &s.scale, sizeof(float));
   }
 }
 
-void cpu_dequantize_int8(float* dst, const void* src, size_t count, size_t block, bool add) {
+}  // namespace
+
+const char* quant_format_name(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::kInt8: return "int8";
+    case QuantFormat::kFp8E4M3: return "float8_e4m3fn";
+    case QuantFormat::kFp8E5M2: return "float8_e5m2";
+  }
+  return "?";
+}
+
+uint8_t fp8_encode(QuantFormat f, float x) {
+  return f == QuantFormat::kFp8E5M2 ? encode_e5m2(x) : encode_e4m3(x);
+}
+float fp8_decode(QuantFormat f, uint8_t code) { return table_of(f)[code]; }
+
+void cpu_quantize(QuantFormat f, void* dst, const float* src, size_t count, size_t block,
+                  float* err) {
+  char* scales = static_cast<char*>(dst);
+  uint8_t* codes = reinterpret_cast<uint8_t*>(scales + ceil_div(count, block) * sizeof(float));
+  switch (f) {
+    case QuantFormat::kInt8:
+      return quantize_blocks<Int8Codes>(f, scales, codes, src, count, block, err);
+    case QuantFormat::kFp8E4M3:
+      return quantize_blocks<E4M3Codes>(f, scales, codes, src, count, block, err);
+    case QuantFormat::kFp8E5M2:
+      return quantize_blocks<E5M2Codes>(f, scales, codes, src, count, block, err);
+  }
+}
+
+void cpu_dequantize(QuantFormat f, float* dst, const void* src, size_t count, size_t block,
+                    bool add) {
   const size_t blocks = ceil_div(count, block);
   const char* scales = static_cast<const char*>(src);
-  const int8_t* codes = reinterpret_cast<const int8_t*>(scales + blocks * sizeof(float));
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(scales + blocks * sizeof(float));
+  const DecodeTable& value = table_of(f);
 #if PYCOMM_X86_SIMD
-  const bool avx2 = cpu_uses_avx2();
+  const bool avx2 = f == QuantFormat::kInt8 && cpu_uses_avx2();
 #endif
   for (size_t b = 0; b < blocks; ++b) {
     const size_t lo = b * block, n = count - lo < block ? count - lo : block;
@@ -154,11 +301,11 @@ void cpu_dequantize_int8(float* dst, const void* src, size_t count, size_t block
     std::memcpy(&scale, scales + b * sizeof(float), sizeof(float));
 #if PYCOMM_X86_SIMD
     if (avx2) {
-      dequantize_block_avx2(dst + lo, codes + lo, n, scale, add);
+      dequantize_block_avx2(dst + lo, reinterpret_cast<const int8_t*>(codes + lo), n, scale, add);
       continue;
     }
 #endif
-    dequantize_block(dst + lo, codes + lo, n, scale, add);
+    dequantize_block(dst + lo, codes + lo, n, scale, add, value);
   }
 }
 
