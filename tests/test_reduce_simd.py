@@ -120,7 +120,7 @@ def _kernel_results() -> dict[str, torch.Tensor]:
             t = a.clone()
             _C.scale_(t, 1.0 / 3)
             out[f"scale {dtype}"] = t
-    # the quantized wire (quant.cc; AVX2 for int8 only so far): blocks of 256
+    # the quantized wire (quant.cc), every format: blocks of 256
     # and of 13 (vector bodies and tails), a NaN block and an inf block, the
     # error and dequantize(add)
     x = torch.randn(4099, generator=g) * torch.logspace(-4, 4, 4099)
@@ -134,6 +134,11 @@ def _kernel_results() -> dict[str, torch.Tensor]:
             out[f"quantize {fmt} {block}"] = q
             out[f"quantize {fmt} err {block}"] = err
             out[f"dequantize {fmt} {block}"] = back
+        # one block over 12 decades: float8's subnormal codes
+        wide = torch.randn(4099, generator=g) * torch.logspace(-12, 0, 4099)
+        err = torch.empty_like(wide)
+        out[f"quantize {fmt} wide"] = _C.quantize(wide, wide.numel(), err, format=fmt)
+        out[f"quantize {fmt} wide err"] = err
     return out
 
 
@@ -200,9 +205,9 @@ def _same(key: str, a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_scalar_path_equals_the_vector_path(tmp_path):
     scalar = _results_with("scalar", tmp_path / "scalar.pt")
     vector = _results_with("auto", tmp_path / "auto.pt")
-    # 10 of 16-bit kernels, 26 + 18 (reduce_to_all) of the others, 6 of each
+    # 10 of 16-bit kernels, 26 + 18 (reduce_to_all) of the others, 8 of each
     # quantized wire format (3), 12 wire all-reduce results
-    assert scalar.keys() == vector.keys() and len(scalar) == 84
+    assert scalar.keys() == vector.keys() and len(scalar) == 90
     bad = [k for k in scalar if not _same(k, scalar[k], vector[k])]
     assert not bad, f"scalar and vector paths differ in: {bad}"
 

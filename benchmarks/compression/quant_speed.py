@@ -1,8 +1,7 @@
 """Speed of the quantized wire's kernels on one core, per format (int8,
 float8_e4m3fn, float8_e5m2): quantize (with and without the error-feedback
 residual, which adds a 4-byte write per element) + dequantize-accumulate of
-float32, in GB/s of float32 input, for the AVX2 path (int8 only so far; the
-float8 formats run the portable loop on both) and the portable one
+float32, in GB/s of float32 input, for the AVX2 path and the portable one
 (PYCOMM_CPU_SIMD=scalar, in a second process), beside a plain copy of the
 same bytes (torch copy_).
 
