@@ -60,21 +60,28 @@ def _to_op(op: Any) -> int:
     raise ValueError(f"unknown reduce op {op!r}; use pycomm.ReduceOp or a string like 'sum'")
 
 
-# The C++ DType codes of the wire dtypes (csrc/core/types.h).
-_WIRE_DTYPES = {torch.float16: 2, torch.bfloat16: 3, torch.int8: 7}
+# The binding's wire codes (csrc/torch/checks.h, to_wire): the C++ DType
+# codes of float16, bfloat16 and int8 (csrc/core/types.h), then the float8
+# formats, which are no tensor dtype of pycomm's.
+_WIRE_DTYPES = {torch.float16: 2, torch.bfloat16: 3, torch.int8: 7,
+                torch.float8_e4m3fn: 8, torch.float8_e5m2: 9}
 _WIRE_NAMES = {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "int8": torch.int8}
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "int8": torch.int8,
+               "float8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+               "float8_e5m2": torch.float8_e5m2, "fp8_e5m2": torch.float8_e5m2}
 #: The block-scaled wires (each rank's contribution quantized once, summed in
 #: float32): across hosts only the step between hosts uses them (_hierarchy).
-QUANTIZED_WIRES = frozenset({_WIRE_DTYPES[torch.int8]})
+QUANTIZED_WIRES = frozenset(_WIRE_DTYPES[t] for t in (torch.int8, torch.float8_e4m3fn,
+                                                        torch.float8_e5m2))
 
 
 def _to_wire(wire_dtype: Any) -> int:
-    """all_reduce's wire_dtype -> the core's DType code."""
+    """all_reduce's wire_dtype -> the binding's wire code."""
     dt = _WIRE_NAMES.get(wire_dtype.lower()) if isinstance(wire_dtype, str) else wire_dtype
     if not isinstance(dt, torch.dtype) or dt not in _WIRE_DTYPES:
-        raise ValueError(f"all_reduce: wire_dtype must be None, torch.float16, torch.bfloat16 or "
-                         f"torch.int8 (or 'float16' / 'bfloat16' / 'int8'), got {wire_dtype!r}")
+        raise ValueError(f"all_reduce: wire_dtype must be None, torch.float16, torch.bfloat16, "
+                         f"torch.int8, torch.float8_e4m3fn or torch.float8_e5m2 (or 'float16' / "
+                         f"'bfloat16' / 'int8' / 'fp8_e4m3' / 'fp8_e5m2'), got {wire_dtype!r}")
     return _WIRE_DTYPES[dt]
 
 

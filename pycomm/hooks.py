@@ -36,6 +36,11 @@ Numerics:
   and every ring step accumulates in float32. Same bytes on the wire as the
   cast-everything hooks, a smaller error: one rounding per ring step of the
   partial sum instead of rounding every input and every partial sum.
+* :func:`int8_hook` / :func:`fp8_hook` keep the bucket float32 and send 8
+  bits an element plus one float32 scale a block (block-scaled int8 or
+  float8 codes, ``all_reduce(wire_dtype=...)``), with error feedback: int8
+  steps evenly through each block's range, float8 keeps a relative precision
+  (3 or 2 significand bits) for the small values of a block.
 * :func:`powerSGD_hook` follows torch's PowerSGD (low-rank compression with
   error feedback and warm start); on the same seeds and data it gives the
   parameters of torch's ``powerSGD_hook`` up to float32 rounding.
@@ -43,13 +48,14 @@ Numerics:
 
 import logging
 from collections import defaultdict
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ._grad_bucket import GradBucket as PycommGradBucket
+from ._hook_doc import _FLOAT32_BUCKET, _WRAPPER_DOC, _hook_doc, _with_doc
 from .comm import Communicator, ReduceOp
 
 __all__ = [
@@ -60,6 +66,7 @@ __all__ = [
     "bf16_compress_wrapper",
     "fp16_compress_hook",
     "fp16_compress_wrapper",
+    "fp8_hook",
     "int8_hook",
     "powerSGD_hook",
     "ring_bf16_hook",
@@ -69,59 +76,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-# ---------------------------------------------------------------- shared docs
-
-# Every hook takes (state, bucket) and fails the same way: _hook_doc writes
-# that part of each hook's docstring from this one text.
-_HOOK_DOC = """
-    Args:
-        state: {state}
-        bucket: {bucket}
-
-    Returns:
-        {returns}
-
-    Raises:
-        TypeError: ``state`` holds no Communicator{not_float32}.
-        ValueError: the bucket is not on the communicator's device.
-"""
-_STATE = "a :class:`pycomm.Communicator` (or an object with ``.comm``)."
-_FLOAT32_BUCKET = "DDP's gradient bucket (float32); overwritten with the average."
-
-_WRAPPER_DOC = """
-    Args:
-        hook: a hook ``(state, bucket) -> Future[Tensor]``.
-
-    Returns:
-        The wrapped hook, registered with the same state as ``hook``.
-"""
-
-
-def _with_doc(shared: str) -> Callable[[F], F]:
-    """Puts ``shared`` (Args/Returns/Raises) into the decorated function's
-    docstring, before its ``Example::`` (else at its end)."""
-
-    def apply(fn: F) -> F:
-        doc = fn.__doc__ or ""
-        if "    Example::" in doc:
-            doc = doc.replace("    Example::", shared.lstrip("\n") + "\n    Example::", 1)
-        else:
-            doc = doc.rstrip() + "\n" + shared
-        fn.__doc__ = doc
-        return fn
-
-    return apply
-
-
-def _hook_doc(bucket: str, returns: str, *, state: str = _STATE,
-              needs_float32: bool = False) -> Callable[[F], F]:
-    """A hook's Args/Returns/Raises, from :data:`_HOOK_DOC`."""
-    return _with_doc(_HOOK_DOC.format(
-        state=state, bucket=bucket, returns=returns,
-        not_float32=", or the bucket is not float32" if needs_float32 else ""))
 
 
 # ---------------------------------------------------------------- helpers
@@ -411,7 +365,7 @@ def ring_bf16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
 # ---------------------------------------------------------------- 8-bit
 
 class CompressionState:
-    """Settings and per-bucket memory of :func:`int8_hook`.
+    """Settings and per-bucket memory of :func:`int8_hook` and :func:`fp8_hook`.
 
     Args:
         comm: the communicator (what the other hooks take as their state).
@@ -423,11 +377,18 @@ class CompressionState:
         exact_below: parameters with fewer elements than this, and every 1-D
             parameter (biases, norms), are averaged exactly in float32: few
             bytes, and the ones rounding hurts most.
+        fp8_format: :func:`fp8_hook`'s codes, ``torch.float8_e4m3fn`` (3
+            significand bits, range 448 per scale) or ``torch.float8_e5m2``
+            (2 bits, range 57344: for blocks whose values span more octaves).
     """
 
     def __init__(self, comm: Communicator, wire_block: int = 256, error_feedback: bool = True,
-                 exact_below: int = 1024) -> None:
+                 exact_below: int = 1024, fp8_format: torch.dtype = torch.float8_e4m3fn) -> None:
+        if fp8_format not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError("CompressionState: fp8_format must be torch.float8_e4m3fn or "
+                             f"torch.float8_e5m2, got {fp8_format!r}")
         self.comm = comm
+        self.fp8_format = fp8_format
         self.wire_block = wire_block
         self.error_feedback = error_feedback
         self.exact_below = exact_below
@@ -454,6 +415,37 @@ class CompressionState:
         return out
 
 
+def _quantized_hook(wire: torch.dtype, name: str, state: CompressionState,
+                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """int8_hook and fp8_hook: the bucket averaged over the quantized ``wire``
+    with the state's error feedback, its exact slices averaged again in
+    float32 afterwards."""
+    comm = _comm_of(state)
+    buffer = bucket.buffer()
+    _check_bucket(comm, bucket, buffer)
+    if buffer.dtype != torch.float32:
+        raise TypeError(f"pycomm {name}: gradient bucket {bucket.index()} is {buffer.dtype}; "
+                        f"the {str(wire).removeprefix('torch.')} wire needs float32 gradients")
+    exact = state.exact_slices(bucket)
+    small = torch.cat([buffer[o:o + n] for o, n in exact]) if exact else None  # before the op
+    work = comm.all_reduce(buffer, op=ReduceOp.AVG, async_op=True, wire_dtype=wire,
+                           wire_block=state.wire_block, residual=state.residual(bucket, buffer))
+    if small is None:
+        return work.get_future().then(_first)
+    # Issued after the quantized op, so it completes after it (one worker, in order).
+    exact_work = comm.all_reduce(small, op=ReduceOp.AVG, async_op=True)
+
+    def write_back(fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()
+        pos = 0
+        for o, n in exact:
+            buffer[o:o + n].copy_(small[pos:pos + n])
+            pos += n
+        return buffer
+
+    return exact_work.get_future().then(write_back)
+
+
 @_hook_doc(_FLOAT32_BUCKET, "A future completing with the averaged bucket.",
            state="a :class:`CompressionState`.", needs_float32=True)
 def int8_hook(state: CompressionState,
@@ -473,30 +465,29 @@ def int8_hook(state: CompressionState,
         >>> state = pycomm.hooks.CompressionState(comm)
         >>> ddp_model.register_comm_hook(state, pycomm.hooks.int8_hook)
     """
-    comm = _comm_of(state)
-    buffer = bucket.buffer()
-    _check_bucket(comm, bucket, buffer)
-    if buffer.dtype != torch.float32:
-        raise TypeError(f"pycomm int8_hook: gradient bucket {bucket.index()} is {buffer.dtype}; "
-                        "the int8 wire needs float32 gradients")
-    exact = state.exact_slices(bucket)
-    small = torch.cat([buffer[o:o + n] for o, n in exact]) if exact else None  # before the op
-    work = comm.all_reduce(buffer, op=ReduceOp.AVG, async_op=True, wire_dtype=torch.int8,
-                           wire_block=state.wire_block, residual=state.residual(bucket, buffer))
-    if small is None:
-        return work.get_future().then(_first)
-    # Issued after the quantized op, so it completes after it (one worker, in order).
-    exact_work = comm.all_reduce(small, op=ReduceOp.AVG, async_op=True)
+    return _quantized_hook(torch.int8, "int8_hook", state, bucket)
 
-    def write_back(fut: torch.futures.Future) -> torch.Tensor:
-        fut.value()
-        pos = 0
-        for o, n in exact:
-            buffer[o:o + n].copy_(small[pos:pos + n])
-            pos += n
-        return buffer
 
-    return exact_work.get_future().then(write_back)
+@_hook_doc(_FLOAT32_BUCKET, "A future completing with the averaged bucket.",
+           state="a :class:`CompressionState`.", needs_float32=True)
+def fp8_hook(state: CompressionState,
+             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average a float32 bucket over a float8 wire, with error feedback.
+
+    :func:`int8_hook` with float8 codes, ``all_reduce(wire_dtype=
+    state.fp8_format)``: each block's values are scaled so that its largest
+    magnitude is the format's largest (448 for e4m3, 57344 for e5m2) and
+    rounded to float8, so small values keep a relative precision (about
+    ``2**-4`` for e4m3, ``2**-3`` for e5m2) where int8 steps evenly by
+    ``absmax / 127``. Same bytes as int8, same error feedback, the same bits
+    on every rank.
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> state = pycomm.hooks.CompressionState(comm, fp8_format=torch.float8_e4m3fn)
+        >>> ddp_model.register_comm_hook(state, pycomm.hooks.fp8_hook)
+    """
+    return _quantized_hook(state.fp8_format, "fp8_hook", state, bucket)
 
 
 # ---------------------------------------------------------------- PowerSGD

@@ -499,6 +499,10 @@ def argument_errors(comm: Any, store: Any) -> None:
     with pytest.raises(TypeError):
         comm.all_reduce(torch.ones(4, dtype=torch.complex64, device=dev))
     x = torch.ones(4, device=dev)
+    if dev.type == "cuda":  # the quantized wires run on CPU tensors only
+        for wire in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2):
+            with pytest.raises(ValueError, match="runs on CPU tensors so far"):
+                comm.all_reduce(x, wire_dtype=wire)
     with pytest.raises(ValueError, match="is this rank"):
         comm.send(x, comm.rank)
     with pytest.raises(ValueError, match="out of range"):

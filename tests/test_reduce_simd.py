@@ -120,18 +120,25 @@ def _kernel_results() -> dict[str, torch.Tensor]:
             t = a.clone()
             _C.scale_(t, 1.0 / 3)
             out[f"scale {dtype}"] = t
-    # the int8 wire (quant.cc): blocks of 256 and of 13 (vector bodies and
-    # tails), a NaN block and an inf block, the error and dequantize(add)
+    # the quantized wire (quant.cc), every format: blocks of 256
+    # and of 13 (vector bodies and tails), a NaN block and an inf block, the
+    # error and dequantize(add)
     x = torch.randn(4099, generator=g) * torch.logspace(-4, 4, 4099)
     x[300], x[700] = float("nan"), float("inf")
-    for block in (256, 13):
-        err = torch.empty_like(x)
-        q = _C.quantize_int8(x, block, err)
-        back = torch.full_like(x, 0.5)
-        _C.dequantize_int8(back, q, block, add=True)
-        out[f"quantize_int8 {block}"] = q
-        out[f"quantize_int8 err {block}"] = err
-        out[f"dequantize_int8 {block}"] = back
+    for fmt in ("int8", "float8_e4m3fn", "float8_e5m2"):
+        for block in (256, 13):
+            err = torch.empty_like(x)
+            q = _C.quantize(x, block, err, format=fmt)
+            back = torch.full_like(x, 0.5)
+            _C.dequantize(back, q, block, add=True, format=fmt)
+            out[f"quantize {fmt} {block}"] = q
+            out[f"quantize {fmt} err {block}"] = err
+            out[f"dequantize {fmt} {block}"] = back
+        # one block over 12 decades: float8's subnormal codes
+        wide = torch.randn(4099, generator=g) * torch.logspace(-12, 0, 4099)
+        err = torch.empty_like(wide)
+        out[f"quantize {fmt} wide"] = _C.quantize(wide, wide.numel(), err, format=fmt)
+        out[f"quantize {fmt} wide err"] = err
     return out
 
 
@@ -198,9 +205,9 @@ def _same(key: str, a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_scalar_path_equals_the_vector_path(tmp_path):
     scalar = _results_with("scalar", tmp_path / "scalar.pt")
     vector = _results_with("auto", tmp_path / "auto.pt")
-    # 10 of 16-bit kernels, 26 + 18 (reduce_to_all) of the others, 6 of the
-    # int8 wire, 12 wire all-reduce results
-    assert scalar.keys() == vector.keys() and len(scalar) == 72
+    # 10 of 16-bit kernels, 26 + 18 (reduce_to_all) of the others, 8 of each
+    # quantized wire format (3), 12 wire all-reduce results
+    assert scalar.keys() == vector.keys() and len(scalar) == 90
     bad = [k for k in scalar if not _same(k, scalar[k], vector[k])]
     assert not bad, f"scalar and vector paths differ in: {bad}"
 

@@ -1,7 +1,9 @@
-"""Speed of the int8 wire's kernels on one core: quantize (with and without
-the error-feedback residual, which adds a 4-byte write per element) +
-dequantize-accumulate of float32, in GB/s of float32 input, for the AVX2 path and the portable one (PYCOMM_CPU_SIMD=scalar, in a
-second process), beside a plain copy of the same bytes (torch copy_).
+"""Speed of the quantized wire's kernels on one core, per format (int8,
+float8_e4m3fn, float8_e5m2): quantize (with and without the error-feedback
+residual, which adds a 4-byte write per element) + dequantize-accumulate of
+float32, in GB/s of float32 input, for the AVX2 path and the portable one
+(PYCOMM_CPU_SIMD=scalar, in a second process), beside a plain copy of the
+same bytes (torch copy_).
 
     python benchmarks/compression/quant_speed.py --json quant_speed.json [--mib 64]
 
@@ -19,6 +21,8 @@ import time
 
 import torch
 
+FORMATS = ("int8", "float8_e4m3fn", "float8_e5m2")
+
 
 def _best(fn, reps: int) -> float:
     fn()
@@ -30,25 +34,34 @@ def _best(fn, reps: int) -> float:
     return best
 
 
-def measure(mib: int, block: int, reps: int) -> dict[str, float]:
-    """GB/s of float32 input of each kernel on this process's path."""
+def _format_speeds(fmt: str, x: torch.Tensor, block: int, reps: int) -> dict[str, float]:
+    """The seconds of each kernel on ``x`` in one format."""
     from pycomm._ext import _C
 
+    err = torch.empty_like(x)
+    acc = torch.zeros_like(x)
+    q = _C.quantize(x, block, err, format=fmt)
+    return {"quantize": _best(lambda: _C.quantize(x, block, err, format=fmt), reps),
+            "quantize_no_residual": _best(lambda: _C.quantize(x, block, format=fmt), reps),
+            "dequantize_add": _best(lambda: _C.dequantize(acc, q, block, True, format=fmt), reps)}
+
+
+def measure(mib: int, block: int, reps: int) -> dict[str, dict[str, float]]:
+    """GB/s of float32 input of each kernel on this process's path, per wire format."""
     torch.set_num_threads(1)
     n = mib * (1 << 20) // 4
     x = torch.randn(n)
-    err = torch.empty(n)
-    acc = torch.zeros(n)
-    q = _C.quantize_int8(x, block, err)
     copy_dst = torch.empty(n)
-    t_q = _best(lambda: _C.quantize_int8(x, block, err), reps)
-    t_q0 = _best(lambda: _C.quantize_int8(x, block), reps)
-    t_d = _best(lambda: _C.dequantize_int8(acc, q, block, True), reps)
     t_c = _best(lambda: copy_dst.copy_(x), reps)
     gb = n * 4 / 1e9
-    return {"quantize_GBps": gb / t_q, "quantize_no_residual_GBps": gb / t_q0,
-            "dequantize_add_GBps": gb / t_d, "both_GBps": gb / (t_q + t_d),
-            "both_no_residual_GBps": gb / (t_q0 + t_d), "copy_GBps": gb / t_c}
+    out = {}
+    for fmt in FORMATS:
+        t = _format_speeds(fmt, x, block, reps)
+        t_q, t_q0, t_d = t["quantize"], t["quantize_no_residual"], t["dequantize_add"]
+        out[fmt] = {"quantize_GBps": gb / t_q, "quantize_no_residual_GBps": gb / t_q0,
+                    "dequantize_add_GBps": gb / t_d, "both_GBps": gb / (t_q + t_d),
+                    "both_no_residual_GBps": gb / (t_q0 + t_d), "copy_GBps": gb / t_c}
+    return out
 
 
 def main() -> int:
@@ -69,7 +82,8 @@ def main() -> int:
                                "--block", str(args.block), "--reps", str(args.reps)],
                               env=env, capture_output=True, text=True, check=True)
         out[path] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"{path:>6}: " + ", ".join(f"{k} {v:.2f}" for k, v in out[path].items()))
+        for fmt, speeds in out[path].items():
+            print(f"{path:>6} {fmt:>13}: " + ", ".join(f"{k} {v:.2f}" for k, v in speeds.items()))
     try:
         out["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                        cwd=os.path.dirname(__file__)).stdout.strip()

@@ -30,6 +30,12 @@ const char* kind_name(int32_t k) {
 // 8 bits each for kind, dtype + 1, op + 1, algo; 32 bits for root + 1.
 uint64_t byte_of(int32_t v) { return static_cast<uint64_t>(static_cast<uint8_t>(v)); }
 
+// A quantized kind's wire dtype, as all_reduce(wire_dtype=...) names it.
+const char* wire_name(int32_t a) {
+  static const char* const names[] = {"int8", "float8_e4m3fn", "float8_e5m2"};
+  return names[a - static_cast<int32_t>(AlgoKind::kQuantInt8)];
+}
+
 }  // namespace
 
 const char* algo_name(int32_t a) {
@@ -44,9 +50,16 @@ const char* algo_name(int32_t a) {
     case AlgoKind::kTree: return "tree";
     case AlgoKind::kBruck: return "bruck";
     case AlgoKind::kQuantInt8: return "quantized, wire=int8";
+    case AlgoKind::kQuantFp8E4M3: return "quantized, wire=float8_e4m3fn";
+    case AlgoKind::kQuantFp8E5M2: return "quantized, wire=float8_e5m2";
     case AlgoKind::kNone: break;
   }
   return "-";
+}
+
+bool is_quantized(int32_t a) {
+  return a >= static_cast<int32_t>(AlgoKind::kQuantInt8) &&
+         a <= static_cast<int32_t>(AlgoKind::kQuantFp8E5M2);
 }
 
 AlgoKind algo_from_name(const std::string& name) {
@@ -135,11 +148,14 @@ std::string mismatch_message(int me, const OpHeader& mine, int peer, const OpHea
     if (mine.dtype != theirs.dtype) differs("dtype", dname(mine.dtype), dname(theirs.dtype));
     if (mine.op != theirs.op) differs("reduce op", oname(mine.op), oname(theirs.op));
     if (mine.root != theirs.root) {
-      const bool block = mine.algo == static_cast<int32_t>(AlgoKind::kQuantInt8);
-      differs(block ? "wire_block" : "root", std::to_string(mine.root),
+      differs(is_quantized(mine.algo) ? "wire_block" : "root", std::to_string(mine.root),
               std::to_string(theirs.root));
     }
-    if (mine.algo != theirs.algo) differs("algo", algo_name(mine.algo), algo_name(theirs.algo));
+    if (mine.algo != theirs.algo && is_quantized(mine.algo) && is_quantized(theirs.algo)) {
+      differs("wire_dtype", wire_name(mine.algo), wire_name(theirs.algo));
+    } else if (mine.algo != theirs.algo) {
+      differs("algo", algo_name(mine.algo), algo_name(theirs.algo));
+    }
   }
   if (mine.seq != theirs.seq) {
     s += " (a rank skipped or added a collective call, or ranks issue them in different orders)";

@@ -50,10 +50,16 @@ enum class AlgoKind : int32_t {
   kHalvingDoubling = 7,
   kTree = 8,
   kBruck = 9,
-  // all_reduce(wire_dtype=int8): quantized_all_reduce; the header's root
-  // carries the wire block size.
+  // all_reduce(wire_dtype=int8 / float8_e4m3fn / float8_e5m2):
+  // quantized_all_reduce, one kind per format (kQuantInt8 + QuantFormat, so
+  // that ranks that disagree on the format fail); the header's root carries
+  // the wire block size.
   kQuantInt8 = 10,
+  kQuantFp8E4M3 = 11,
+  kQuantFp8E5M2 = 12,
 };
+// Whether `a` is one of the quantized kinds.
+bool is_quantized(int32_t a);
 
 // The algorithms a caller names (algo="..."), in the order messages list
 // them; algo_from_name maps one to its kind (kNone for any other string).

@@ -1,9 +1,11 @@
 #include "quant.h"
 
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "reduce.h"
 #include "x86_simd.h"
@@ -11,21 +13,159 @@
 namespace pycomm {
 namespace {
 
-// The scale of a block, and the factor that maps it onto codes.
-struct BlockScale {
-  float scale;    // value = scale * code
-  float to_code;  // code = round(x * to_code)
-};
-
-// From the block's largest magnitude, or finite = false.
-BlockScale scale_of(float absmax, bool finite) {
-  if (!finite) return {std::nanf(""), 0.0f};
-  if (absmax == 0.0f) return {0.0f, 0.0f};
-  return {absmax / 127.0f, 127.0f / absmax};
+uint32_t bits_of(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+float float_of(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
 }
 
-// One block, portable: the reference the AVX2 path equals bit for bit.
-BlockScale quantize_block(const float* x, size_t n, int8_t* codes, float* err) {
+// A float8 format with kMant mantissa bits and exponent bias kBias.
+// round_fp8 maps |x| (float32 bits, finite and below the format's overflow
+// threshold) to the code of |x| rounded to nearest, ties to even:
+//   subnormal (|x| < 2^(1 - kBias)): |x| + 2^(24 - kBias - kMant), whose
+//     float32 ulp is the format's subnormal step, leaves the rounded number
+//     of steps in the low bits (the float32 addition rounds to nearest even);
+//   normal: rebias the exponent and add half an ulp of the format less one,
+//     plus the kept mantissa's lowest bit (ties to even), then truncate.
+template <int kMant, int kBias>
+struct Fp8Bits {
+  static constexpr int kDrop = 23 - kMant;  // float32 mantissa bits the format drops
+  static constexpr uint32_t kMinNormal = uint32_t(127 + 1 - kBias) << 23;
+  static constexpr uint32_t kDenorm = uint32_t(127 + 24 - kBias - kMant) << 23;
+  // the exponent's rebias and half an ulp of the format less one
+  static constexpr uint32_t kRound = (uint32_t(kBias - 127) << 23) + ((1u << (kDrop - 1)) - 1u);
+};
+
+template <int kMant, int kBias>
+uint8_t round_fp8(uint32_t abs_bits) {
+  using B = Fp8Bits<kMant, kBias>;
+  if (abs_bits < B::kMinNormal) {
+    return static_cast<uint8_t>(bits_of(float_of(abs_bits) + float_of(B::kDenorm)) - B::kDenorm);
+  }
+  const uint32_t odd = (abs_bits >> B::kDrop) & 1u;
+  return static_cast<uint8_t>((abs_bits + B::kRound + odd) >> B::kDrop);
+}
+
+// float8_e4m3fn: |x| >= 480 (the first value that rounds past 0x7e = 448)
+// and NaN give NaN (0x7f), as torch's conversion does.
+uint8_t encode_e4m3(float x) {
+  const uint32_t b = bits_of(x), sign = (b >> 24) & 0x80u, a = b & 0x7fffffffu;
+  const uint8_t code = a >= bits_of(480.0f) ? uint8_t{0x7f} : round_fp8<3, 7>(a);
+  return static_cast<uint8_t>(code | sign);
+}
+
+// float8_e5m2: |x| >= 65536 gives infinity (0x7c), NaN gives NaN (0x7f).
+uint8_t encode_e5m2(float x) {
+  const uint32_t b = bits_of(x), sign = (b >> 24) & 0x80u, a = b & 0x7fffffffu;
+  const uint8_t code = a > 0x7f800000u
+                           ? uint8_t{0x7f}
+                           : (a >= bits_of(65536.0f) ? uint8_t{0x7c} : round_fp8<2, 15>(a));
+  return static_cast<uint8_t>(code | sign);
+}
+
+// The exact float32 value of every code of a format (int8: the integer).
+using DecodeTable = std::array<float, 256>;
+
+DecodeTable make_table(QuantFormat f) {
+  DecodeTable t{};
+  for (int c = 0; c < 256; ++c) {
+    const float sign = (c & 0x80) ? -1.0f : 1.0f;
+    switch (f) {
+      case QuantFormat::kInt8: t[c] = static_cast<float>(static_cast<int8_t>(c)); break;
+      case QuantFormat::kFp8E4M3: {
+        const int e = (c >> 3) & 15, m = c & 7;
+        t[c] = (e == 15 && m == 7) ? std::nanf("")
+               : e == 0            ? sign * std::ldexp(float(m), -9)
+                                   : sign * std::ldexp(float(8 + m), e - 10);
+        break;
+      }
+      case QuantFormat::kFp8E5M2: {
+        const int e = (c >> 2) & 31, m = c & 3;
+        t[c] = e == 31  ? (m == 0 ? sign * INFINITY : std::nanf(""))
+               : e == 0 ? sign * std::ldexp(float(m), -16)
+                        : sign * std::ldexp(float(4 + m), e - 17);
+        break;
+      }
+    }
+  }
+  return t;
+}
+
+const DecodeTable& table_of(QuantFormat f) {
+  static const DecodeTable tables[kNumQuantFormats] = {make_table(QuantFormat::kInt8),
+                                                       make_table(QuantFormat::kFp8E4M3),
+                                                       make_table(QuantFormat::kFp8E5M2)};
+  return tables[static_cast<int>(f)];
+}
+
+// y = x * (M / absmax) to a code, per format (quant.h). The codes' values
+// are the decode table's.
+struct Int8Codes {
+  static constexpr float kMax = 127.0f;
+  static uint8_t encode(float y) {
+    float q = std::nearbyint(y);  // ties to even (the default rounding mode)
+    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+    return static_cast<uint8_t>(static_cast<int8_t>(q));
+  }
+};
+struct E4M3Codes {
+  static constexpr int kMant = 3, kBias = 7;
+  static constexpr float kMax = 448.0f;
+  static uint8_t encode(float y) { return encode_e4m3(y > kMax ? kMax : (y < -kMax ? -kMax : y)); }
+};
+struct E5M2Codes {
+  static constexpr int kMant = 2, kBias = 15;
+  static constexpr float kMax = 57344.0f;
+  static uint8_t encode(float y) { return encode_e5m2(y > kMax ? kMax : (y < -kMax ? -kMax : y)); }
+};
+
+// The scale of a block, and the factor that maps it onto codes.
+struct BlockScale {
+  float scale;    // value = scale * decode(code)
+  float to_code;  // code = encode(x * to_code)
+};
+
+// From the block's largest magnitude, or finite = false. A block so small
+// that max / absmax overflows (absmax < max / FLT_MAX, around 1e-34 and
+// below) counts as all zero: x * inf would give NaN codes for its zeros, and
+// its values go whole into the residual instead.
+BlockScale scale_of(float absmax, bool finite, float max) {
+  if (!finite) return {std::nanf(""), 0.0f};
+  const float to_code = max / absmax;  // +inf for absmax 0
+  if (!(to_code <= FLT_MAX)) return {0.0f, 0.0f};
+  return {absmax / max, to_code};
+}
+
+// scale_of, and for a block with a NaN or an infinity its codes and error
+// (0 both) written here: the callers quantize finite blocks only.
+BlockScale block_scale(float absmax, bool finite, float max, void* codes, float* err, size_t n) {
+  if (!finite) {
+    std::memset(codes, 0, n);
+    if (err) std::memset(err, 0, n * sizeof(float));
+  }
+  return scale_of(absmax, finite, max);
+}
+
+// Elements of a finite block, portable (the AVX2 paths' tails too).
+template <class Codes>
+void quantize_elements(const float* x, size_t n, BlockScale s, uint8_t* codes, float* err,
+                       const DecodeTable& value) {
+  for (size_t i = 0; i < n; ++i) {
+    const uint8_t c = Codes::encode(x[i] * s.to_code);
+    codes[i] = c;
+    if (err) err[i] = x[i] - s.scale * value[c];
+  }
+}
+
+// One block, portable: the reference the AVX2 paths equal bit for bit.
+template <class Codes>
+BlockScale quantize_block(const float* x, size_t n, uint8_t* codes, float* err,
+                          const DecodeTable& value) {
   float absmax = 0.0f;
   bool finite = true;
   for (size_t i = 0; i < n; ++i) {
@@ -33,20 +173,16 @@ BlockScale quantize_block(const float* x, size_t n, int8_t* codes, float* err) {
     finite = finite && a <= FLT_MAX;  // false for inf and NaN
     absmax = a > absmax ? a : absmax;
   }
-  const BlockScale s = scale_of(absmax, finite);
-  for (size_t i = 0; i < n; ++i) {
-    // ties to even (the default rounding mode); a NaN block's codes are 0
-    float q = finite ? std::nearbyint(x[i] * s.to_code) : 0.0f;
-    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-    codes[i] = static_cast<int8_t>(q);
-    if (err) err[i] = finite ? x[i] - s.scale * q : 0.0f;
-  }
+  const BlockScale s = block_scale(absmax, finite, Codes::kMax, codes, err, n);
+  if (!finite) return s;  // a NaN block's codes are 0, and so is its error
+  quantize_elements<Codes>(x, n, s, codes, err, value);
   return s;
 }
 
-void dequantize_block(float* dst, const int8_t* codes, size_t n, float scale, bool add) {
+void dequantize_block(float* dst, const uint8_t* codes, size_t n, float scale, bool add,
+                      const DecodeTable& value) {
   for (size_t i = 0; i < n; ++i) {
-    const float v = scale * static_cast<float>(codes[i]);
+    const float v = scale * value[codes[i]];
     dst[i] = add ? dst[i] + v : v;
   }
 }
@@ -54,10 +190,8 @@ void dequantize_block(float* dst, const int8_t* codes, size_t n, float scale, bo
 #if PYCOMM_X86_SIMD
 #define PYCOMM_AVX2 __attribute__((target("avx2")))
 
-// quantize_block on 8 lanes (the same single-precision operations: |x|,
-// max, x * to_code, round to nearest even, clamp, x - scale * q; no FMA),
-// the last n % 8 elements by the portable loop's expressions.
-PYCOMM_AVX2 BlockScale quantize_block_avx2(const float* x, size_t n, int8_t* codes, float* err) {
+// The largest |x| of a block, and whether every x is finite, on 8 lanes.
+PYCOMM_AVX2 float block_absmax_avx2(const float* x, size_t n, bool* finite) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 big = _mm256_set1_ps(FLT_MAX);
   __m256 vmax = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
@@ -71,21 +205,28 @@ PYCOMM_AVX2 BlockScale quantize_block_avx2(const float* x, size_t n, int8_t* cod
   _mm256_storeu_ps(lanes, vmax);
   float absmax = 0.0f;
   for (float l : lanes) absmax = l > absmax ? l : absmax;
-  bool finite = _mm256_movemask_ps(ok) == 0xff;
-  for (size_t k = i; k < n; ++k) {
-    const float a = std::fabs(x[k]);
-    finite = finite && a <= FLT_MAX;
+  *finite = _mm256_movemask_ps(ok) == 0xff;
+  for (; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    *finite = *finite && a <= FLT_MAX;
     absmax = a > absmax ? a : absmax;
   }
-  const BlockScale s = scale_of(absmax, finite);
-  if (!finite) {
-    std::memset(codes, 0, n);
-    if (err) std::memset(err, 0, n * sizeof(float));
-    return s;
-  }
+  return absmax;
+}
+
+// quantize_block<Int8Codes> on 8 lanes (the same single-precision
+// operations: |x|, max, x * to_code, round to nearest even, clamp,
+// x - scale * q; no FMA), the last n % 8 elements by the portable loop.
+PYCOMM_AVX2 BlockScale quantize_int8_block_avx2(const float* x, size_t n, int8_t* codes,
+                                                float* err) {
+  bool finite;
+  const float absmax = block_absmax_avx2(x, n, &finite);
+  const BlockScale s = block_scale(absmax, finite, Int8Codes::kMax, codes, err, n);
+  if (!finite) return s;
   const __m256 to_code = _mm256_set1_ps(s.to_code), scale = _mm256_set1_ps(s.scale);
   const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
-  for (i = 0; i + 8 <= n; i += 8) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
     __m256 q =
         _mm256_round_ps(_mm256_mul_ps(v, to_code), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -96,17 +237,85 @@ PYCOMM_AVX2 BlockScale quantize_block_avx2(const float* x, size_t n, int8_t* cod
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packs_epi16(q16, q16));
     if (err) _mm256_storeu_ps(err + i, _mm256_sub_ps(v, _mm256_mul_ps(scale, q)));
   }
-  for (; i < n; ++i) {
-    float q = std::nearbyint(x[i] * s.to_code);
-    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-    codes[i] = static_cast<int8_t>(q);
-    if (err) err[i] = x[i] - s.scale * q;
-  }
+  quantize_elements<Int8Codes>(x + i, n - i, s, reinterpret_cast<uint8_t*>(codes) + i,
+                               err ? err + i : nullptr, table_of(QuantFormat::kInt8));
   return s;
 }
 
-PYCOMM_AVX2 void dequantize_block_avx2(float* dst, const int8_t* codes, size_t n, float scale,
-                                       bool add) {
+// round_fp8 on 8 lanes of y (finite, |y| <= the format's max): the codes,
+// one in the low byte of each 32-bit lane, by the same integer and float32
+// operations.
+template <class Codes>
+PYCOMM_AVX2 __m256i fp8_codes_avx2(__m256 y) {
+  using B = Fp8Bits<Codes::kMant, Codes::kBias>;
+  const __m256i bits = _mm256_castps_si256(y);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+  const __m256i a = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+  const __m256i denorm = _mm256_set1_epi32(static_cast<int>(B::kDenorm));
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(denorm))),
+      denorm);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, B::kDrop), _mm256_set1_epi32(1));
+  const __m256i normal = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(static_cast<int>(B::kRound))), odd),
+      B::kDrop);
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(B::kMinNormal)), a);
+  return _mm256_or_si256(_mm256_blendv_epi8(normal, sub, is_sub), sign);
+}
+
+// quantize_block<E4M3Codes / E5M2Codes> on 8 lanes: x * to_code, clamp,
+// round_fp8, the error through the decode table (a gather); no FMA.
+template <class Codes>
+PYCOMM_AVX2 BlockScale quantize_fp8_block_avx2(const float* x, size_t n, uint8_t* codes, float* err,
+                                               const DecodeTable& value) {
+  bool finite;
+  const float absmax = block_absmax_avx2(x, n, &finite);
+  const BlockScale s = block_scale(absmax, finite, Codes::kMax, codes, err, n);
+  if (!finite) return s;
+  const __m256 to_code = _mm256_set1_ps(s.to_code), scale = _mm256_set1_ps(s.scale);
+  const __m256 hi = _mm256_set1_ps(Codes::kMax), lo = _mm256_set1_ps(-Codes::kMax);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 y = _mm256_max_ps(_mm256_min_ps(_mm256_mul_ps(v, to_code), hi), lo);
+    const __m256i c = fp8_codes_avx2<Codes>(y);
+    const __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(c16, c16));
+    if (err) {
+      const __m256 q = _mm256_i32gather_ps(value.data(), c, 4);
+      _mm256_storeu_ps(err + i, _mm256_sub_ps(v, _mm256_mul_ps(scale, q)));
+    }
+  }
+  quantize_elements<Codes>(x + i, n - i, s, codes + i, err ? err + i : nullptr, value);
+  return s;
+}
+
+template <class Codes>
+PYCOMM_AVX2 BlockScale quantize_block_avx2(const float* x, size_t n, uint8_t* codes, float* err,
+                                           const DecodeTable& value) {
+  if constexpr (std::is_same_v<Codes, Int8Codes>) {
+    return quantize_int8_block_avx2(x, n, reinterpret_cast<int8_t*>(codes), err);
+  } else {
+    return quantize_fp8_block_avx2<Codes>(x, n, codes, err, value);
+  }
+}
+
+// dequantize_block of float8 codes on 8 lanes: the decode table gathered.
+PYCOMM_AVX2 void dequantize_table_avx2(float* dst, const uint8_t* codes, size_t n, float scale,
+                                       bool add, const DecodeTable& value) {
+  const __m256 s = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
+    __m256 v = _mm256_mul_ps(s, _mm256_i32gather_ps(value.data(), _mm256_cvtepu8_epi32(c8), 4));
+    if (add) v = _mm256_add_ps(_mm256_loadu_ps(dst + i), v);
+    _mm256_storeu_ps(dst + i, v);
+  }
+  dequantize_block(dst + i, codes + i, n - i, scale, add, value);
+}
+
+PYCOMM_AVX2 void dequantize_int8_block_avx2(float* dst, const int8_t* codes, size_t n, float scale,
+                                            bool add) {
   const __m256 s = _mm256_set1_ps(scale);
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -115,36 +324,68 @@ PYCOMM_AVX2 void dequantize_block_avx2(float* dst, const int8_t* codes, size_t n
     if (add) v = _mm256_add_ps(_mm256_loadu_ps(dst + i), v);
     _mm256_storeu_ps(dst + i, v);
   }
-  dequantize_block(dst + i, codes + i, n - i, scale, add);
+  dequantize_block(dst + i, reinterpret_cast<const uint8_t*>(codes) + i, n - i, scale, add,
+                   table_of(QuantFormat::kInt8));
 }
 #endif  // PYCOMM_X86_SIMD
 
-}  // namespace
-
-void cpu_quantize_int8(void* dst, const float* src, size_t count, size_t block, float* err) {
-  const size_t blocks = ceil_div(count, block);
-  char* scales = static_cast<char*>(dst);
-  int8_t* codes = reinterpret_cast<int8_t*>(scales + blocks * sizeof(float));
+// Every block of a run in one format (on AVX2 where the CPU has it).
+template <class Codes>
+void quantize_blocks(QuantFormat f, char* scales, uint8_t* codes, const float* src, size_t count,
+                     size_t block, float* err) {
+  const DecodeTable& value = table_of(f);
 #if PYCOMM_X86_SIMD
   const bool avx2 = cpu_uses_avx2();
 #endif
-  for (size_t b = 0; b < blocks; ++b) {
-    const size_t lo = b * block, n = count - lo < block ? count - lo : block;
+  for (size_t b = 0, lo = 0; lo < count; ++b, lo += block) {
+    const size_t n = count - lo < block ? count - lo : block;
     float* e = err ? err + lo : nullptr;
 #if PYCOMM_X86_SIMD
-    const BlockScale s = avx2 ? quantize_block_avx2(src + lo, n, codes + lo, e)
-                              : quantize_block(src + lo, n, codes + lo, e);
+    const BlockScale s = avx2 ? quantize_block_avx2<Codes>(src + lo, n, codes + lo, e, value)
+                              : quantize_block<Codes>(src + lo, n, codes + lo, e, value);
 #else
-    const BlockScale s = quantize_block(src + lo, n, codes + lo, e);
+    const BlockScale s = quantize_block<Codes>(src + lo, n, codes + lo, e, value);
 #endif
     std::memcpy(scales + b * sizeof(float), &s.scale, sizeof(float));
   }
 }
 
-void cpu_dequantize_int8(float* dst, const void* src, size_t count, size_t block, bool add) {
+}  // namespace
+
+const char* quant_format_name(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::kInt8: return "int8";
+    case QuantFormat::kFp8E4M3: return "float8_e4m3fn";
+    case QuantFormat::kFp8E5M2: return "float8_e5m2";
+  }
+  return "?";
+}
+
+uint8_t fp8_encode(QuantFormat f, float x) {
+  return f == QuantFormat::kFp8E5M2 ? encode_e5m2(x) : encode_e4m3(x);
+}
+float fp8_decode(QuantFormat f, uint8_t code) { return table_of(f)[code]; }
+
+void cpu_quantize(QuantFormat f, void* dst, const float* src, size_t count, size_t block,
+                  float* err) {
+  char* scales = static_cast<char*>(dst);
+  uint8_t* codes = reinterpret_cast<uint8_t*>(scales + ceil_div(count, block) * sizeof(float));
+  switch (f) {
+    case QuantFormat::kInt8:
+      return quantize_blocks<Int8Codes>(f, scales, codes, src, count, block, err);
+    case QuantFormat::kFp8E4M3:
+      return quantize_blocks<E4M3Codes>(f, scales, codes, src, count, block, err);
+    case QuantFormat::kFp8E5M2:
+      return quantize_blocks<E5M2Codes>(f, scales, codes, src, count, block, err);
+  }
+}
+
+void cpu_dequantize(QuantFormat f, float* dst, const void* src, size_t count, size_t block,
+                    bool add) {
   const size_t blocks = ceil_div(count, block);
   const char* scales = static_cast<const char*>(src);
-  const int8_t* codes = reinterpret_cast<const int8_t*>(scales + blocks * sizeof(float));
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(scales + blocks * sizeof(float));
+  const DecodeTable& value = table_of(f);
 #if PYCOMM_X86_SIMD
   const bool avx2 = cpu_uses_avx2();
 #endif
@@ -153,12 +394,17 @@ void cpu_dequantize_int8(float* dst, const void* src, size_t count, size_t block
     float scale;
     std::memcpy(&scale, scales + b * sizeof(float), sizeof(float));
 #if PYCOMM_X86_SIMD
+    if (avx2 && f == QuantFormat::kInt8) {
+      dequantize_int8_block_avx2(dst + lo, reinterpret_cast<const int8_t*>(codes + lo), n, scale,
+                                 add);
+      continue;
+    }
     if (avx2) {
-      dequantize_block_avx2(dst + lo, codes + lo, n, scale, add);
+      dequantize_table_avx2(dst + lo, codes + lo, n, scale, add, value);
       continue;
     }
 #endif
-    dequantize_block(dst + lo, codes + lo, n, scale, add);
+    dequantize_block(dst + lo, codes + lo, n, scale, add, value);
   }
 }
 

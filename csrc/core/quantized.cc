@@ -1,5 +1,5 @@
-// The all-reduce of float32 with an 8-bit block-scaled wire (algorithms.h,
-// quantized_all_reduce): each rank's contribution is quantized once, its
+// The all-reduce of float32 with an 8-bit block-scaled wire, int8 or float8
+// (algorithms.h, quantized_all_reduce): each rank's contribution is quantized once, its
 // owner sums the contributions in float32, and the sum is quantized once more
 // for the all-gather. No partial sum is ever re-quantized.
 #include <algorithm>
@@ -38,7 +38,7 @@ size_t quantized_all_reduce_work_bytes(size_t count, size_t block, int n) {
 }
 
 void quantized_all_reduce(const Context& ctx, float* data, size_t count, float* residual,
-                          size_t block, ReduceOp op, void* work) {
+                          size_t block, QuantFormat format, ReduceOp op, void* work) {
   Transport& tr = ctx.transport;
   Reducer& red = ctx.reducer;
   const int n = tr.world_size(), r = tr.rank();
@@ -49,7 +49,7 @@ void quantized_all_reduce(const Context& ctx, float* data, size_t count, float* 
   // becomes what the quantization lost.
   if (residual) red.reduce(data, data, residual, count, DType::kFloat32, ReduceOp::kSum);
   for (int j = 0; j < n; ++j) {
-    red.quantize(mine + c.offset(j), data + c.begin(j), c.length(j), block,
+    red.quantize(format, mine + c.offset(j), data + c.begin(j), c.length(j), block,
                  residual ? residual + c.begin(j) : nullptr);
   }
   // Reduce-scatter, direct: chunk j of every contribution goes to rank j.
@@ -65,12 +65,12 @@ void quantized_all_reduce(const Context& ctx, float* data, size_t count, float* 
   float* sum = data + c.begin(r);
   for (int q = 0; q < n; ++q) {
     const char* src = q == r ? mine + c.offset(r) : theirs + c.offset(q);
-    red.dequantize(sum, src, c.length(r), block, /*add=*/q > 0);
+    red.dequantize(format, sum, src, c.length(r), block, /*add=*/q > 0);
   }
   if (op == ReduceOp::kAvg) red.scale(sum, c.length(r), DType::kFloat32, 1.0 / n);
   // The sum, quantized once, is what every rank gets: the owner too.
-  red.quantize(mine + c.offset(r), sum, c.length(r), block, nullptr);
-  red.dequantize(sum, mine + c.offset(r), c.length(r), block, /*add=*/false);
+  red.quantize(format, mine + c.offset(r), sum, c.length(r), block, nullptr);
+  red.dequantize(format, sum, mine + c.offset(r), c.length(r), block, /*add=*/false);
   // All-gather of the quantized sums.
   ops.clear();
   for (int j = 0; j < n; ++j) {
@@ -80,7 +80,8 @@ void quantized_all_reduce(const Context& ctx, float* data, size_t count, float* 
   }
   if (!ops.empty()) tr.exchange(ops.data(), ops.size());
   for (int j = 0; j < n; ++j) {
-    if (j != r) red.dequantize(data + c.begin(j), mine + c.offset(j), c.length(j), block, false);
+    if (j != r)
+      red.dequantize(format, data + c.begin(j), mine + c.offset(j), c.length(j), block, false);
   }
 }
 

@@ -255,11 +255,15 @@ bool cpu_uses_avx2() {
 #endif
 }
 
-void Reducer::quantize(void*, const float*, size_t, size_t, float*) {
-  throw UsageError("this reducer has no int8 wire (all_reduce(wire_dtype=torch.int8) runs on CPU)");
+void Reducer::quantize(QuantFormat f, void*, const float*, size_t, size_t, float*) {
+  throw UsageError(cat("this reducer has no ", quant_format_name(f),
+                       " wire (all_reduce(wire_dtype=torch.", quant_format_name(f),
+                       ") runs on CPU)"));
 }
-void Reducer::dequantize(float*, const void*, size_t, size_t, bool) {
-  throw UsageError("this reducer has no int8 wire (all_reduce(wire_dtype=torch.int8) runs on CPU)");
+void Reducer::dequantize(QuantFormat f, float*, const void*, size_t, size_t, bool) {
+  throw UsageError(cat("this reducer has no ", quant_format_name(f),
+                       " wire (all_reduce(wire_dtype=torch.", quant_format_name(f),
+                       ") runs on CPU)"));
 }
 
 void Reducer::to_wire(void*, const float*, size_t, DType) {

@@ -75,11 +75,13 @@ class Reducer {
   virtual void from_wire(float* dst, const void* src, size_t count, DType wire);
   virtual void reduce_wire(float* dst, const float* a, const void* b, size_t count, DType wire,
                            ReduceOp op);
-  // The block-scaled int8 wire of quantized_all_reduce (quant.h for the
-  // contract). Defaults throw: a reducer without them (the CUDA one) never
-  // gets an int8 wire (Comm refuses it off the CPU).
-  virtual void quantize(void* dst, const float* src, size_t count, size_t block, float* err);
-  virtual void dequantize(float* dst, const void* src, size_t count, size_t block, bool add);
+  // The block-scaled 8-bit wire of quantized_all_reduce, in format `f`
+  // (quant.h for the contract). Defaults throw: a reducer without them (the
+  // CUDA one) never gets a quantized wire (Comm refuses it off the CPU).
+  virtual void quantize(QuantFormat f, void* dst, const float* src, size_t count, size_t block,
+                        float* err);
+  virtual void dequantize(QuantFormat f, float* dst, const void* src, size_t count, size_t block,
+                          bool add);
 };
 
 class CpuReducer final : public Reducer {
@@ -112,11 +114,13 @@ class CpuReducer final : public Reducer {
                    ReduceOp op) override {
     cpu_reduce_wire(dst, a, b, count, wire, op);
   }
-  void quantize(void* dst, const float* src, size_t count, size_t block, float* err) override {
-    cpu_quantize_int8(dst, src, count, block, err);
+  void quantize(QuantFormat f, void* dst, const float* src, size_t count, size_t block,
+                float* err) override {
+    cpu_quantize(f, dst, src, count, block, err);
   }
-  void dequantize(float* dst, const void* src, size_t count, size_t block, bool add) override {
-    cpu_dequantize_int8(dst, src, count, block, add);
+  void dequantize(QuantFormat f, float* dst, const void* src, size_t count, size_t block,
+                  bool add) override {
+    cpu_dequantize(f, dst, src, count, block, add);
   }
 };
 

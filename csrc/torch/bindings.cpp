@@ -116,33 +116,47 @@ void cpu_scale_(at::Tensor dst, double factor) {
   pycomm::cpu_scale(dst.data_ptr(), dst.numel(), dt, factor);
 }
 
-// The int8 wire's kernels (quant.h) on tensors: tests against a reference
-// in Python, and the quantization benchmark. quantize_int8 returns the
+// The quantized wire's kernels (quant.h) on tensors: tests against a
+// reference in Python, and the quantization benchmark. `format` names the
+// codes ("int8", "float8_e4m3fn", "float8_e5m2"). quantize returns the
 // quantized bytes (uint8, quant_bytes long) and fills `err` when given.
-at::Tensor quantize_int8(const at::Tensor& src, int64_t block, std::optional<at::Tensor> err) {
+pycomm::QuantFormat quant_format(const std::string& name, const char* op) {
+  for (int f = 0; f < pycomm::kNumQuantFormats; ++f) {
+    const auto q = static_cast<pycomm::QuantFormat>(f);
+    if (name == pycomm::quant_format_name(q)) return q;
+  }
+  throw pycomm::UsageError(pycomm::cat(
+      op, ": format must be 'int8', 'float8_e4m3fn' or 'float8_e5m2', got '", name, "'"));
+}
+
+at::Tensor quantize(const at::Tensor& src, int64_t block, std::optional<at::Tensor> err,
+                    const std::string& format) {
+  const pycomm::QuantFormat f = quant_format(format, "quantize");
   TORCH_CHECK_VALUE(src.is_cpu() && src.is_contiguous() && src.scalar_type() == at::kFloat,
-                    "quantize_int8: a contiguous float32 CPU tensor");
-  TORCH_CHECK_VALUE(block >= 1, "quantize_int8: block must be >= 1");
+                    "quantize: a contiguous float32 CPU tensor");
+  TORCH_CHECK_VALUE(block >= 1, "quantize: block must be >= 1");
   TORCH_CHECK_VALUE(!err || (err->is_cpu() && err->is_contiguous() &&
                              err->scalar_type() == at::kFloat && err->numel() == src.numel()),
-                    "quantize_int8: err must be a float32 CPU tensor like src");
+                    "quantize: err must be a float32 CPU tensor like src");
   const size_t n = src.numel(), b = static_cast<size_t>(block);
   at::Tensor out = at::empty({static_cast<int64_t>(pycomm::quant_bytes(n, b))}, at::kByte);
   py::gil_scoped_release nogil;
-  pycomm::cpu_quantize_int8(out.data_ptr(), src.data_ptr<float>(), n, b,
-                            err ? err->data_ptr<float>() : nullptr);
+  pycomm::cpu_quantize(f, out.data_ptr(), src.data_ptr<float>(), n, b,
+                       err ? err->data_ptr<float>() : nullptr);
   return out;
 }
 
-void dequantize_int8(at::Tensor dst, const at::Tensor& src, int64_t block, bool add) {
+void dequantize(at::Tensor dst, const at::Tensor& src, int64_t block, bool add,
+                const std::string& format) {
+  const pycomm::QuantFormat f = quant_format(format, "dequantize");
   TORCH_CHECK_VALUE(dst.is_cpu() && dst.is_contiguous() && dst.scalar_type() == at::kFloat,
-                    "dequantize_int8: dst must be a contiguous float32 CPU tensor");
+                    "dequantize: dst must be a contiguous float32 CPU tensor");
   const size_t n = dst.numel(), b = static_cast<size_t>(block);
   TORCH_CHECK_VALUE(block >= 1 && src.is_cpu() && src.is_contiguous() &&
                         src.nbytes() == pycomm::quant_bytes(n, b),
-                    "dequantize_int8: src must hold quant_bytes(dst.numel(), block) bytes");
+                    "dequantize: src must hold quant_bytes(dst.numel(), block) bytes");
   py::gil_scoped_release nogil;
-  pycomm::cpu_dequantize_int8(dst.data_ptr<float>(), src.data_ptr(), n, b, add);
+  pycomm::cpu_dequantize(f, dst.data_ptr<float>(), src.data_ptr(), n, b, add);
 }
 
 // The Work and Comm classes (pycomm/comm.py wraps them).
@@ -270,10 +284,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("reduce_", &cpu_reduce_, py::arg("dst"), py::arg("src"), py::arg("op"));
   m.def("scale_", &cpu_scale_, py::arg("dst"), py::arg("factor"));
-  m.def("quantize_int8", &quantize_int8, py::arg("src"), py::arg("block"),
-        py::arg("err") = py::none());
-  m.def("dequantize_int8", &dequantize_int8, py::arg("dst"), py::arg("src"), py::arg("block"),
-        py::arg("add") = false);
+  m.def("quantize", &quantize, py::arg("src"), py::arg("block"), py::arg("err") = py::none(),
+        py::arg("format") = "int8");
+  m.def("dequantize", &dequantize, py::arg("dst"), py::arg("src"), py::arg("block"),
+        py::arg("add") = false, py::arg("format") = "int8");
   m.def("reduce_scale_", &cpu_reduce_scale_, py::arg("dst"), py::arg("src"), py::arg("op"),
         py::arg("factor"));
   m.def("reduce_to_all_", &cpu_reduce_to_all_, py::arg("outs"), py::arg("a"), py::arg("b"),

@@ -81,33 +81,46 @@ ReduceOp to_op(int op, DType dtype, const char* opname) {
   return r;
 }
 
-std::optional<DType> to_wire_dtype(int wire_dtype, DType tensor_dtype, const char* opname) {
-  if (wire_dtype < 0) return std::nullopt;
-  const DType w = static_cast<DType>(wire_dtype);
-  if (wire_dtype >= kNumDTypes ||
-      (w != DType::kFloat16 && w != DType::kBFloat16 && w != DType::kInt8)) {
+Wire to_wire(int wire_dtype, DType tensor_dtype, const char* opname) {
+  if (wire_dtype < 0) return {};
+  Wire w;
+  std::string name;
+  if (wire_dtype == int(DType::kFloat16) || wire_dtype == int(DType::kBFloat16)) {
+    w.cast = static_cast<DType>(wire_dtype);
+    name = dtype_name(*w.cast);
+  } else if (wire_dtype == int(DType::kInt8) || wire_dtype == kWireFp8E4M3 ||
+             wire_dtype == kWireFp8E5M2) {
+    w.quant = wire_dtype == kWireFp8E4M3   ? QuantFormat::kFp8E4M3
+              : wire_dtype == kWireFp8E5M2 ? QuantFormat::kFp8E5M2
+                                           : QuantFormat::kInt8;
+    name = quant_format_name(*w.quant);
+  } else {
     throw UsageError(cat(opname,
-                         ": wire_dtype must be torch.float16, torch.bfloat16 or torch.int8, got ",
-                         wire_dtype < kNumDTypes ? dtype_name(w) : std::to_string(wire_dtype)));
+                         ": wire_dtype must be torch.float16, torch.bfloat16, torch.int8, "
+                         "torch.float8_e4m3fn or torch.float8_e5m2, got ",
+                         wire_dtype < kNumDTypes ? dtype_name(static_cast<DType>(wire_dtype))
+                                                 : std::to_string(wire_dtype)));
   }
   if (tensor_dtype != DType::kFloat32) {
     throw UsageError(join_msg({opname,
                                ": wire_dtype needs a float32 tensor (it is reduced in "
                                "float32 and sent as ",
-                               dtype_name(w), "), got ", dtype_name(tensor_dtype)}));
+                               name, "), got ", dtype_name(tensor_dtype)}));
   }
   return w;
 }
 
-void check_int8_wire(const at::Tensor& t, ReduceOp op, const std::string& algo, int64_t block,
-                     const std::optional<at::Tensor>& residual, const char* opname) {
-  const char* what = ": wire_dtype=torch.int8";
+void check_quantized_wire(const at::Tensor& t, QuantFormat f, ReduceOp op, const std::string& algo,
+                          int64_t block, const std::optional<at::Tensor>& residual,
+                          const char* opname) {
+  const std::string what = cat(": wire_dtype=torch.", quant_format_name(f));
   if (!t.is_cpu()) {
     throw UsageError(cat(opname, what, " runs on CPU tensors so far, got ", t.device().str()));
   }
   if (op != ReduceOp::kSum && op != ReduceOp::kAvg) {
-    throw UsageError(cat(opname, what, " needs op SUM or AVG, got ", op_name(op), ": the ",
-                         op_name(op), " of quantized values is not that of the values"));
+    throw UsageError(cat(opname, what, " needs op SUM or AVG, got ", op_name(op),
+                         ": a quantized wire cannot carry it (the ", op_name(op),
+                         " of quantized values is not that of the values)"));
   }
   if (algo != "auto") {
     throw UsageError(cat(opname, what,

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "../core/quant.h"
 #include "../core/types.h"
 #include "work.h"
 
@@ -25,14 +26,24 @@ std::string join_msg(std::initializer_list<std::string> parts);
 void check_tensor(const at::Tensor& t, const char* arg, const char* op, const c10::Device& device);
 void check_peer(int peer, const char* arg, const char* op, int rank, int size, bool allow_self);
 ReduceOp to_op(int op, DType dtype, const char* opname);
-// all_reduce's wire_dtype (-1: none): a float16/bfloat16 DType for a float32
-// tensor, else UsageError (ValueError) naming the problem.
-std::optional<DType> to_wire_dtype(int wire_dtype, DType tensor_dtype, const char* opname);
-// all_reduce(wire_dtype=int8)'s own checks: a CPU tensor, SUM or AVG,
-// algo "auto", a block in [1, 2^20], and `residual`, when given, a float32
-// CPU tensor of tensor's size that does not overlap it.
-void check_int8_wire(const at::Tensor& t, ReduceOp op, const std::string& algo, int64_t block,
-                     const std::optional<at::Tensor>& residual, const char* opname);
+// all_reduce's wire_dtype code (pycomm/_types.py): -1 (none), a DType code
+// (float16 / bfloat16: the ring's cast; int8: quantized), or one of the
+// float8 codes below (no tensor dtype of pycomm's, so past the DTypes).
+constexpr int kWireFp8E4M3 = kNumDTypes;      // 8
+constexpr int kWireFp8E5M2 = kNumDTypes + 1;  // 9
+struct Wire {
+  std::optional<DType> cast;         // float16 / bfloat16: ring_all_reduce_wire
+  std::optional<QuantFormat> quant;  // int8 / float8: quantized_all_reduce
+};
+// Decodes wire_dtype for a float32 tensor, else UsageError (ValueError)
+// naming the problem.
+Wire to_wire(int wire_dtype, DType tensor_dtype, const char* opname);
+// all_reduce(wire_dtype=int8 / float8_*)'s own checks: a CPU tensor, SUM or
+// AVG, algo "auto", a block in [1, 2^20], and `residual`, when given, a
+// float32 CPU tensor of tensor's size that does not overlap it.
+void check_quantized_wire(const at::Tensor& t, QuantFormat f, ReduceOp op, const std::string& algo,
+                          int64_t block, const std::optional<at::Tensor>& residual,
+                          const char* opname);
 // "name[i]", the argument name of a list's item.
 std::string indexed(const char* name, size_t i);
 // A list argument of world_size tensors like `like` (same dtype and numel),

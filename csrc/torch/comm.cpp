@@ -129,6 +129,10 @@ namespace {
 AlgoKind wire_kind(DType wire) {
   return wire == DType::kFloat16 ? AlgoKind::kRingWireF16 : AlgoKind::kRingWireBF16;
 }
+// The quantized all-reduce in format f (op_header.h: kQuantInt8 + format).
+AlgoKind quant_kind(QuantFormat f) {
+  return static_cast<AlgoKind>(static_cast<int32_t>(AlgoKind::kQuantInt8) + static_cast<int>(f));
+}
 
 // The transport's own collectives (algo="nccl"); pick() only returns kNative
 // when the transport has them.
@@ -306,15 +310,17 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   check_tensor(t, "tensor", kOp);
   const DType dt = to_dtype(t.scalar_type(), "tensor");
   const ReduceOp rop = to_op(op, dt, kOp);
-  const std::optional<DType> wire = to_wire_dtype(wire_dtype, dt, kOp);
-  const bool quantized = wire == DType::kInt8;
-  if (quantized) check_int8_wire(t, rop, algo, wire_block, residual, kOp);
+  const Wire wire = to_wire(wire_dtype, dt, kOp);
+  const bool quantized = wire.quant.has_value();
+  if (quantized) check_quantized_wire(t, *wire.quant, rop, algo, wire_block, residual, kOp);
   if (residual && !quantized) {
-    throw UsageError("all_reduce: residual (error feedback) needs wire_dtype=torch.int8");
+    throw UsageError(
+        "all_reduce: residual (error feedback) needs a quantized wire_dtype (torch.int8, "
+        "torch.float8_e4m3fn or torch.float8_e5m2)");
   }
-  AlgoKind kind = quantized ? AlgoKind::kQuantInt8
-                            : pick(algo, CollKind::kAllReduce, t.nbytes(), wire.has_value());
-  if (wire && !quantized) kind = wire_kind(*wire);
+  AlgoKind kind = quantized ? quant_kind(*wire.quant)
+                            : pick(algo, CollKind::kAllReduce, t.nbytes(), wire.cast.has_value());
+  if (wire.cast) kind = wire_kind(*wire.cast);
   void* data = t.data_ptr();
   const size_t count = t.numel();
   const size_t block = static_cast<size_t>(wire_block);
@@ -339,12 +345,14 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
                  [=](const Context& ctx) {
                    switch (kind) {
                      case AlgoKind::kQuantInt8:
-                       quantized_all_reduce(ctx, static_cast<float*>(data), count, res, block, rop,
-                                            qbuf);
+                     case AlgoKind::kQuantFp8E4M3:
+                     case AlgoKind::kQuantFp8E5M2:
+                       quantized_all_reduce(ctx, static_cast<float*>(data), count, res, block,
+                                            *wire.quant, rop, qbuf);
                        break;
                      case AlgoKind::kRingWireF16:
                      case AlgoKind::kRingWireBF16:
-                       ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire, rop);
+                       ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire.cast, rop);
                        break;
                      case AlgoKind::kDirect:
                        symmetric->all_reduce(ctx, sym, data, count, dt, rop);

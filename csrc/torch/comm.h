@@ -86,8 +86,9 @@ class Comm {
   // all_reduce: wire_dtype -1, or a DType (float16 / bfloat16) in which a
   // float32 tensor travels (ring_all_reduce_wire).
   // to_register: all_reduce(register=True), see SymmetricMemory::decide.
-  // wire_dtype int8: quantized_all_reduce in blocks of wire_block elements,
-  // with error feedback into `residual` when given (check_int8_wire).
+  // wire_dtype int8 / float8 (checks.h, to_wire): quantized_all_reduce in
+  // blocks of wire_block elements, with error feedback into `residual` when
+  // given (check_quantized_wire).
   c10::intrusive_ptr<Work> all_reduce(const at::Tensor& t, int op, const std::string& algo,
                                       bool async_op, int wire_dtype = -1, bool to_register = false,
                                       int64_t wire_block = 256,

@@ -1,0 +1,56 @@
+"""The shared parts of pycomm.hooks' docstrings: every hook takes (state,
+bucket) and fails the same way, every wrapper takes a hook; these decorators
+write that part of each docstring from one text."""
+
+from typing import Any, Callable, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Every hook takes (state, bucket) and fails the same way: _hook_doc writes
+# that part of each hook's docstring from this one text.
+_HOOK_DOC = """
+    Args:
+        state: {state}
+        bucket: {bucket}
+
+    Returns:
+        {returns}
+
+    Raises:
+        TypeError: ``state`` holds no Communicator{not_float32}.
+        ValueError: the bucket is not on the communicator's device.
+"""
+_STATE = "a :class:`pycomm.Communicator` (or an object with ``.comm``)."
+_FLOAT32_BUCKET = "DDP's gradient bucket (float32); overwritten with the average."
+
+_WRAPPER_DOC = """
+    Args:
+        hook: a hook ``(state, bucket) -> Future[Tensor]``.
+
+    Returns:
+        The wrapped hook, registered with the same state as ``hook``.
+"""
+
+
+def _with_doc(shared: str) -> Callable[[F], F]:
+    """Puts ``shared`` (Args/Returns/Raises) into the decorated function's
+    docstring, before its ``Example::`` (else at its end)."""
+
+    def apply(fn: F) -> F:
+        doc = fn.__doc__ or ""
+        if "    Example::" in doc:
+            doc = doc.replace("    Example::", shared.lstrip("\n") + "\n    Example::", 1)
+        else:
+            doc = doc.rstrip() + "\n" + shared
+        fn.__doc__ = doc
+        return fn
+
+    return apply
+
+
+def _hook_doc(bucket: str, returns: str, *, state: str = _STATE,
+              needs_float32: bool = False) -> Callable[[F], F]:
+    """A hook's Args/Returns/Raises, from :data:`_HOOK_DOC`."""
+    return _with_doc(_HOOK_DOC.format(
+        state=state, bucket=bucket, returns=returns,
+        not_float32=", or the bucket is not float32" if needs_float32 else ""))
