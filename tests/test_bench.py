@@ -418,6 +418,10 @@ def test_wire_check_and_bytes():
     assert C.count_wrong(got, expected) > 0  # the bound is what lets it pass
     assert C.count_wrong(got + 0.1 * expected.abs().max().float(), expected,
                          C.wire_atol("int8", inputs, expected)) == count
+    for wire, fmt in (("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")):
+        got = _reference_all_reduce([t.float() for t in inputs], "sum", C.WIRE_BLOCK, fmt)
+        assert C.count_wrong(got, expected, C.wire_atol(wire, inputs, expected)) == 0, wire
+        assert C.count_wrong(got, expected) > 0, wire
     # 1000 elements = 4 blocks, 2 per chunk at 3 ranks (chunks of 512, 488, 0):
     # out 488 + 2 scales, then its 512 + 2 scales to 2 ranks
     assert C.sent_bytes("wire_int8", count, 4, n) == (488 + 8) + 2 * (512 + 8)

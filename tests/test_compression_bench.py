@@ -45,17 +45,17 @@ def test_accuracy_study_runs(tmp_path):
     pytest.importorskip("sklearn")
     out = tmp_path / "acc.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--worlds", "2", "--epochs", "1",
-                           "--hooks", "fp32,int8,int8_noef", "--json", str(out)],
+                           "--hooks", "fp32,int8,int8_noef,fp8", "--json", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| 2 | int8 |" in proc.stdout
     result = json.loads(out.read_text())
     rows = {r["hook"]: r for r in result["worlds"][0]["rows"]}
-    assert set(rows) == {"fp32", "int8", "int8_noef"}
+    assert set(rows) == {"fp32", "int8", "int8_noef", "fp8"}
     assert all(r["ranks_identical"] for r in rows.values())
     assert rows["fp32"]["grad_rel_error_max"] < 1e-6          # float32 vs float64 sums
     assert rows["fp32"]["param_drift_vs_fp32"] == 0.0
-    for name in ("int8", "int8_noef"):                         # 8 bits: about 1 % per step
+    for name in ("int8", "int8_noef", "fp8"):                  # 8 bits: about 1 % per step
         assert 1e-4 < rows[name]["grad_rel_error_mean"] < 0.1, rows[name]
         assert 0 < rows[name]["param_drift_vs_fp32"] < 0.05, rows[name]
         assert rows[name]["bucket_calls"] == rows["fp32"]["bucket_calls"] > 0
@@ -77,6 +77,6 @@ def test_hosts_ddp_runs(tmp_path):
     data = json.loads(out.read_text())
     assert data["transport"] == "shm+gloo"
     assert set(data["step_ms"]) == {"torch-gloo", "hook-allreduce", "hook-bf16", "hook-ring-bf16",
-                                    "hook-int8"}
+                                    "hook-int8", "hook-fp8"}
     assert data["speedup_over_torch-gloo"]["torch-gloo"] == 1.0
     assert "hook-int8" in proc.stdout

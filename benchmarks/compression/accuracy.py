@@ -12,6 +12,8 @@ communication hook:
     ring_bf16  pycomm.hooks.ring_bf16_hook (bf16 wire, fp32 sums)
     int8       pycomm.hooks.int8_hook with error feedback
     int8_noef  pycomm.hooks.int8_hook without error feedback
+    fp8        pycomm.hooks.fp8_hook (float8_e4m3fn) with error feedback
+    fp8_noef   the same without error feedback
 
 For each: the final test accuracy and its difference from fp32's in
 percentage points, the final test loss, how far the parameters ended from
@@ -37,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-HOOKS = ("fp32", "bf16", "ring_bf16", "int8", "int8_noef")
+HOOKS = ("fp32", "bf16", "ring_bf16", "int8", "int8_noef", "fp8", "fp8_noef")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -146,6 +148,8 @@ def _train(name: str, args: argparse.Namespace, comm: Any, pg: Any,
         "ring_bf16": (comm, hooks.ring_bf16_hook),
         "int8": (hooks.CompressionState(comm), hooks.int8_hook),
         "int8_noef": (hooks.CompressionState(comm, error_feedback=False), hooks.int8_hook),
+        "fp8": (hooks.CompressionState(comm), hooks.fp8_hook),
+        "fp8_noef": (hooks.CompressionState(comm, error_feedback=False), hooks.fp8_hook),
     }[name]
     errors = _Errors()
     ddp.register_comm_hook(state, _measured(hook, pg, errors))

@@ -1,8 +1,8 @@
 """DDP step time across 2 simulated hosts x 2 ranks with compressed gradients
 (issue 38 item 5): torch DDP on gloo (fp32, the baseline) and torch DDP with
 pycomm's hooks (on shm+gloo: shared memory inside a host, gloo between):
-allreduce (fp32), bf16_compress_hook, ring_bf16_hook, int8_hook (error
-feedback), in interleaved rounds; the median step time of the slowest rank
+allreduce (fp32), bf16_compress_hook, ring_bf16_hook, int8_hook and fp8_hook
+(error feedback), in interleaved rounds; the median step time of the slowest rank
 and each variant's speedup over the baseline and over bf16_compress_hook.
 
     python benchmarks/compression/hosts_ddp.py --json benchmarks/compression/hosts_ddp_run1.json
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("torch-gloo", "hook-allreduce", "hook-bf16", "hook-ring-bf16", "hook-int8")
+VARIANTS = ("torch-gloo", "hook-allreduce", "hook-bf16", "hook-ring-bf16", "hook-int8", "hook-fp8")
 
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,7 +68,8 @@ def _wrap(name: str, args: argparse.Namespace, comm: Any) -> Any:
     hook = {"hook-allreduce": (comm, hooks.allreduce_hook),
             "hook-bf16": (comm, hooks.bf16_compress_hook),
             "hook-ring-bf16": (comm, hooks.ring_bf16_hook),
-            "hook-int8": (hooks.CompressionState(comm), hooks.int8_hook)}.get(name)
+            "hook-int8": (hooks.CompressionState(comm), hooks.int8_hook),
+            "hook-fp8": (hooks.CompressionState(comm), hooks.fp8_hook)}.get(name)
     if hook is not None:
         ddp.register_comm_hook(*hook)
     return ddp
