@@ -213,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         from .report import git_commit
 
-        out = {"args": {k: v for k, v in vars(args).items()}, "commit": git_commit(),
+        out = {"args": vars(args), "commit": git_commit(),
                "summary": summary, "trials": records}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 1 if summary["breaches"] else 0

@@ -112,6 +112,11 @@ WIRES = {"int8": 1 / 254, "fp8_e4m3": 2.0 ** -4, "fp8_e5m2": 2.0 ** -3}
 WIRE_BLOCK = 256
 
 
+def ceil_div(a: int, b: int) -> int:
+    """``a / b`` rounded up, for non-negative ``a`` and positive ``b``."""
+    return -(-a // b)
+
+
 def wire_of(algo: str) -> str | None:
     """The wire of a ``--wire`` series name ("wire_int8" -> "int8"), or None."""
     name = algo[len("wire_"):] if algo.startswith("wire_") else None
@@ -138,14 +143,13 @@ def sent_bytes(algo: str, count: int, elem_size: int, world_size: int) -> int | 
     if n == 1:
         return 0
     if algo == "ring":
-        return 2 * (n - 1) * -(-count // n) * elem_size
+        return 2 * (n - 1) * ceil_div(count, n) * elem_size
     if wire_of(algo) is None:
         return None
-    blocks = -(-count // WIRE_BLOCK)
-    per = -(-blocks // n) * WIRE_BLOCK
+    per = ceil_div(ceil_div(count, WIRE_BLOCK), n) * WIRE_BLOCK
 
     def quantized(length: int) -> int:
-        return length + 4 * -(-length // WIRE_BLOCK)
+        return length + 4 * ceil_div(length, WIRE_BLOCK)
 
     lengths = [max(0, min(count, (j + 1) * per) - min(count, j * per)) for j in range(n)]
     return sum(quantized(x) for x in lengths[1:]) + (n - 1) * quantized(lengths[0])

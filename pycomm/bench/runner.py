@@ -331,7 +331,7 @@ def _sent_bytes(s: _Session, algo: str, count: int, size: int) -> int | None:
     es, n = size // max(count, 1), s.call.world_size
     if s.transport_of(algo) == "shm+gloo":  # even hosts: torchrun's LOCAL_WORLD_SIZE ranks each
         per_host = int(os.environ.get("LOCAL_WORLD_SIZE", n))
-        return C.sent_bytes("ring" if algo == "auto" else algo, -(-count // per_host), es,
+        return C.sent_bytes("ring" if algo == "auto" else algo, C.ceil_div(count, per_host), es,
                             n // per_host)
     return C.sent_bytes("ring" if algo == "flat" else algo, count, es, n)
 
