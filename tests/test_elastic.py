@@ -53,8 +53,12 @@ def _reference(world: int, steps: int, survivors: list[int] | None = None,
 
 
 # "--torch": torch's DDP over backend "pycomm" instead of pycomm's DDP.
+# The two 2-rank shm variants failed once each in CI rehearsals under load
+# (a worker SIGKILLed by the agent, exit -9; cause not found, issue 41):
+# slow until that is understood.
 @pytest.mark.parametrize("world, transport, flags", [
-    (2, "shm", []), (2, "gloo", []), (3, "shm", []), (2, "shm", ["--torch"]),
+    pytest.param(2, "shm", [], marks=pytest.mark.slow), (2, "gloo", []), (3, "shm", []),
+    pytest.param(2, "shm", ["--torch"], marks=pytest.mark.slow),
     pytest.param(3, "gloo", [], marks=pytest.mark.slow),
 ])
 def test_torchrun_restart_after_a_worker_is_killed_mid_backward(tmp_path, world, transport,
