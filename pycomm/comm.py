@@ -118,8 +118,7 @@ class Communicator:
 
     @property
     def transport(self) -> str:
-        """``"shm"``, ``"gloo"``, ``"nccl"`` or, across hosts, ``"shm+gloo"``
-        (what ``"auto"`` resolved to)."""
+        """``"shm"``, ``"gloo"``, ``"nccl"`` or, across hosts, ``"shm+gloo"`` (``"auto"``'s)."""
         return self._impl.transport
 
     @property
@@ -133,10 +132,8 @@ class Communicator:
         return self._impl.closed
 
     def __repr__(self) -> str:
-        return (
-            f"Communicator(rank={self.rank}, world_size={self.world_size}, "
-            f"transport={self.transport!r}, device={str(self.device)!r})"
-        )
+        return (f"Communicator(rank={self.rank}, world_size={self.world_size}, "
+                f"transport={self.transport!r}, device={str(self.device)!r})")
 
     # -- collectives -----------------------------------------------------
     # The overloads tell type checkers that async_op=True always gives a Work.
@@ -392,6 +389,11 @@ class Communicator:
         """All-reduces so far that ran from symmetric memory (nothing staged)."""
         return self._impl.symmetric_all_reduces
 
+    @property
+    def cross_memory_all_reduces(self) -> int:
+        """All-reduces so far that read the peers' tensors (``PYCOMM_SHM_CMA=1``)."""
+        return self._impl.cross_memory_all_reduces
+
     # -- point to point --------------------------------------------------
     # Matching is torch.distributed's: a recv takes the first message sent to
     # it with its ``tag`` from ``src`` (or, with ``src=None``, from any rank),
@@ -445,9 +447,8 @@ class Communicator:
         return [work] * len(ops)
 
     # -- groups -----------------------------------------------------------
-    def new_group(
-        self, ranks: Sequence[int], *, timeout: timedelta | float | None = None
-    ) -> Communicator | None:
+    def new_group(self, ranks: Sequence[int], *,
+                  timeout: timedelta | float | None = None) -> Communicator | None:
         """A communicator over ``ranks`` of this one, renumbered in the given
         order (``ranks[i]`` becomes rank ``i``), on the same transport, device,
         slice size and checked mode.

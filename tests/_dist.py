@@ -233,6 +233,22 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     return results
 
 
+def assert_survivors_raised(results: list[Any], victim: int, within: float = 10.0) -> None:
+    """For a spawn_ranks run in which rank ``victim`` killed itself during
+    shm collectives: every other rank returned ("raised", message, seconds,
+    rank 0's pid) with a message that says a peer died, within ``within``
+    seconds, and nothing of the communicator (named after rank 0's pid) is
+    left in /dev/shm."""
+    for r, out in enumerate(results):
+        if r == victim:
+            continue
+        status, msg, elapsed, pid0 = out
+        assert status == "raised" and "died" in msg, out
+        assert elapsed < within, f"rank {r} took {elapsed:.1f} s to notice"
+        left = [f for f in os.listdir("/dev/shm") if f.startswith(f"pycomm-{pid0}-")]
+        assert left == [], left
+
+
 # ------------------------------------------------------------ fault trials
 
 def fork_trials(rank: int, world_size: int, port: int, trial_fn: Callable[..., Any],

@@ -20,6 +20,14 @@
 //   staged_local   the same, each rank reading its own copy: what staged
 //                  would take if reading lines another core just wrote
 //                  cost nothing more than reading one's own
+//   cma_alone      rank 0 copies rank 1's tensor to private memory with
+//                  process_vm_readv (the kernel's single copy, as MPICH's
+//                  CMA), rank 1 waits: memcpy_alone's copy through the kernel
+//   cma            pycomm's PYCOMM_SHM_CMA=1 path (direct.cc's
+//                  cross_memory_all_reduce): per 256 KiB piece of its half,
+//                  read the peer's piece into private memory with
+//                  process_vm_readv and add it into its own tensor; barrier;
+//                  read the peer's half, reduced, into its own tensor
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <sched.h>
@@ -29,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -43,6 +52,7 @@ static double (*times)[8][kMaxReps];
 static char* tensor[2];
 static char* stage[2];
 static char* priv;
+static pid_t peer;  // the other rank's process, for process_vm_readv
 
 static void* shared(size_t bytes) {
   void* p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -97,13 +107,35 @@ static void staged_from(int peer_of_me) {
 }
 static void staged(void) { staged_from(1 - me); }
 static void staged_local(void) { staged_from(me); }
+// Copies `n` bytes at `from` in the peer's memory to `to`.
+static void read_peer(void* to, const void* from, size_t n) {
+  struct iovec local = {to, n}, remote = {(void*)from, n};
+  if (process_vm_readv(peer, &local, 1, &remote, 1, 0) != (ssize_t)n) {
+    perror("process_vm_readv");
+    exit(1);
+  }
+}
+static void cma_alone(void) {
+  if (me == 0) read_peer(priv, tensor[1], S);
+}
+static void cma(void) {
+  const size_t half = S / 2, mine = me * half, theirs = (1 - me) * half;
+  for (size_t o = 0; o < half; o += kPiece) {
+    read_peer(priv, tensor[1 - me] + mine + o, kPiece);
+    float* x = (float*)(tensor[me] + mine + o);
+    add(x, x, (const float*)priv, kPiece / 4);
+  }
+  barrier();
+  read_peer(tensor[me] + theirs, tensor[1 - me] + theirs, half);
+}
 
 static const struct {
   const char* name;
   void (*run)(void);
 } kPatterns[] = {{"memcpy_alone", memcpy_alone}, {"inplace_both", inplace_both},
                  {"symmetric", symmetric},       {"staged", staged},
-                 {"staged_local", staged_local}};
+                 {"staged_local", staged_local}, {"cma_alone", cma_alone},
+                 {"cma", cma}};
 enum { kNumPatterns = sizeof(kPatterns) / sizeof(kPatterns[0]) };
 
 static int by_value(const void* x, const void* y) {
@@ -133,6 +165,7 @@ int main(int argc, char** argv) {
   }
   const pid_t child = fork();
   me = child == 0 ? 1 : 0;
+  peer = me == 0 ? child : getppid();
   cpu_set_t cpus;
   CPU_ZERO(&cpus);
   CPU_SET(me, &cpus);

@@ -249,12 +249,19 @@ void quantized_all_reduce(const Context& ctx, float* data, size_t count, float* 
 // returns nullptr on every rank when the region could not be had; the
 // all-reduce then stages.
 //
-// Returns true when the all-reduce ran from symmetric memory.
+// Neither (`sym` null, no `registration`): staged; or, with
+// PYCOMM_SHM_CMA=1 on every rank, a tensor of 1 MiB or more is reduced by
+// reading the peers' copies with process_vm_readv where every rank can
+// (cross_memory.h, probed on the first one), in the symmetric pattern above
+// with the kernel's single copy in place of mappings.
+//
+// Returns the path the all-reduce took (the same on every rank).
 using RegisterFn =
     std::function<std::shared_ptr<SymmetricRegion>(SharedBuffers& sb, bool everyone)>;
-bool direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
-                       const SymmetricRegion* sym = nullptr,
-                       const RegisterFn& registration = nullptr);
+enum class DirectPath { kStaged, kSymmetric, kCrossMemory };
+DirectPath direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
+                             const SymmetricRegion* sym = nullptr,
+                             const RegisterFn& registration = nullptr);
 
 // Reduce-scatter over SharedBuffers: `in` holds n blocks of `m` elements
 // (block r for rank r), `out` gets this rank's block reduced over the ranks

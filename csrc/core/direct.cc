@@ -1,9 +1,12 @@
 // Direct collectives over Transport::shared_buffers(); see algorithms.h.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "algorithms.h"
+#include "cross_memory.h"
 
 namespace pycomm {
 namespace {
@@ -15,6 +18,13 @@ constexpr size_t kTwoShotMinBytes = 64 * 1024;
 // symmetric memory, `registration`); a region's tag is its id, which never
 // gets this high.
 constexpr uint64_t kRegisterTag = ~uint64_t{0};
+
+// With PYCOMM_SHM_CMA=1, plain (not registered) tensors of at least this
+// many bytes are reduced by reading the peers' copies
+// (cross_memory_all_reduce) where the ranks can; smaller ones stage, which
+// costs fewer arrivals and no system calls. The same constant on every rank:
+// all must take the same path.
+constexpr size_t kCrossMemoryMinBytes = 1 << 20;
 
 // outs[k] = ((src(0) op src(1)) op src(2)) ... op src(n-1) for every
 // k < n_outs, scaled by 1/n for AVG in the last step, which writes every
@@ -144,19 +154,106 @@ void staged_all_reduce(SharedBuffers& sb, Reducer& red, int n, int me, char* bas
   }
 }
 
+// Whether this rank asks to read its peers' copies in a plain all-reduce of
+// `bytes` (PYCOMM_SHM_CMA=1, and not found impossible before).
+bool asks_cross_memory(const SharedBuffers& sb, size_t bytes) {
+  static const bool wanted = [] {
+    const char* env = std::getenv("PYCOMM_SHM_CMA");
+    return env != nullptr && std::string(env) == "1";
+  }();
+  return wanted && bytes >= kCrossMemoryMinBytes &&
+         sb.cross_memory() != SharedBuffers::CrossMemory::kOff;
+}
+
+// The all-reduce of a tensor in private memory, by reading the peers'
+// copies with process_vm_readv (cross_memory.h): symmetric_all_reduce's
+// pattern, with the kernel's single copy where that one maps peers' memory.
+//   1. Piece 0's first arrival (arrive_first) publishes each rank's address
+//      as its tag, and stages piece 0 as the staged path does: a rank that
+//      does not ask (another path, another PYCOMM_SHM_CMA) stages, and then
+//      so does every rank, from piece 0. The first time every rank asks,
+//      they all probe (probe_cross_memory) and, if it fails, start over
+//      staged.
+//   2. Rank r reduces chunk r of the tensor, piece by piece: it reads the
+//      piece of every peer's copy into a private buffer that stays in L2 and
+//      reduces them with its own, in rank order (the same expression as
+//      every other path), into its own copy. Nobody else reads or writes
+//      chunk r of rank r's copy now, nor chunk r of a peer's copy.
+//   3. All meet; each rank reads every other chunk, reduced, from its
+//      owner's copy into its own.
+//   4. All meet again: nobody returns (so its caller may change the tensor)
+//      while a peer still reads it.
+// Per rank that is one kernel copy of its chunk per peer in step 2 and one of
+// the other chunks in step 3, where the staged path copies everything into
+// shared buffers and reads every rank's copy there.
+DirectPath cross_memory_all_reduce(SharedBuffers& sb, Reducer& red, int n, int me, char* data,
+                                   size_t count, DType dtype, ReduceOp op) {
+  using CM = SharedBuffers::CrossMemory;
+  const size_t es = dtype_size(dtype);
+  const size_t per = std::max<size_t>(1, sb.capacity() / es);  // elements per piece
+  const uint64_t tag = kAddressTag | reinterpret_cast<uintptr_t>(data);
+  const FirstArrival a = arrive_first(sb, red, n, data, std::min(per, count) * es, tag);  // 1.
+  std::vector<const char*> base(n);
+  std::vector<int> pid(n);
+  bool everyone = true;
+  for (int r = 0; r < n; ++r) {
+    const uint64_t t = sb.tag(r, a.which);  // read before the next arrival
+    everyone = everyone && (t & kAddressTag) != 0 && t != kRegisterTag;
+    base[r] = reinterpret_cast<const char*>(t & ~kAddressTag);
+    pid[r] = sb.pid(r);
+  }
+  if (!everyone) {
+    staged_all_reduce(sb, red, n, me, data, count, dtype, op, &a, tag);
+    return DirectPath::kStaged;
+  }
+  if (sb.cross_memory() == CM::kUnknown) {
+    sb.set_cross_memory(probe_cross_memory(sb, n, me) ? CM::kOn : CM::kOff);
+    if (sb.cross_memory() == CM::kOff) {
+      staged_all_reduce(sb, red, n, me, data, count, dtype, op, nullptr, 0);
+      return DirectPath::kStaged;
+    }
+  }
+  // Slot r holds peer r's piece; slot `me` (unused for that) the partial results.
+  thread_local std::vector<char> slots;
+  slots.resize(static_cast<size_t>(n) * per * es);
+  auto slot = [&](int r) { return slots.data() + r * per * es; };
+  const Chunks ch = Chunks::aligned(count, n, es);
+  for (size_t done = 0; done < ch.length(me); done += per) {  // 2.
+    const size_t m = std::min(per, ch.length(me) - done), off = (ch.offset(me) + done) * es;
+    char* mine = data + off;
+    for (int r = 0; r < n; ++r) {
+      if (r != me) read_peer_or_throw(r, pid[r], base[r] + off, slot(r), m * es);
+    }
+    void* const outs[1] = {mine};
+    reduce_all(
+        red, outs, 1, slot(me), [&](int r) -> const char* { return r == me ? mine : slot(r); }, n,
+        m, dtype, op);
+  }
+  const int which = sb.next_buffer();
+  sb.arrive_and_wait(sb.next_epoch(), which);  // 3.
+  for (int r = 0; r < n; ++r) {
+    if (r == me || ch.length(r) == 0) continue;
+    const size_t off = ch.offset(r) * es;
+    read_peer_or_throw(r, pid[r], base[r] + off, data + off, ch.length(r) * es);
+  }
+  sb.arrive_and_wait(sb.next_epoch(), which);  // 4.
+  return DirectPath::kCrossMemory;
+}
+
 // `data` is this rank's copy of `region`: if every rank passes it, reduce
-// from symmetric memory (true); else stage (false).
-bool from_region(SharedBuffers& sb, Reducer& red, int n, int me, const SymmetricRegion& region,
-                 void* data, size_t count, DType dtype, ReduceOp op) {
+// from symmetric memory; else stage.
+DirectPath from_region(SharedBuffers& sb, Reducer& red, int n, int me,
+                       const SymmetricRegion& region, void* data, size_t count, DType dtype,
+                       ReduceOp op) {
   const size_t es = dtype_size(dtype);
   const size_t first_bytes = std::min(std::max<size_t>(1, sb.capacity() / es), count) * es;
   const FirstArrival a = arrive_first(sb, red, n, data, first_bytes, region.id());
   if (a.everyone) {
     symmetric_all_reduce(sb, red, region, a.which, n, me, count, dtype, op);
-    return true;
+    return DirectPath::kSymmetric;
   }
   staged_all_reduce(sb, red, n, me, static_cast<char*>(data), count, dtype, op, &a, region.id());
-  return false;
+  return DirectPath::kStaged;
 }
 
 }  // namespace
@@ -223,12 +320,12 @@ void direct_reduce_scatter(const Context& ctx, const void* in, void* out, size_t
   }
 }
 
-bool direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
-                       const SymmetricRegion* sym, const RegisterFn& registration) {
+DirectPath direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, ReduceOp op,
+                             const SymmetricRegion* sym, const RegisterFn& registration) {
   Transport& tr = ctx.transport;
   const int n = tr.world_size();
   const int me = tr.rank();
-  if (n == 1 || count == 0) return false;
+  if (n == 1 || count == 0) return DirectPath::kStaged;
   SharedBuffers* sb = tr.shared_buffers();
   if (sb == nullptr) {
     throw UsageError("algo 'direct' needs a shared-memory transport (transport='shm'), not " +
@@ -237,13 +334,16 @@ bool direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
   Reducer& red = ctx.reducer;
   char* base = static_cast<char*>(data);
   // The negotiation rides on piece 0's first arrival (arrive_first): a
-  // region, a registration, or neither.
+  // region, a registration, reading the peers' copies, or neither.
   if (sym != nullptr) return from_region(*sb, red, n, me, *sym, data, count, dtype, op);
-  if (!registration) {
-    staged_all_reduce(*sb, red, n, me, base, count, dtype, op, nullptr, 0);
-    return false;
-  }
   const size_t es = dtype_size(dtype);
+  if (!registration) {
+    if (asks_cross_memory(*sb, count * es)) {
+      return cross_memory_all_reduce(*sb, red, n, me, base, count, dtype, op);
+    }
+    staged_all_reduce(*sb, red, n, me, base, count, dtype, op, nullptr, 0);
+    return DirectPath::kStaged;
+  }
   const size_t first_bytes = std::min(std::max<size_t>(1, sb->capacity() / es), count) * es;
   const FirstArrival a = arrive_first(*sb, red, n, data, first_bytes, kRegisterTag);
   // `data` still holds the input (only piece 0 was copied out), which
@@ -261,7 +361,7 @@ bool direct_all_reduce(const Context& ctx, void* data, size_t count, DType dtype
   // (go on staging from piece 0).
   staged_all_reduce(*sb, red, n, me, base, count, dtype, op, a.everyone ? nullptr : &a,
                     kRegisterTag);
-  return false;
+  return DirectPath::kStaged;
 }
 
 }  // namespace pycomm

@@ -158,6 +158,8 @@ uint64_t ShmTransport::tag(int r, int which) const {
   return seg_->bufop(r, which)->tag.load(std::memory_order_relaxed);
 }
 
+int ShmTransport::pid(int r) const { return seg_->ranks[r].pid.load(std::memory_order_acquire); }
+
 void ShmTransport::begin_op(const OpHeader& h) {
   const OpHeader prev = op_;
   op_ = h;

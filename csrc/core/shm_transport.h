@@ -143,6 +143,7 @@ class ShmTransport final : public Transport, public SharedBuffers {
   const void* remote(int r, int which) const override;
   void arrive_and_wait(uint64_t epoch, int which, uint64_t tag = 0) override;
   uint64_t tag(int r, int which) const override;
+  int pid(int r) const override;
   std::shared_ptr<SymmetricRegion> allocate_symmetric(size_t bytes, const std::string& refuse,
                                                       std::string* why) override;
   uint64_t symmetric_domain() const override { return symmetric_domain_; }

@@ -116,9 +116,19 @@ class SharedBuffers {
   // published with it, for the peers to read with tag(r, which) once they
   // have arrived too (direct_all_reduce: the symmetric region, or 0). A rank
   // may arrive again at `which` before a slow peer read the tag, so every
-  // arrival of one piece at one buffer publishes the same tag.
+  // arrival of one piece at one buffer publishes the same tag; and a piece's
+  // tags must be read before arriving for the next piece (next_buffer()),
+  // after which the piece's buffer may be reused.
   virtual void arrive_and_wait(uint64_t epoch, int which, uint64_t tag = 0) = 0;
   virtual uint64_t tag(int r, int which) const = 0;
+  // Rank r's process id (for process_vm_readv: cross_memory.h).
+  virtual int pid(int r) const = 0;
+  // Whether every rank can read every other rank's memory (cross_memory.h):
+  // unknown until the first all-reduce that would, then the same on every
+  // rank.
+  enum class CrossMemory { kUnknown, kOn, kOff };
+  CrossMemory cross_memory() const { return cross_memory_; }
+  void set_cross_memory(CrossMemory c) { cross_memory_ = c; }
   // Epochs are counted per communicator; all ranks call next_epoch() the same
   // number of times because they run the same collectives in the same order.
   uint64_t next_epoch() { return ++epoch_; }
@@ -144,6 +154,7 @@ class SharedBuffers {
  private:
   uint64_t epoch_ = 0;
   uint64_t pieces_ = 0;
+  CrossMemory cross_memory_ = CrossMemory::kUnknown;
 };
 
 // Optional capability of transports with collectives of their own (nccl):

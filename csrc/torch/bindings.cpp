@@ -196,6 +196,7 @@ void bind_comm(py::module_& m) {
       .def("is_registered", &Comm::is_registered, py::arg("tensor"))
       .def_property("auto_register", &Comm::auto_register, &Comm::set_auto_register)
       .def_property_readonly("symmetric_all_reduces", &Comm::symmetric_all_reduces)
+      .def_property_readonly("cross_memory_all_reduces", &Comm::cross_memory_all_reduces)
       .def("reduce_scatter", &Comm::reduce_scatter, py::arg("output"), py::arg("input"),
            py::arg("op"), py::arg("algo"), py::arg("async_op"),
            py::call_guard<py::gil_scoped_release>())

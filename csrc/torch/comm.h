@@ -137,6 +137,8 @@ class Comm {
   bool is_registered(const at::Tensor& t) const;
   // All-reduces so far that ran from symmetric memory (no staging).
   uint64_t symmetric_all_reduces() const { return symmetric_->ops(); }
+  // ...and that read the peers' private copies (cross_memory.h).
+  uint64_t cross_memory_all_reduces() const { return symmetric_->cross_memory_ops(); }
   // With this on (the backend's Options(register=True)), an all_reduce on
   // shm of a tensor that is all of a storage of >= kAutoRegisterMinBytes that
   // torch's CPU allocator made, and that this communicator reduced before (and

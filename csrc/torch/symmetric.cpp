@@ -99,8 +99,11 @@ SymmetricMemory::Decision SymmetricMemory::decide(const at::Tensor& t, bool to_r
 
 void SymmetricMemory::all_reduce(const Context& ctx, const Decision& d, void* data, size_t count,
                                  DType dtype, ReduceOp op) {
-  if (direct_all_reduce(ctx, data, count, dtype, op, d.region.get(), d.registration))
-    ops_.fetch_add(1);
+  switch (direct_all_reduce(ctx, data, count, dtype, op, d.region.get(), d.registration)) {
+    case DirectPath::kSymmetric: ops_.fetch_add(1); break;
+    case DirectPath::kCrossMemory: cross_memory_ops_.fetch_add(1); break;
+    case DirectPath::kStaged: break;
+  }
 }
 
 void SymmetricMemory::wait_for_decision(Work& work, const Decision& d) {

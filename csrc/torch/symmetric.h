@@ -56,7 +56,8 @@ class SymmetricMemory : public std::enable_shared_from_this<SymmetricMemory> {
   // own thread (a Future callback), which must never wait for a decision.
   Decision decide(const at::Tensor& t, bool to_register, bool on_worker);
   // The body's all-reduce: direct_all_reduce with the decision; counts the
-  // ops that ran from symmetric memory.
+  // ops that ran from symmetric memory, and those that read the peers'
+  // private copies (cross_memory.h).
   void all_reduce(const Context& ctx, const Decision& d, void* data, size_t count, DType dtype,
                   ReduceOp op);
   // Blocks (interruptibly) until the op of `work` has decided: its registration ran,
@@ -77,6 +78,8 @@ class SymmetricMemory : public std::enable_shared_from_this<SymmetricMemory> {
   std::shared_ptr<SymmetricRegion> region_of(const at::Tensor& t) const;
   // All-reduces so far that ran from symmetric memory (no staging).
   uint64_t ops() const { return ops_.load(); }
+  // All-reduces so far that read the peers' copies through the kernel.
+  uint64_t cross_memory_ops() const { return cross_memory_ops_.load(); }
   // Comm::auto_register: see comm.h.
   bool auto_register() const { return auto_register_; }
   void set_auto_register(bool on) { auto_register_ = on; }
@@ -96,6 +99,7 @@ class SymmetricMemory : public std::enable_shared_from_this<SymmetricMemory> {
   WeakStorageSet seen_;
   std::atomic<bool> auto_register_{false};
   std::atomic<uint64_t> ops_{0};
+  std::atomic<uint64_t> cross_memory_ops_{0};
   // Storages some rank declined to move: they ask no more, so a rank whose
   // peers never ask (their buckets moved already) does not hold its caller
   // at every all-reduce.
