@@ -186,10 +186,9 @@ class Communicator:
                 moves and the op stages as usual, so ranks cannot disagree.
                 With ``async_op=True`` the call returns once the op has
                 decided (ops issued later must see the new address; with one
-                rank, once the op is done). A storage some rank declined
-                is not registered again. Ignored elsewhere, inside Future
-                callbacks (on the worker thread), and for a tensor already
-                registered.
+                rank, once the op is done). A storage some rank declined is
+                not registered again. Ignored elsewhere, inside Future callbacks
+                (on the worker thread), and for a tensor already registered.
 
         Raises:
             TypeError: unsupported dtype. ValueError: wrong device, layout,
@@ -197,7 +196,8 @@ class Communicator:
             bad residual.
             CommError: the collective failed on this or a peer rank.
         """
-        _need_tensors("all_reduce", tensor=tensor)
+        if not isinstance(tensor, torch.Tensor):  # the common case pays no call
+            _need_tensors("all_reduce", tensor=tensor)
         wire = -1 if wire_dtype is None else _to_wire(wire_dtype)
         return self._impl.all_reduce(tensor, _to_op(op), algo, async_op, wire, bool(register),
                                      int(wire_block), residual)

@@ -1,8 +1,10 @@
 #include "comm.h"
 
 #include <Python.h>  // ~Comm: let go of the GIL while closing
+#include <pthread.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <limits>
 #include <optional>
@@ -13,6 +15,25 @@ namespace pycomm {
 
 // ---------------------------------------------------------------- Comm
 
+namespace {
+
+// This process's pid without a system call per op (Comm::forked runs on
+// every call): cached, and refreshed in every child that fork() makes
+// (pthread_atfork), the only way it changes under a running process.
+std::atomic<long> g_pid{0};
+void refresh_pid() { g_pid.store(static_cast<long>(::getpid()), std::memory_order_relaxed); }
+long current_pid() {
+  static const bool registered = [] {
+    pthread_atfork(nullptr, nullptr, refresh_pid);
+    refresh_pid();
+    return true;
+  }();
+  (void)registered;
+  return g_pid.load(std::memory_order_relaxed);
+}
+
+}  // namespace
+
 Comm::Comm(std::unique_ptr<Executor> executor, CommOptions options)
     : exec_(std::move(executor)),
       options_(std::move(options)),
@@ -20,7 +41,7 @@ Comm::Comm(std::unique_ptr<Executor> executor, CommOptions options)
       size_(exec_->world_size()),
       transport_name_(exec_->transport_name()),
       device_(exec_->device()),
-      pid_(static_cast<long>(::getpid())),
+      pid_(current_pid()),
       symmetric_(std::make_shared<SymmetricMemory>(exec_->symmetric_domain(), rank_)) {
   check_options(options_);
   // auto always takes direct on shm: it beats or ties the ring at every
@@ -51,7 +72,7 @@ Comm::~Comm() {
   }
 }
 
-bool Comm::forked() const { return static_cast<long>(::getpid()) != pid_; }
+bool Comm::forked() const { return current_pid() != pid_; }
 
 void Comm::check_open(const char* op) const {
   if (forked()) {
