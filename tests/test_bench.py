@@ -481,7 +481,8 @@ def test_memory_patterns_builds_and_prints_every_pattern(tmp_path):
     out = subprocess.run([str(exe), "2", "2"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     rows = [line.split()[0] for line in out.stdout.splitlines()[2:]]
-    assert rows == ["memcpy_alone", "inplace_both", "symmetric", "staged", "staged_local"]
+    assert rows == ["memcpy_alone", "inplace_both", "symmetric", "staged", "staged_local",
+                    "cma_alone", "cma"]
     bad = subprocess.run([str(exe), "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "usage" in bad.stderr
 
@@ -502,6 +503,21 @@ def test_symmetric_bare_times_pycomm_beside_its_own_loop(tmp_path):
     assert sorted(data["times_s"]) == ["bare", "memcpy", "pycomm"]
     assert all(len(v) == 3 and min(v) > 0 for v in data["times_s"].values())
     assert data["meta"]["commit"] and data["meta"]["mib"] == 1
+
+
+def test_call_cost_times_a_world_of_one(tmp_path):
+    """benchmarks/allreduce/call_cost.py times pycomm's world-of-one
+    all-reduce beside torch's add_ (and mpi4py's Allreduce where installed)
+    in the same rounds; its JSON has every round and a commit."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "allreduce" / "call_cost.py"
+    out = tmp_path / "cost.json"
+    res = subprocess.run([sys.executable, str(script), "--rounds", "2", "--calls", "200",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    assert {"pycomm all_reduce", "torch add_"} <= set(data["us_per_call"])
+    assert all(len(v) == 2 and min(v) > 0 for v in data["us_per_call"].values())
+    assert data["commit"] and "pycomm all_reduce" in res.stdout
 
 
 def test_sent_bytes_between_hosts(monkeypatch):
