@@ -7,7 +7,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <mutex>
 #include <random>
 #include <vector>
 
@@ -18,9 +17,9 @@ namespace pycomm {
 
 void allow_peer_reads() {
 #ifdef PR_SET_PTRACER
-  static std::once_flag once;
-  // EINVAL where Yama is absent: nothing to allow.
-  std::call_once(once, [] { prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0); });
+  // Every time (once per communicator's probe): a forked child does not
+  // inherit the setting. EINVAL where Yama is absent: nothing to allow.
+  prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
 #endif
 }
 
@@ -49,7 +48,9 @@ void read_peer_or_throw(int peer, int pid, const void* remote, void* local, size
   if (!read_peer_memory(pid, remote, local, bytes, &why)) {
     throw CommError("reading rank " + std::to_string(peer) + "'s tensor (pid " +
                     std::to_string(pid) + ") failed: " + why +
-                    "; the peer died, or its tensor was freed during the collective");
+                    "; the peer died, its tensor was freed during the collective, or the "
+                    "kernel cannot read that memory (a driver or device mapping: unset "
+                    "PYCOMM_SHM_CMA for such tensors)");
   }
 }
 

@@ -26,8 +26,9 @@ namespace pycomm {
 class SharedBuffers;
 
 // Lets processes of this user read this one's memory where Yama's
-// ptrace_scope 1 would allow only its ancestors (no effect elsewhere). Once
-// per process.
+// ptrace_scope 1 would allow only its ancestors (no effect elsewhere). It
+// stays so for the life of the process (PR_SET_PTRACER_ANY: any process of
+// this user may then trace it), which is what PYCOMM_SHM_CMA=1 asks for.
 void allow_peer_reads();
 
 // Copies `bytes` from address `remote` of process `pid` to `local`. False,
@@ -37,7 +38,10 @@ bool read_peer_memory(int pid, const void* remote, void* local, size_t bytes, st
 
 // The same, raising CommError("... rank `peer` ...") on failure: inside a
 // collective, where every rank has agreed that reads work, a failure means
-// the peer died (or the caller freed the tensor during the op).
+// the peer died, the caller freed the tensor during the op, or the tensor
+// lives in memory the kernel cannot pin (a driver mapping: EFAULT). The
+// communicator is then aborted like after any failed collective; the probe
+// cannot foresee the last case, which is one reason the path is opt-in.
 void read_peer_or_throw(int peer, int pid, const void* remote, void* local, size_t bytes);
 
 // A collective step (every rank calls it at the same point of its op
