@@ -353,6 +353,58 @@ def test_stuck_peer_every_wait_times_out(transport):
     assert not problems, "\n".join(problems)
 
 
+# Rank 2 hangs (alive, never calls). Rank 0 blocks in a send to it; rank 1,
+# which began waiting for it earlier, times out first. Rank 0 must learn
+# rank 1's reason at once, not at its own timeout: on shm through the
+# segment's shared abort word. Not on gloo (issue 41, open): gloo closes
+# every connection of a rank whose wait timed out ("Application timeout
+# caused pair closure"), so rank 1 can send nothing more, and rank 0's pair
+# to rank 2 stays open; the reason would have to travel through the store.
+_TOLD_TIMEOUT_S = 4.0
+
+
+def _told_while_sending(rank, world, port, transport):
+    from datetime import timedelta
+
+    import pycomm
+    from tests._dist import client_store
+
+    store = client_store(port, world)
+    comm = pycomm.init(rank=rank, world_size=world, store=store, transport=transport,
+                       timeout=_TOLD_TIMEOUT_S, set_default=False)
+    out = (None, 0.0, "")
+    if rank != 2:  # rank 2 stays alive and never calls anything
+        if rank == 0:  # starts later: its own timeout would come half a timeout after rank 1's
+            time.sleep(_TOLD_TIMEOUT_S / 2)
+        try:
+            if rank == 0:
+                comm.send(torch.ones(LARGE), dst=2)  # rank 2 never receives it
+            else:
+                comm.recv(torch.empty(16), src=2)  # rank 2 never sends
+        except pycomm.CommError as e:
+            out = ("CommError", time.time(), str(e))
+        store.set(f"told_done/{rank}", "1")
+    # Nobody closes (which a peer would see as a lost connection) before
+    # both have raised.
+    store.wait(["told_done/0", "told_done/1"], timedelta(seconds=120))
+    comm.close()
+    return out
+
+
+def test_blocked_sender_learns_a_peers_failure_at_once():
+    from tests._dist import spawn_ranks
+
+    transport = "shm"
+    res = spawn_ranks(_told_while_sending, 3, transport, timeout=120)
+    (kind0, at0, msg0), (kind1, at1, msg1) = res[0], res[1]
+    assert kind1 == "CommError" and "timed out" in msg1.lower(), msg1
+    assert kind0 == "CommError", res[0]
+    # rank 0's own timeout would end at about at1 + _TOLD_TIMEOUT_S / 2
+    assert at0 - at1 < 1.0, f"rank 0 learned {at0 - at1:.2f} s after rank 1 failed: {msg0}"
+    assert "rank 1 aborted the communicator" in msg0 and "timed out" in msg0.lower(), msg0
+    print(f"\n[faults] {transport}: rank 0 told {at0 - at1:.3f} s after rank 1 failed: {msg0[:160]}")
+
+
 # ---------------------------------------------------------------- init window
 
 # (victim, point): the victim dies by SIGKILL, or is interrupted (Ctrl-C's
