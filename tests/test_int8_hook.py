@@ -247,18 +247,20 @@ def test_int8_hook_with_pycomm_parallel(transport):
 # ---------------------------------------------------------------- the example
 
 @pytest.mark.parametrize("flags", [
-    (), pytest.param(("--no-error-feedback",), marks=pytest.mark.slow)])
+    (), ("--wire", "fp8_e4m3"), pytest.param(("--no-error-feedback",), marks=pytest.mark.slow),
+    pytest.param(("--wire", "fp8_e5m2"), marks=pytest.mark.slow)])
 def test_example_compressed_ddp_under_torchrun(flags):
     """examples/compressed_ddp.py: both ranks report, hold the same bits, and
-    end near plain DDP (the int8 wire rounds: close, not equal)."""
+    end near plain DDP (an 8-bit wire rounds: close, not equal)."""
     import re
 
     from tests._dist import run_torchrun
 
     proc = run_torchrun("examples/compressed_ddp.py", 2, *flags)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    ef = str(not flags)
-    found = re.findall(rf"rank (\d)/2 int8 \(error feedback {ef}\) \[shm\] last loss ([\d.]+) "
+    ef = str("--no-error-feedback" not in flags)
+    wire = flags[1] if flags[:1] == ("--wire",) else "int8"
+    found = re.findall(rf"rank (\d)/2 {wire} \(error feedback {ef}\) \[shm\] last loss ([\d.]+) "
                        r"\(plain DDP ([\d.]+)\), max \|param - plain DDP's\| = ([\d.e+-]+), "
                        r"ranks identical: True", proc.stdout)
     assert sorted(f[0] for f in found) == ["0", "1"], proc.stdout
