@@ -45,6 +45,31 @@ def test_chaos_every_survivor_raises_in_time(tmp_path, transport, nproc, faults)
     assert f"{faults} faults on {nproc} ranks over {transport}" in res.stdout
 
 
+def test_sigterm_to_the_driver_leaves_no_rank_running():
+    """A chaos run ended by SIGTERM (a scheduler, a Ctrl-C'd shell) kills its
+    trial's ranks on the way out."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    driver = subprocess.Popen([sys.executable, "-m", "pycomm.bench", "chaos", "--nproc", "2",
+                               "--transport", "shm", "--faults", "50", "--op-timeout", "5"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks: list[int] = []
+    deadline = time.monotonic() + 120
+    while not ranks and time.monotonic() < deadline:  # until a trial's ranks run
+        time.sleep(0.2)
+        ps = subprocess.run(["pgrep", "-P", str(driver.pid)], capture_output=True, text=True)
+        ranks = [int(p) for p in ps.stdout.split()]
+    assert ranks, "no trial started"
+    driver.send_signal(signal.SIGTERM)
+    driver.communicate(timeout=60)
+    time.sleep(0.5)
+    alive = [p for p in ranks if os.path.exists(f"/proc/{p}") and
+             "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
+    assert alive == [], f"ranks {alive} outlived the driver"
+
+
 def test_a_breach_is_reported():
     """The rule's checks can fail: a survivor that raised late, one that
     exited without raising, and a hung one are each a breach."""

@@ -190,6 +190,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pycomm.bench chaos ...``: returns 1 if the rule was breached."""
     args = parse_args(argv)
+    # SIGTERM (or a Ctrl-C) ends the run through trial()'s finally, which
+    # kills the trial's ranks: none is left running.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     rng = random.Random(args.seed)
     records = []
     for i in range(args.faults):
