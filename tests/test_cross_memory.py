@@ -81,7 +81,7 @@ def _all_cases(rank, world_size, port, cma: bool):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_cross_memory_same_bits_as_staged(world_size):
     cma = spawn_ranks(_all_cases, world_size, True)
     staged = spawn_ranks(_all_cases, world_size, False)
@@ -169,6 +169,6 @@ def _kill_during(rank, world_size, port, victim):
     return "no error", "", time.monotonic() - start, pid0
 
 
-@pytest.mark.parametrize("world_size,victim", [(2, 1), (3, 0)])
+@pytest.mark.parametrize("world_size,victim", [(2, 1), pytest.param(3, 0, marks=pytest.mark.slow)])
 def test_peer_killed_during_cross_memory_all_reduce(world_size, victim):
     assert_survivors_raised(spawn_ranks(_kill_during, world_size, victim), victim)
