@@ -47,26 +47,34 @@ PYCOMM_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32
 
 PYCOMM_HD uint16_t float_to_bf16(float f) {
   uint32_t u = float_bits(f);
+  const uint16_t qnan = static_cast<uint16_t>((u >> 16) | 0x40u);
 #if defined(__CUDA_ARCH__)
-  // Device fast path: cvt.rn.bf16.f32 is IEEE round-to-nearest-even without
+  // Device: cvt.rn.bf16.f32 is IEEE round-to-nearest-even without
   // flush-to-zero, i.e. the software rounding below; only NaN differs (the
   // hardware returns a canonical NaN), so NaN keeps the software encoding.
-  if ((u & 0x7fffffffu) <= 0x7f800000u) return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-#endif
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // qNaN
+  // A select, not a branch: the software path stays out of the kernels,
+  // which inline these for every element a thread holds.
+  const uint16_t hw = __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  return (u & 0x7fffffffu) > 0x7f800000u ? qnan : hw;
+#else
+  if ((u & 0x7fffffffu) > 0x7f800000u) return qnan;
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
   return static_cast<uint16_t>(u >> 16);
+#endif
 }
 
 // IEEE binary16 <-> binary32 without hardware support (exact, RNE).
 PYCOMM_HD float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
 #if defined(__CUDA_ARCH__)
-  // Device fast path: cvt.f32.f16 is exact for every non-NaN half (subnormals
+  // Device: cvt.f32.f16 is exact for every non-NaN half (subnormals
   // included), so it equals the software path below; NaN keeps its payload
   // bits exactly as the software path does (the hardware may canonicalise).
-  if ((h & 0x7fffu) <= 0x7c00u) return __half2float(__ushort_as_half(h));
-#endif
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  // A select, as in float_to_bf16.
+  const float hw = __half2float(__ushort_as_half(h));
+  const float nan = bits_float(sign | 0x7f800000u | ((h & 0x3ffu) << 13));
+  return (h & 0x7fffu) > 0x7c00u ? nan : hw;
+#else
   const uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
   uint32_t u;
@@ -86,18 +94,21 @@ PYCOMM_HD float half_to_float(uint16_t h) {
     u = sign | (e << 23) | ((mant & 0x3ffu) << 13);
   }
   return bits_float(u);
+#endif
 }
 
 PYCOMM_HD uint16_t float_to_half(float f) {
   const uint32_t u = float_bits(f);
-#if defined(__CUDA_ARCH__)
-  // Device fast path: cvt.rn.f16.f32 (no .ftz) rounds to nearest even with
-  // subnormals and overflow to inf exactly like the software path below; NaN
-  // takes the software path (sign | 0x7e00) instead of the canonical 0x7fff.
-  if ((u & 0x7fffffffu) <= 0x7f800000u) return __half_as_ushort(__float2half_rn(f));
-#endif
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t abs = u & 0x7fffffffu;
+#if defined(__CUDA_ARCH__)
+  // Device: cvt.rn.f16.f32 (no .ftz) rounds to nearest even with subnormals
+  // and overflow to inf exactly like the software path below; NaN keeps the
+  // software encoding (sign | 0x7e00), not the canonical 0x7fff. A select, as
+  // in float_to_bf16.
+  const uint16_t hw = __half_as_ushort(__float2half_rn(f));
+  return abs > 0x7f800000u ? static_cast<uint16_t>(sign | 0x7e00u) : hw;
+#else
   if (abs >= 0x7f800000u) {  // inf or nan
     return static_cast<uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
   }
@@ -118,6 +129,7 @@ PYCOMM_HD uint16_t float_to_half(float f) {
   uint32_t r = abs - 0x38000000u;
   r += 0xfffu + ((r >> 13) & 1u);
   return static_cast<uint16_t>(sign | (r >> 13));
+#endif
 }
 
 // Storage <-> accumulation type. 16-bit floats accumulate in float.
