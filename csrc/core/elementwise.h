@@ -47,20 +47,15 @@ PYCOMM_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32
 
 PYCOMM_HD uint16_t float_to_bf16(float f) {
   uint32_t u = float_bits(f);
-  const uint16_t qnan = static_cast<uint16_t>((u >> 16) | 0x40u);
 #if defined(__CUDA_ARCH__)
-  // Device: cvt.rn.bf16.f32 is IEEE round-to-nearest-even without
+  // Device fast path: cvt.rn.bf16.f32 is IEEE round-to-nearest-even without
   // flush-to-zero, i.e. the software rounding below; only NaN differs (the
   // hardware returns a canonical NaN), so NaN keeps the software encoding.
-  // A select, not a branch: the software path stays out of the kernels,
-  // which inline these for every element a thread holds.
-  const uint16_t hw = __bfloat16_as_ushort(__float2bfloat16_rn(f));
-  return (u & 0x7fffffffu) > 0x7f800000u ? qnan : hw;
-#else
-  if ((u & 0x7fffffffu) > 0x7f800000u) return qnan;
+  if ((u & 0x7fffffffu) <= 0x7f800000u) return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#endif
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // qNaN
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
   return static_cast<uint16_t>(u >> 16);
-#endif
 }
 
 // IEEE binary16 <-> binary32 without hardware support (exact, RNE).
