@@ -114,4 +114,39 @@ def test_soak_mixed_traffic(tmp_path, transport, nproc, seconds):
     assert data["wrong"] == 0 and data["verified"] > 100 and data["steps"] > 50
     assert data["fd_growth"] == 0 and data["thread_growth"] == 0 and data["shm_segments_left"] == []
     assert data["world_size"] == nproc and data["transport"] == transport
+    assert "rss_trend_mb" in data and data["max_rss_growth_mb"] > 0
     assert "0 wrong" in res.stdout
+
+
+def test_soak_across_simulated_hosts(tmp_path):
+    """--hosts 2 --nproc 2: the ranks on two simulated hosts take
+    transport="auto" (shm+gloo), receives name their source, all verified."""
+    from pycomm.bench.simhosts import unavailable_reason
+
+    why = unavailable_reason()
+    if why:
+        pytest.skip(why)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "soak.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "pycomm.bench", "soak", "--hosts", "2", "--nproc", "2",
+         "--duration", "15", "--seed", "12", "--max-bytes", "256K", "--report", "30",
+         "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["transport"] == "shm+gloo" and data["world_size"] == 4
+    assert data["wrong"] == 0 and data["verified"] > 100
+    assert data["fd_growth"] == 0 and data["thread_growth"] == 0 and data["shm_segments_left"] == []
+
+
+def test_rss_trend_is_late_minus_early_median():
+    """A leak shows as the last quarter's median over the second quarter's;
+    a single large-step sample does not."""
+    steady = [(t, 100.0) for t in range(100)]
+    assert soak.rss_trend_mb(steady, 100.0) == 0.0
+    spike = [(t, 900.0 if t == 80 else 100.0) for t in range(100)]
+    assert soak.rss_trend_mb(spike, 100.0) == 0.0
+    leak = [(t, 100.0 + t) for t in range(100)]
+    assert soak.rss_trend_mb(leak, 100.0) > 40.0
+    assert soak.rss_trend_mb([(1.0, 5.0)], 100.0) == 0.0  # too few samples

@@ -189,11 +189,14 @@ def _spawn_hosts(args: Any) -> int:
     from .simhosts import SimulatedHosts
 
     argv = _without_launch_flags(list(sys.argv[1:] if args.argv is None else args.argv))
-    if "--algo" not in argv and not any(a.startswith("--algo=") for a in argv):
-        argv += ["--algo", ",".join(args.algo)]
+    algo = getattr(args, "algo", None)  # the study's; a subcommand may have none
+    if algo and "--algo" not in argv and not any(a.startswith("--algo=") for a in argv):
+        argv += ["--algo", ",".join(algo)]
     layout = [args.nproc or 1] * args.hosts
+    # args.command: the subcommand (["soak"]) when args.argv is its argv alone
+    command = [sys.executable, "-m", "pycomm.bench", *getattr(args, "command", []), *argv]
     with SimulatedHosts(args.hosts) as hosts:
-        results = hosts.launch(layout, [sys.executable, "-m", "pycomm.bench", *argv],
+        results = hosts.launch(layout, command,
                                env={"OMP_NUM_THREADS": "1"}, timeout=args.timeout)
     print(results[0].stdout, end="", flush=True)
     code = 0

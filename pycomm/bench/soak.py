@@ -22,9 +22,14 @@ from the run. A wrong result is counted and printed, and the run goes on.
 Rank 0 prints a progress line every ``--report`` seconds (steps, ops/s,
 latency percentiles, wrong results); at the end every rank's counts are
 gathered: steps and ops completed and verified, wrong results, memory growth
-(max RSS), open file descriptors and threads (start vs end), and the
+(the peak RSS, and the current RSS's trend once warm: a slow leak the peak
+would hide), open file descriptors and threads (start vs end), and the
 ``/dev/shm`` segments of pycomm left once the communicators are closed. The
 exit status is 1 when a result was wrong or something leaked.
+
+``--hosts H`` runs it on H simulated hosts (``--nproc`` ranks each, root
+only) with ``transport="auto"``: shm within a host, gloo across, so a
+receive names its source there (pycomm's hierarchy has no any-source).
 """
 
 from __future__ import annotations
@@ -192,6 +197,9 @@ class Soak:
         self.registered = torch.zeros(1 << 14, dtype=torch.float32)
         if comm.transport == "shm":  # elsewhere a plain buffer (nothing to register into)
             comm.register_tensor(self.registered)
+        # across hosts (transport "shm+gloo") a receive names its source: the
+        # step keeps its unique tag and receives from the known sender
+        self.any_source_ok = "+" not in comm.transport
         self.model: torch.nn.Module | None = None  # ddp_step's, made at its first step
         self.ddp: Any = None
 
@@ -304,7 +312,8 @@ class Soak:
                                                       P2POp("isend", mine, dst, tag)]))
         else:
             _keep(works, self.comm.isend(mine, dst, tag=tag))
-            _keep(works, self.comm.irecv(got, None if step.extra["any_source"] else src, tag=tag))
+            any_source = step.extra["any_source"] and self.any_source_ok
+            _keep(works, self.comm.irecv(got, None if any_source else src, tag=tag))
         return lambda: self.expect(step, "received", got, rank_input(self.seed, step, src))
 
     def _p2p_ring(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
@@ -432,6 +441,25 @@ def _max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def _rss_mb() -> float:
+    """The resident set now (the peak hides a slow leak under a large step)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def rss_trend_mb(samples: Sequence[tuple[float, float]], elapsed: float) -> float:
+    """How much the resident set grew over the run once warm: the median of
+    the samples (seconds, MB) in its last quarter minus the median of those
+    in its second quarter (the first fills caches and pools). Medians, since
+    one sample may catch a large step's tensors alive. 0 with too few."""
+    def median_in(lo: float, hi: float) -> float | None:
+        xs = [mb for t, mb in samples if lo * elapsed <= t < hi * elapsed]
+        return statistics.median(xs) if xs else None
+
+    early, late = median_in(0.25, 0.5), median_in(0.75, 1.01)
+    return 0.0 if early is None or late is None else late - early
+
+
 def shm_segments(pids: Sequence[int]) -> list[str]:
     """The shared-memory segments in /dev/shm that processes ``pids`` created
     (pycomm names them ``pycomm-<creator's pid>-...``): other jobs' are not
@@ -468,10 +496,12 @@ def run_soak(args: argparse.Namespace) -> int:
     if args.chaos:
         return run_under_chaos(args.chaos, rank, lambda: _traffic(soak, comm, args))
     start = last_report = time.monotonic()
+    rss: list[tuple[float, float]] = []  # (seconds into the run, current RSS in MB)
     flag = torch.zeros(1, dtype=torch.int32)
     index = 0
     while True:
         if index % 16 == 0:  # rank 0's clock decides, for every rank at once
+            rss.append((time.monotonic() - start, _rss_mb()))
             flag.fill_(int(time.monotonic() - start >= args.duration or
                            (args.steps is not None and index >= args.steps)))
             comm.broadcast(flag, src=0)
@@ -493,9 +523,10 @@ def run_soak(args: argparse.Namespace) -> int:
     comm.close()
     after = {"fds": _fds(), "threads": _threads(), "rss_mb": _max_rss_mb()}
     mine = [soak.steps, soak.ops, soak.verified, soak.wrong, after["fds"] - before["fds"],
-            after["threads"] - before["threads"], after["rss_mb"] - before["rss_mb"]]
+            after["threads"] - before["threads"], after["rss_mb"] - before["rss_mb"],
+            rss_trend_mb(rss, elapsed)]
     rows: list[Any] = [None] * world
-    dist.all_gather_object(rows, {"counts": mine, "wrong": soak.first_wrong,
+    dist.all_gather_object(rows, {"counts": mine, "wrong": soak.first_wrong, "transport": comm.transport,
                                   "latencies": soak.latencies[-5000:], "pid": os.getpid()})
     dist.barrier()  # every rank has closed its communicators
     segments = shm_segments([row["pid"] for row in rows]) if rank == 0 else []
@@ -542,7 +573,8 @@ def _traffic(soak: Soak, comm: Any, args: argparse.Namespace) -> None:
 def _report(args: argparse.Namespace, rows: list[Any], elapsed: float, segments: list[str],
             commit: str) -> int:
     """Rank 0: the summary (and the JSON); the exit code."""
-    names = ("steps", "ops", "verified", "wrong", "fd_growth", "thread_growth", "max_rss_growth_mb")
+    names = ("steps", "ops", "verified", "wrong", "fd_growth", "thread_growth", "max_rss_growth_mb",
+             "rss_trend_mb")
     per_rank = [dict(zip(names, row["counts"])) for row in rows]
     lat = [x for row in rows for x in row["latencies"]]
     total = {k: sum(r[k] for r in per_rank) for k in ("ops", "verified", "wrong")}
@@ -550,22 +582,25 @@ def _report(args: argparse.Namespace, rows: list[Any], elapsed: float, segments:
              "thread_growth": max(r["thread_growth"] for r in per_rank),
              "shm_segments_left": segments}
     summary = {
-        "transport": args.transport, "world_size": len(rows), "seed": args.seed,
+        # what the communicator chose (auto across hosts: shm+gloo)
+        "transport": rows[0]["transport"], "world_size": len(rows), "seed": args.seed,
         "duration_s": round(elapsed, 1), "steps": per_rank[0]["steps"], **total,
         # per rank, as the progress lines count them
         "ops_per_s": round(total["ops"] / len(rows) / max(elapsed, 1e-9), 1),
         "latency_ms": {"p50": _percentile(lat, 0.5) * 1e3, "p99": _percentile(lat, 0.99) * 1e3,
                        "mean": statistics.fmean(lat) * 1e3 if lat else float("nan")},
-        "max_rss_growth_mb": max(r["max_rss_growth_mb"] for r in per_rank), **leaks,
+        "max_rss_growth_mb": max(r["max_rss_growth_mb"] for r in per_rank),
+        "rss_trend_mb": max(r["rss_trend_mb"] for r in per_rank), **leaks,
         "first_wrong": [w for row in rows for w in row["wrong"]][:10],
         "per_rank": per_rank,
     }
     print(f"soak: {summary['steps']} steps, {total['ops']} ops completed ({summary['ops_per_s']} per "
           f"second per rank), {total['verified']} results verified, {total['wrong']} wrong, in "
           f"{elapsed:.1f} s on {len(rows)} ranks over "
-          f"{args.transport} (seed {args.seed})", flush=True)
+          f"{summary['transport']} (seed {args.seed})", flush=True)
     print(f"soak: latency p50 {summary['latency_ms']['p50']:.3f} ms, p99 "
-          f"{summary['latency_ms']['p99']:.3f} ms; max RSS growth {summary['max_rss_growth_mb']:.1f} MB; "
+          f"{summary['latency_ms']['p99']:.3f} ms; max RSS growth {summary['max_rss_growth_mb']:.1f} MB, "
+          f"RSS trend once warm {summary['rss_trend_mb']:+.1f} MB; "
           f"fd growth {leaks['fd_growth']}, thread growth {leaks['thread_growth']}, "
           f"/dev/shm segments left {len(segments)}", flush=True)
     for w in summary["first_wrong"]:
@@ -588,7 +623,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pycomm.bench soak",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=None, help="local ranks to spawn (default 2)")
-    p.add_argument("--transport", default="shm", choices=("shm", "gloo"))
+    p.add_argument("--transport", default=None, choices=("shm", "gloo", "auto"),
+                   help="default shm, with --hosts auto (shm within a host, gloo across)")
+    p.add_argument("--hosts", type=int, default=None,
+                   help="run on this many simulated hosts (network namespaces, root only; "
+                        "pycomm/bench/simhosts.py), --nproc ranks on each")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic")
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps instead")
     p.add_argument("--seed", type=int, default=0)
@@ -604,10 +643,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.nproc is not None and not 1 <= args.nproc <= MAX_WORLD:
         p.error(f"--nproc must be 1 to {MAX_WORLD} (the inputs keep every reduction exact up to it)")
+    if args.hosts is not None:
+        from .simhosts import unavailable_reason
+
+        if args.hosts < 1:
+            p.error("--hosts must be at least 1")
+        why = unavailable_reason()
+        if why:
+            p.error(f"--hosts: {why}")
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.transport is None:  # the ranks on the hosts get the choice explicitly
+        args.transport = "auto" if args.hosts else "shm"
+        args.argv += ["--transport", args.transport]
     if args.timeout is None:
         args.timeout = args.duration + 300.0
     args.device = "cpu"
-    args.argv = list(argv) if argv is not None else None
+    args.command = ["soak"]
     args.rank_main = run_soak
     return args
 
