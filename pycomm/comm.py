@@ -569,16 +569,16 @@ class Communicator:
         member list and this rank's count of groups with that member list."""
         if self.rank not in members:
             return None
-        count = self._group_counts.get(members, 0) + 1
-        self._group_counts[members] = count
+        self._group_counts[members] = count = self._group_counts.get(members, 0) + 1
         ident = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:16]
         store = dist.PrefixStore(f"group/{ident}/{count}", self._store)
         settings = replace(self._group_settings(timeout), require_check=self._settings.check)
         try:
             return _build(store, members.index(self.rank), len(members), settings)
         except (CommError, dist.DistError) as e:  # setup failed, or a member never came
+            why = f"the store is unreachable ({e})" if isinstance(e, dist.DistNetworkError) else e
             raise CommError(f"creating the group of ranks {list(members)} (group rank i is "
-                            f"ranks[i]) on rank {self.rank}: {e}") from e
+                            f"ranks[i]) on rank {self.rank}: {why}") from e
 
     def shrink(self, exclude: Sequence[int] | None = None, *,
                timeout: timedelta | float | None = None) -> Communicator:

@@ -33,16 +33,43 @@ def _chaos(tmp_path, *args: str, timeout: float = 900) -> tuple[subprocess.Compl
 ])
 def test_chaos_every_survivor_raises_in_time(tmp_path, transport, nproc, faults):
     res, data = _chaos(tmp_path, "--nproc", str(nproc), "--transport", transport,
-                       "--faults", str(faults), "--op-timeout", "5", "--seed", "3")
+                       "--faults", str(faults), "--op-timeout", "5", "--seed", "3",
+                       "--kinds", ",".join(chaos.SIGNALS))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     summary = data["summary"]
     assert summary["faults"] == faults and summary["breaches"] == []
-    assert set(summary["by_fault"]) == set(chaos.FAULTS)
+    assert set(summary["by_fault"]) == set(chaos.SIGNALS)
     for kind, k in summary["by_fault"].items():
         assert k["survivors_raised"] == k["trials"] * (nproc - 1), (kind, k)
         assert k["max_s"] <= 5 + chaos.GRACE_S, (kind, k)
     assert all(t["shm_left"] == [] for t in data["trials"])
     assert f"{faults} faults on {nproc} ranks over {transport}" in res.stdout
+
+
+def test_the_job_lives_through_its_surroundings(tmp_path):
+    """A CPU-starved rank, /dev/shm filled mid-program: every rank finishes
+    its program verified, none raises; the store's server killed: each
+    finishes, or raises CommError (a group made after it).
+    /dev/shm full before the start: every rank's init raises CommError
+    saying so. Nothing hangs, nothing is left in /dev/shm."""
+    # trial i has kind i % 3: shm_full at 0 (mid-program) and 3 (before the start)
+    kinds, faults = ("shm_full,slow,store", 4) if chaos._private_shm_reason() is None else ("slow,store", 2)
+    res, data = _chaos(tmp_path, "--nproc", "3", "--transport", "shm", "--faults", str(faults),
+                       "--op-timeout", "5", "--seed", "4", "--kinds", kinds)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert data["summary"]["breaches"] == []
+    for t in data["trials"]:
+        assert t["shm_left"] == [], t
+        if t.get("when") == "before":
+            assert t["finished"] == 0 and len(t["survivors"]) == 3, t
+            assert all(s["type"] == "CommError" and "No space left" in s["message"]
+                       for s in t["survivors"]), t
+        elif t["fault"] == "store":  # a group made after it raises, its peers then too
+            assert t["finished"] + len(t["survivors"]) == 3, t
+        else:
+            assert t["finished"] == 3 and t["survivors"] == [], t
+    assert [t.get("when") for t in data["trials"] if t["fault"] == "shm_full"] == (
+        ["during", "before"] if faults == 4 else [])
 
 
 def test_sigterm_to_the_driver_leaves_no_rank_running():

@@ -471,3 +471,56 @@ def test_rank_dies_during_shm_init_leaves_nothing():
                     if any(f"-{p}-" in n for p in pids))
     assert not problems, "\n".join(problems)
     assert not leaked, f"left in /dev/shm: {leaked}"
+
+
+# ---------------------------------------------------------------- the store lost
+
+_AFTER_THE_STORE = r'''
+import os, sys, time, torch, torch.distributed as dist, pycomm
+d = sys.argv[1]
+dist.init_process_group("gloo")
+comm = pycomm.init(group=dist.group.WORLD, transport="shm", set_default=False, timeout=5)
+open(os.path.join(d, f"ready{dist.get_rank()}"), "w").close()
+while not os.path.exists(os.path.join(d, "killed")):
+    time.sleep(0.02)
+t = torch.ones(4)
+comm.all_reduce(t)  # the transport does not need the store
+try:
+    comm.new_group([0, 1])
+    print("no error")
+except pycomm.CommError as e:
+    print(f"{t.tolist()} CommError: {e}")
+'''
+
+
+def test_new_group_after_the_store_died_names_the_store(tmp_path):
+    """The store's server killed mid-job: collectives go on (the transport is
+    set up), and creating a group raises CommError at once saying the store
+    is unreachable (not a hang until the timeout)."""
+    import subprocess
+
+    from pycomm.bench.chaos import _store_server
+    from pycomm.bench.launch import start_script
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    server, port = _store_server(2, 60)
+    try:
+        _, procs = start_script(["-c", _AFTER_THE_STORE, str(tmp_path)], 2, store_port=port,
+                                env={"PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+    finally:
+        server.kill()
+        server.wait()
+    (tmp_path / "killed").touch()
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert "[2.0, 2.0, 2.0, 2.0] CommError: creating the group" in out, out + err[-2000:]
+        assert "the store is unreachable" in out, out

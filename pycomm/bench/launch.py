@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Sequence
 
 __all__ = ["launch", "run_script", "under_mpiexec", "under_torchrun"]
 
@@ -315,22 +315,28 @@ def launch(args: Any) -> int:
 
 
 def start_script(argv: list[str], nproc: int, *, timeout: float = 300,
-                 env: dict[str, str] | None = None) -> tuple[Any, list[subprocess.Popen]]:
+                 env: dict[str, str] | None = None, store_port: int | None = None,
+                 prefix: Sequence[str] = ()) -> tuple[Any, list[subprocess.Popen]]:
     """Starts ``python argv...`` as ``nproc`` local ranks (see
     :func:`run_script`) and returns at once: (the store this process
     serves, which must outlive the ranks; the ranks' processes, output
-    piped)."""
+    piped). With ``store_port`` the ranks use a store someone else serves on
+    127.0.0.1 (the store returned is None); ``prefix`` goes before the
+    command (e.g. ``nsenter`` into a namespace)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, nproc, True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+    store = None
+    if store_port is None:
+        store = dist.TCPStore("127.0.0.1", 0, nproc, True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout))
+        store_port = store.port
     procs = []
     for r in range(nproc):
         rank_env = dict(os.environ, **(env or {}), RANK=str(r), LOCAL_RANK=str(r),
                         WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port),
                         TORCHELASTIC_USE_AGENT_STORE="True")
-        procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, text=True,
+        procs.append(subprocess.Popen([*prefix, sys.executable, *argv], env=rank_env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return store, procs
 

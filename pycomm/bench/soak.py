@@ -9,9 +9,9 @@ dtype, every op the dtype allows, sizes from 0 elements to ``--max-bytes``,
 sync or async), p2p around a ring with a tag (some receives from any
 source), batched p2p, a chain of all-reduces issued from Future callbacks
 (PowerSGD's pattern), an all-reduce on a subgroup, one on a buffer
-registered in symmetric memory, and a DDP step (pycomm.parallel, small
-buckets). Async ops stay in flight for a few steps
-and are waited in a random order.
+registered in symmetric memory, a DDP step (pycomm.parallel, small
+buckets), and a group made, used and closed within one step. Async ops stay
+in flight for a few steps and are waited in a random order.
 
 A step's input on rank r is a function of (seed, step, r) alone: small
 integers, whose sums, maxima and products every dtype holds exactly. So each
@@ -58,9 +58,9 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
           torch.uint8, torch.int8)
 KINDS = ("all_reduce", "broadcast", "reduce_scatter", "all_gather", "reduce", "gather", "scatter",
          "all_to_all", "barrier", "p2p_ring", "batch_p2p", "callback_chain", "group_all_reduce",
-         "registered_all_reduce", "ddp_step")
+         "registered_all_reduce", "ddp_step", "new_group")
 # How often each kind is drawn (all_reduce, the one users call most, most often).
-WEIGHTS = (6, 2, 2, 2, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1)
+WEIGHTS = (6, 2, 2, 2, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1)
 MAX_IN_FLIGHT = 4  # async steps waited later, in a random order
 MAX_WORLD = 6  # the value ranges below keep every reduction exact up to this
 ANY_SOURCE_TAGS = 1000  # an any-source receive's tag: 1000 + the step's index
@@ -136,6 +136,10 @@ def draw(rng: random.Random, index: int, world: int, max_bytes: int) -> Step:
         step.extra["tag"] = ANY_SOURCE_TAGS + index if step.extra["any_source"] else rng.randint(0, 7)
     if kind in ("p2p_ring", "batch_p2p", "callback_chain"):
         step.async_op = True
+    if kind == "new_group":
+        step.async_op = False  # the group is closed within the step
+        # members in a drawn order (the group renumbers them), two at least
+        step.extra["members"] = rng.sample(range(world), rng.randint(min(2, world), world))
     if kind == "ddp_step":
         step.async_op = False  # backward returns with the gradients reduced
     return step
@@ -348,6 +352,20 @@ class Soak:
         want = reference([rank_input(self.seed, step, q) for q in self.members], step.op)
         return lambda: self.expect(step, "tensor", t, want, step.op)
 
+    def _new_group(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
+        """Group churn: a group made (a store rendezvous, a transport set
+        up), used once and closed within the step."""
+        members, t = step.extra["members"], mine.clone()
+        group = self.comm.new_group(members)
+        if group is None:
+            return lambda: self.expect(step, "tensor", t, mine)  # not a member: untouched
+        try:
+            group.all_reduce(t, op=step.op)
+        finally:
+            group.close()
+        want = reference([rank_input(self.seed, step, q) for q in members], step.op)
+        return lambda: self.expect(step, "tensor", t, want, step.op)
+
     def _registered_all_reduce(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
         """float32 sums in the buffer registered at the start (symmetric memory
         on shm); waited at once, since the next such step reuses it."""
@@ -494,7 +512,9 @@ def run_soak(args: argparse.Namespace) -> int:
                        **({"timeout": args.op_timeout} if args.op_timeout else {}))
     soak = Soak(comm, args)
     if args.chaos:
-        return run_under_chaos(args.chaos, rank, lambda: _traffic(soak, comm, args))
+        return run_under_chaos(args.chaos, rank, lambda: _traffic(soak, comm, args),
+                               lambda: {"verified": soak.verified, "wrong": soak.wrong,
+                                        "first_wrong": soak.first_wrong[:3]})
     start = last_report = time.monotonic()
     rss: list[tuple[float, float]] = []  # (seconds into the run, current RSS in MB)
     flag = torch.zeros(1, dtype=torch.int32)
@@ -538,10 +558,13 @@ def run_soak(args: argparse.Namespace) -> int:
     return int(flag.item())
 
 
-def run_under_chaos(directory: str, rank: int, traffic: Callable[[], None]) -> int:
+def run_under_chaos(directory: str, rank: int, traffic: Callable[[], None],
+                    counts: Callable[[], dict[str, Any]] | None = None) -> int:
     """Runs ``traffic`` in a chaos trial (chaos.py): says when it started (a file), and
     on an error writes it (time, type, message) and leaves at once (exit 3),
-    so that nothing after the fault can hang. SIGUSR1 is the "exit" fault."""
+    so that nothing after the fault can hang; when the traffic ends (``--steps``)
+    writes ``counts()`` (verified, wrong) as rank<r>.done. SIGUSR1 is the
+    "exit" fault."""
     def leave(signum: int, frame: Any) -> None:
         raise SystemExit(0)
 
@@ -557,6 +580,7 @@ def run_under_chaos(directory: str, rank: int, traffic: Callable[[], None]) -> i
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(3)
+    Path(directory, f"rank{rank}.done").write_text(json.dumps(counts() if counts else {}))
     return 0
 
 
