@@ -65,7 +65,9 @@ PYCOMM_HD float half_to_float(uint16_t h) {
   // Device: cvt.f32.f16 is exact for every non-NaN half (subnormals
   // included), so it equals the software path below; NaN keeps its payload
   // bits exactly as the software path does (the hardware may canonicalise).
-  // A select, as in float_to_bf16.
+  // A select, not a branch: a branch to the software path, inlined for each
+  // of the many halves a kernel thread holds, made the fp16 reduction kernel
+  // far slower than bf16's (benchmarks/results/gpu/kernel-select-2026-11-27).
   const float hw = __half2float(__ushort_as_half(h));
   const float nan = bits_float(sign | 0x7f800000u | ((h & 0x3ffu) << 13));
   return (h & 0x7fffu) > 0x7c00u ? nan : hw;
@@ -99,8 +101,8 @@ PYCOMM_HD uint16_t float_to_half(float f) {
 #if defined(__CUDA_ARCH__)
   // Device: cvt.rn.f16.f32 (no .ftz) rounds to nearest even with subnormals
   // and overflow to inf exactly like the software path below; NaN keeps the
-  // software encoding (sign | 0x7e00), not the canonical 0x7fff. A select, as
-  // in float_to_bf16.
+  // software encoding (sign | 0x7e00), not the canonical 0x7fff. A select,
+  // as in half_to_float.
   const uint16_t hw = __half_as_ushort(__float2half_rn(f));
   return abs > 0x7f800000u ? static_cast<uint16_t>(sign | 0x7e00u) : hw;
 #else
