@@ -388,7 +388,7 @@ def init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes: 
     if errors:
         if impl is not None:
             impl.close()
-        reason = "could not set up the shm transport: " + "; ".join(errors)
+        reason = "could not set up the shm transport: " + "; ".join(dict.fromkeys(errors))
         if fallback_ok:
             _warn_fallback_once(reason)
             return None

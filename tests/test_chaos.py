@@ -108,7 +108,8 @@ def test_a_breach_is_reported():
 
 
 def test_bad_arguments(capsys):
-    for argv in (["--kinds", "reboot"], ["--nproc", "1"], ["--faults", "0"]):
+    for argv in (["--kinds", "reboot"], ["--nproc", "1"], ["--faults", "0"],
+                 ["--kinds", "shm_full", "--transport", "gloo"]):
         with pytest.raises(SystemExit) as e:
             chaos.parse_args(argv)
         assert e.value.code == 2

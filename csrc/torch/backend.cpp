@@ -227,7 +227,7 @@ ProcessGroupPycomm::ProcessGroupPycomm(std::shared_ptr<Comm> cpu_comm, std::stri
     : c10d::Backend(cpu_comm->rank(), cpu_comm->world_size()),
       cpu_comm_(std::move(cpu_comm)),
       cpu_algo_(std::move(cpu_algo)),
-      cuda_factory_(std::move(cuda_factory)),
+      cuda_(std::move(cuda_factory), rank_, size_),
       cuda_algo_(std::move(cuda_algo)) {
   TORCH_CHECK_VALUE(cpu_comm_->device() == "cpu",
                     "the pycomm backend needs a CPU communicator, got one on ",
@@ -248,59 +248,7 @@ std::shared_ptr<Comm> ProcessGroupPycomm::comm_for(c10::Device device, const cha
   TORCH_CHECK_VALUE(device.is_cuda(), op,
                     ": the pycomm backend runs on CPU and CUDA tensors, got one on ", device.str());
   if (!device.has_index()) device = c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice();
-  std::shared_ptr<Comm> comm;
-  {
-    std::lock_guard<std::mutex> lk(cuda_mu_);
-    TORCH_CHECK(!shut_down_, op, ": this pycomm process group was shut down");
-    comm = cuda_comm_;
-    // After abort(), no new CUDA communicator (an existing one raises itself).
-    TORCH_CHECK(comm || !aborted_, op, ": this pycomm process group was aborted");
-  }
-  if (!comm) {
-    // One creation at a time; cuda_mu_ is not held meanwhile (abort() and
-    // shutdown() must not wait for an NCCL bootstrap).
-    std::lock_guard<std::mutex> create(create_mu_);
-    {
-      std::lock_guard<std::mutex> lk(cuda_mu_);
-      comm = cuda_comm_;
-    }
-    if (!comm) {
-      TORCH_CHECK_VALUE(static_cast<bool>(cuda_factory_), op, ": got a tensor on ", device.str(),
-                        ", but this pycomm process group was made without a CUDA communicator "
-                        "factory (_C.make_backend(cuda_factory=None)): CPU tensors only");
-      // A failed creation is final: the ranks that got further may have
-      // used up the rendezvous (the NCCL id in the store), so a retry could
-      // only mismatch. Later CUDA ops raise the same error.
-      if (cuda_failure_) std::rethrow_exception(cuda_failure_);
-      try {
-        comm = cuda_factory_(device, op);
-      } catch (...) {
-        cuda_failure_ = std::current_exception();
-        throw;
-      }
-      TORCH_CHECK(comm != nullptr && comm->rank() == rank_ && comm->world_size() == size_, op,
-                  ": the CUDA communicator made for this group does not match it (rank ",
-                  comm ? comm->rank() : -1, " of ", comm ? comm->world_size() : -1,
-                  ", the group's: rank ", rank_, " of ", size_, ")");
-      std::lock_guard<std::mutex> lk(cuda_mu_);
-      if (shut_down_ || aborted_) {
-        comm->abort(
-            "the process group was shut down or aborted while its CUDA communicator "
-            "was created");
-        try {
-          comm->close();
-        } catch (...) {
-        }
-        TORCH_CHECK(false, op, ": this pycomm process group was shut down or aborted");
-      }
-      cuda_comm_ = comm;
-    }
-  }
-  TORCH_CHECK_VALUE(comm->device() == device.str(), op, ": a tensor is on ", device.str(),
-                    " but this group's CUDA communicator runs on ", comm->device(),
-                    " (a pycomm process group uses one CUDA device: the one of its first CUDA "
-                    "operation)");
-  return comm;
+  return cuda_.get(device, op);
 }
 
 const std::string& ProcessGroupPycomm::algo_for(const c10::Device& device) const {
@@ -532,7 +480,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOp
   // this group can have a CUDA communicator at all: torch fills device_ids in
   // for any accelerator, and on a CPU-only host scripts written for NCCL
   // still pass device_ids=[local_rank]. Otherwise on the CPU communicator.
-  const bool cuda_ok = static_cast<bool>(cuda_factory_) && at::hasCUDA();
+  const bool cuda_ok = cuda_.has_factory() && at::hasCUDA();
   c10::Device dev(c10::kCPU);
   if (opts.device.has_value()) {
     dev = *opts.device;
@@ -654,13 +602,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupPycomm::shrink(
       shrinker_(ranks_to_exclude, shrink_flags, timeout_ms);
   // Shrunk (the CPU communicator is closed): this group's CUDA communicator
   // may wait on the ranks that left, and none is made any more.
-  std::shared_ptr<Comm> cuda;
-  {
-    std::lock_guard<std::mutex> lk(cuda_mu_);
-    aborted_ = true;
-    cuda = cuda_comm_;
-  }
-  if (cuda) cuda->abort("the process group was shrunk (torch.distributed.shrink_group)");
+  cuda_.abort("the process group was shrunk (torch.distributed.shrink_group)");
   return survivors;
 }
 
@@ -672,13 +614,14 @@ void ProcessGroupPycomm::issued_flat(const c10::Device& device,
   last_flat_ = work;
 }
 
+std::vector<std::shared_ptr<Comm>> ProcessGroupPycomm::all_comms(std::shared_ptr<Comm> cuda) const {
+  std::vector<std::shared_ptr<Comm>> all{std::move(cuda), cpu_comm_};
+  all.insert(all.end(), hierarchy_.parts.begin(), hierarchy_.parts.end());
+  return all;
+}
+
 void ProcessGroupPycomm::shutdown() {
-  std::shared_ptr<Comm> cuda;
-  {
-    std::lock_guard<std::mutex> lk(cuda_mu_);
-    shut_down_ = true;
-    cuda = cuda_comm_;
-  }
+  std::shared_ptr<Comm> cuda = cuda_.shut_down();
   // All, on every rank in the same order; the first failure is raised.
   std::exception_ptr err;
   if (hierarchy_.close) {
@@ -688,9 +631,7 @@ void ProcessGroupPycomm::shutdown() {
       err = std::current_exception();
     }
   }
-  std::vector<std::shared_ptr<Comm>> all{cuda, cpu_comm_};
-  all.insert(all.end(), hierarchy_.parts.begin(), hierarchy_.parts.end());
-  for (const auto& comm : all) {
+  for (const auto& comm : all_comms(cuda)) {
     try {
       if (comm) comm->close();
     } catch (...) {
@@ -701,16 +642,10 @@ void ProcessGroupPycomm::shutdown() {
 }
 
 void ProcessGroupPycomm::abort() {
-  std::shared_ptr<Comm> cuda;
-  {
-    std::lock_guard<std::mutex> lk(cuda_mu_);
-    aborted_ = true;  // a CUDA communicator still being created is aborted when it arrives
-    cuda = cuda_comm_;
-  }
-  std::vector<std::shared_ptr<Comm>> all{cuda, cpu_comm_};
-  all.insert(all.end(), hierarchy_.parts.begin(), hierarchy_.parts.end());
-  for (const auto& comm : all) {
-    if (comm) comm->abort("aborted through torch.distributed");
+  const char* why = "aborted through torch.distributed";
+  cuda_.abort(why);  // one still being made is aborted when it arrives
+  for (const auto& comm : all_comms(nullptr)) {
+    if (comm) comm->abort(why);
   }
 }
 

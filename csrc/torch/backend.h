@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "comm.h"
+#include "lazy_cuda_comm.h"
 
 namespace pycomm {
 
@@ -76,12 +77,6 @@ class BackendWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::vector<at::Tensor> outputs_;
 };
-
-// Builds the group's communicator for `device` (CUDA, with an index) when
-// operation `op` first needs it; throws (ValueError / RuntimeError) with the
-// reason. bind_backend makes one from pycomm/backend.py's Python callable.
-using CommFactory =
-    std::function<std::shared_ptr<Comm>(const c10::Device& device, const std::string& op)>;
 
 // Builds the backend of the ranks that remain once `ranks_to_exclude` leave
 // (torch.distributed.shrink_group; a collective of the remaining ranks).
@@ -248,15 +243,12 @@ class ProcessGroupPycomm final : public c10d::Backend {
   c10::intrusive_ptr<pycomm::Work> last_flat_;
   void issued_flat(const c10::Device& device, const c10::intrusive_ptr<pycomm::Work>& work);
   std::string cpu_algo_;
-  CommFactory cuda_factory_;
+  LazyCudaComm cuda_;  // the CUDA communicator, made at the first CUDA op
   Shrinker shrinker_;  // empty: supportsShrinking() is false
   std::string cuda_algo_;
-  std::mutex create_mu_;             // one creation of cuda_comm_ at a time
-  std::exception_ptr cuda_failure_;  // why it failed (guarded by create_mu_)
-  std::mutex cuda_mu_;               // guards cuda_comm_ and shut_down_ (held briefly)
-  std::shared_ptr<Comm> cuda_comm_;  // null until the first CUDA op
-  bool shut_down_ = false;
-  bool aborted_ = false;  // guarded by cuda_mu_
+  // Every communicator of the group for shutdown / abort, in the order every
+  // rank closes them: `cuda` (may be null), the CPU one, the hierarchy's parts.
+  std::vector<std::shared_ptr<Comm>> all_comms(std::shared_ptr<Comm> cuda) const;
   struct Coalesced {
     TensorP2P req;
     at::Tensor user;  // the caller's tensor when `req.tensor` is a staging copy

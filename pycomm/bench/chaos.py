@@ -415,8 +415,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write every trial and the summary")
     args = p.parse_args(argv)
-    if args.kinds is None:
-        args.kinds = ",".join(k for k in FAULTS if k != "shm_full" or _private_shm_reason() is None)
+    if args.kinds is None:  # shm_full where it applies: the shm transport, a private /dev/shm
+        args.kinds = ",".join(k for k in FAULTS if k != "shm_full" or (
+            args.transport == "shm" and _private_shm_reason() is None))
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = sorted(set(args.kinds) - set(FAULTS))
     if unknown or not args.kinds:
@@ -425,6 +426,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--nproc must be 2 to 6 (a fault needs a survivor; the soak's inputs stay exact to 6)")
     if args.faults < 1 or args.op_timeout <= 0:
         p.error("--faults must be >= 1 and --op-timeout > 0")
+    if "shm_full" in args.kinds and args.transport != "shm":
+        p.error("--kinds shm_full needs --transport shm (gloo keeps nothing in /dev/shm)")
     if "shm_full" in args.kinds and _private_shm_reason():
         p.error(f"--kinds shm_full needs {_private_shm_reason()} (a private /dev/shm); "
                 "leave it out of --kinds")
