@@ -15,7 +15,7 @@
 
 namespace py = pybind11;
 namespace pycomm {
-void bind_backend(py::module_& m);  // the torch.distributed backend (backend.cpp)
+void bind_backend(py::module_& m);  // the torch.distributed backend (backend_bind.cpp)
 }
 #ifdef PYCOMM_WITH_CUDA
 namespace pycomm {
