@@ -71,7 +71,9 @@ GRACE_S = 5.0  # the rule: an error within the timeout + this
 HUNG_S = 30.0  # past the timeout + this a survivor is killed and counted as hung
 ENV_STEPS = 150  # the program an environment trial runs to its end
 ENV_LIMIT_S = 150.0  # ... within this after the fault (a slow rank runs 10x slower)
-SHM_SIZE = "512m"  # the job's own /dev/shm under shm_full
+SHM_SIZE_MB = 512  # the job's own /dev/shm under shm_full
+SHM_HEADROOM_MB = 160  # ... of which the job gets this (a pad fills the rest at its start),
+#                        so that the fault's fill is quick and lands mid-program
 
 
 # ---------------------------------------------------------------- the driver
@@ -191,10 +193,10 @@ def _private_shm_reason() -> str | None:
 
 def _private_shm() -> subprocess.Popen:
     """A process holding a mount namespace whose /dev/shm is a tmpfs of
-    SHM_SIZE; ``nsenter --mount=/proc/<its pid>/ns/mnt`` runs a command there."""
+    SHM_SIZE_MB; ``nsenter --mount=/proc/<its pid>/ns/mnt`` runs a command there."""
     proc = subprocess.Popen(
         ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-         f"mount -t tmpfs -o size={SHM_SIZE} pycomm-chaos /dev/shm && echo ready && exec sleep 1000000"],
+         f"mount -t tmpfs -o size={SHM_SIZE_MB}m pycomm-chaos /dev/shm && echo ready && exec sleep 1000000"],
         stdout=subprocess.PIPE, text=True)
     if (proc.stdout.readline() if proc.stdout else "").strip() != "ready":
         proc.kill()
@@ -245,6 +247,9 @@ def environment_trial(index: int, kind: str, victim: int, delay: float,
             if record["when"] == "before":
                 _fill(prefix)
                 return _full_before_start(record, argv, prefix, args)
+            pad = SHM_SIZE_MB - SHM_HEADROOM_MB
+            subprocess.run([*prefix, "sh", "-c", f"head -c {pad}M /dev/zero > /dev/shm/chaos-pad"],
+                           check=True)
         store, procs = start_script(argv, args.nproc, timeout=args.op_timeout + HUNG_S + 120,
                                     env=_rank_env(), store_port=port, prefix=prefix)
         record["pids"] = [p.pid for p in procs]
