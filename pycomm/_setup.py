@@ -552,7 +552,9 @@ def _timeout_ms(asked: Settings) -> int:
 
 def _build_gloo(st: Any, r: int, n: int, asked: Settings, plan: Plan) -> tuple[str, Any, list[Any]]:
     pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, asked.timeout)
-    impl = _C.make_gloo_comm(pg, _timeout_ms(asked), slice_bytes_for(asked.slice_bytes, "gloo"))
+    # the store also carries a failing rank's reason to peers blocked in a send
+    impl = _C.make_gloo_comm(pg, _timeout_ms(asked), slice_bytes_for(asked.slice_bytes, "gloo"),
+                             store=dist.PrefixStore("gloo-abort", st))
     impl.auto_table = auto_table_for("cpu", "gloo", n)
     return "gloo", impl, [pg]
 

@@ -356,10 +356,10 @@ def test_stuck_peer_every_wait_times_out(transport):
 # Rank 2 hangs (alive, never calls). Rank 0 blocks in a send to it; rank 1,
 # which began waiting for it earlier, times out first. Rank 0 must learn
 # rank 1's reason at once, not at its own timeout: on shm through the
-# segment's shared abort word. Not on gloo (issue 41, open): gloo closes
-# every connection of a rank whose wait timed out ("Application timeout
-# caused pair closure"), so rank 1 can send nothing more, and rank 0's pair
-# to rank 2 stays open; the reason would have to travel through the store.
+# segment's shared abort word; on gloo through the store (gloo closes every
+# connection of a rank whose wait timed out, "Application timeout caused
+# pair closure", so rank 1 can send nothing more, and rank 0's pair to rank
+# 2 stays open): rank 1 sets the reason, rank 0's watcher polls it.
 _TOLD_TIMEOUT_S = 4.0
 
 
@@ -391,10 +391,10 @@ def _told_while_sending(rank, world, port, transport):
     return out
 
 
-def test_blocked_sender_learns_a_peers_failure_at_once():
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_blocked_sender_learns_a_peers_failure_at_once(transport):
     from tests._dist import spawn_ranks
 
-    transport = "shm"
     res = spawn_ranks(_told_while_sending, 3, transport, timeout=120)
     (kind0, at0, msg0), (kind1, at1, msg1) = res[0], res[1]
     assert kind1 == "CommError" and "timed out" in msg1.lower(), msg1

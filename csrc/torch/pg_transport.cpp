@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 namespace pycomm {
 
@@ -21,6 +22,8 @@ constexpr uint64_t kAbortSeq = ~uint64_t{0};  // an abort header: its inline byt
 // its own tag, received once the header checked out.
 constexpr size_t kFrameBytes = 4096;
 constexpr auto kAbortNotice = std::chrono::milliseconds(200);  // broadcast_abort's patience
+constexpr auto kAbortPoll = std::chrono::milliseconds(200);    // the store watcher's period
+const char* const kAbortKey = "abort";  // in the communicator's store: the first failure's reason
 
 at::Tensor bytes_of(void* p, size_t n) {
   return at::from_blob(p, {static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte));
@@ -37,12 +40,69 @@ at::Tensor new_frame() {
 }
 }  // namespace
 
-ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> backend)
-    : backend_(std::move(backend)), rank_(backend_->getRank()), size_(backend_->getSize()) {
+ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> backend,
+                                             c10::intrusive_ptr<c10d::Store> store)
+    : store_(std::move(store)),
+      backend_(std::move(backend)),
+      rank_(backend_->getRank()),
+      size_(backend_->getSize()) {
   sent_.assign(static_cast<size_t>(size_) * kLanes, 0);
+  if (store_) watch_store(store_);
+}
+
+void ProcessGroupTransport::watch_store(c10::intrusive_ptr<c10d::Store> store) {
+  watch_ = std::make_shared<AbortWatch>();
+  watch_->told = [this](const std::string& reason) { told(reason); };
+  std::thread([w = watch_, store = std::move(store)] {
+    std::unique_lock<std::mutex> lk(w->mu);
+    while (!w->cv.wait_for(lk, kAbortPoll, [&] { return w->stop; })) {
+      lk.unlock();
+      std::string reason;
+      try {
+        if (store->check({kAbortKey})) {
+          const std::vector<uint8_t> v = store->get(kAbortKey);
+          reason.assign(v.begin(), v.end());
+        }
+      } catch (const std::exception&) {
+        return;  // the store is gone: nothing more can come through it
+      }
+      lk.lock();
+      if (!reason.empty()) {
+        if (!w->stop && w->told) w->told(reason);
+        return;
+      }
+    }
+  }).detach();
+}
+
+void ProcessGroupTransport::stop_watching() {
+  if (!watch_) return;
+  std::lock_guard<std::mutex> lk(watch_->mu);  // waits for a told() under way
+  watch_->stop = true;
+  watch_->told = nullptr;
+  watch_->cv.notify_all();
+}
+
+void ProcessGroupTransport::told(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (aborted_ || rank_of_abort_ >= 0) return;  // this rank failed first, or was told
+    rank_of_abort_ = size_;  // no abort frames from here: every peer reads the store
+  }
+  {
+    std::lock_guard<std::mutex> lk(told_mu_);
+    told_reason_ = reason;
+  }
+  abort();
+}
+
+std::string ProcessGroupTransport::with_told_reason(const std::string& msg) {
+  std::lock_guard<std::mutex> lk(told_mu_);
+  return told_reason_.empty() ? msg : told_reason_ + " (on this rank: " + msg + ")";
 }
 
 ProcessGroupTransport::~ProcessGroupTransport() {
+  stop_watching();
   // Outstanding transfers would write into freed memory: cancel them, and
   // join the background waiters (woken by the aborts) before the works go.
   if (!pending_.empty()) abort();
@@ -58,8 +118,10 @@ int ProcessGroupTransport::payload_tag(int lane, uint32_t index) const {
 
 Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
   std::lock_guard<std::mutex> lk(mu_);
-  if (aborted_)
-    throw CommError("gloo transport was aborted (by an earlier error or Communicator.abort())");
+  if (aborted_) {
+    throw CommError(with_told_reason(
+        "gloo transport was aborted (by an earlier error or Communicator.abort())"));
+  }
   const Handle h = next_++;
   Pending& p = pending_[h];  // references into an unordered_map stay valid
   p.msgs.reserve(n);
@@ -200,7 +262,9 @@ void ProcessGroupTransport::take_tagged(Message& m,
   std::unique_lock<std::mutex> lk(match_mu_);
   Want& want = *m.want;
   while (!want.got) {
-    if (aborted_) throw CommError("gloo transport was aborted while a tagged receive waited");
+    if (aborted_) {
+      throw CommError(with_told_reason("gloo transport was aborted while a tagged receive waited"));
+    }
     if (pulling_) {  // another thread takes the next frame; it wakes us
       if (match_cv_.wait_until(lk, deadline) == std::cv_status::timeout && !want.got) {
         throw CommError("gloo " + describe(P2POp::kRecv, m.peer, m.tag) + " timed out after " +
@@ -224,9 +288,9 @@ void ProcessGroupTransport::take_tagged(Message& m,
       work->wait(std::max(left, std::chrono::milliseconds(1)));
       from = work->sourceRank();
     } catch (const std::exception& e) {
-      err = std::make_exception_ptr(
-          CommError("gloo " + describe(P2POp::kRecv, m.peer, m.tag) + " failed (header, timeout " +
-                    std::to_string(timeout_.count()) + " ms): " + e.what()));
+      err = std::make_exception_ptr(CommError(with_told_reason(
+          "gloo " + describe(P2POp::kRecv, m.peer, m.tag) + " failed (header, timeout " +
+          std::to_string(timeout_.count()) + " ms): " + e.what())));
     }
     if (!lk.owns_lock()) lk.lock();
     pulling_ = false;
@@ -253,6 +317,19 @@ void ProcessGroupTransport::broadcast_abort(const std::string& reason) {
     std::lock_guard<std::mutex> lk(mu_);
     if (rank_of_abort_ >= 0) return;  // once
     rank_of_abort_ = rank_;
+  }
+  // Through the store, for the peers blocked where no frame reaches them (a
+  // send); the first failure's reason stays (a relayed one names its origin).
+  if (store_) {
+    try {
+      if (!store_->check({kAbortKey})) {
+        const std::string told =
+            "rank " + std::to_string(rank_) + " aborted the communicator: " + reason;
+        store_->set(kAbortKey, std::vector<uint8_t>(told.begin(), told.end()));
+      }
+    } catch (const std::exception&) {
+      // the store is gone: the frames below are all that is left
+    }
   }
   // Peers blocked on a header from this rank get this one instead. Headers
   // and payload tags continue this rank's message counts, so they pair with
@@ -307,6 +384,8 @@ void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeo
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
           deadline - std::chrono::steady_clock::now());
       w->wait(std::max(left, std::chrono::milliseconds(1)));
+      // An aborted gloo work may return from wait() as if done: it was not.
+      if (aborted_) throw std::runtime_error("aborted before it completed");
     } catch (const std::exception& e) {
       std::string msg = cat("gloo ", describe(m.kind, m.peer, m.tag), " failed (", part,
                             ", timeout ", timeout.count(), " ms): ", e.what());
@@ -320,7 +399,7 @@ void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeo
           if (*x && x != &w) (*x)->abort();
         }
       }
-      throw CommError(msg);
+      throw CommError(with_told_reason(msg));
     }
   };
   // Receives' headers first, posting their payloads: a send's payload

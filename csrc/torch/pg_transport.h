@@ -24,17 +24,26 @@
 // means that can never happen: a mismatch raises CommError instead. The
 // failing rank then sends an "abort" header carrying its reason to every
 // peer, so those blocked on it fail with the same reason at once.
+//
+// A peer blocked in a send never reads that header (a gloo send waits for
+// its receive, and gloo closes every pair of a rank whose wait timed out),
+// so the reason also goes through the store: the failing rank sets
+// kAbortKey, and a watcher thread on every rank polls it (every
+// kAbortPoll) and aborts its transport with that reason.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <future>
 #include <list>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -44,7 +53,10 @@ namespace pycomm {
 
 class ProcessGroupTransport final : public Transport {
  public:
-  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> backend);
+  // `store` (may be null: no watcher): this communicator's own (prefixed)
+  // store, where a failing rank leaves its reason for the others.
+  ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> backend,
+                        c10::intrusive_ptr<c10d::Store> store);
   ~ProcessGroupTransport() override;
 
   int rank() const override { return rank_; }
@@ -116,6 +128,27 @@ class ProcessGroupTransport final : public Transport {
   // the reason as its payload), waiting at most a moment for each.
   void broadcast_abort(const std::string& reason);
   int payload_tag(int channel, uint32_t index) const;
+  // The watcher of the store's abort key: a detached thread (a store call
+  // may block up to the store's own timeout; closing must not wait for it)
+  // that shares this state with the transport; `told` is cleared (under
+  // `mu`) when the transport goes, so the thread never reaches it after.
+  struct AbortWatch {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool stop = false;
+    std::function<void(const std::string&)> told;
+  };
+  void watch_store(c10::intrusive_ptr<c10d::Store> store);
+  void stop_watching();
+  // The watcher found a peer's reason: abort with it (unless aborted already).
+  void told(const std::string& reason);
+  // `msg`, or the reason a peer left in the store followed by `msg`: the
+  // error of a wait that an abort through the store cut short.
+  std::string with_told_reason(const std::string& msg);
+  std::mutex told_mu_;
+  std::string told_reason_;  // guarded by told_mu_
+  std::shared_ptr<AbortWatch> watch_;
+  c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend> backend_;
   int rank_;
   int size_;
