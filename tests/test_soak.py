@@ -59,7 +59,7 @@ def _one_rank_soak(steps: int, patch=None) -> soak.Soak:
     import pycomm
 
     comm = pycomm.init(rank=0, world_size=1, store=torch.distributed.HashStore(), set_default=False)
-    s = soak.Soak(comm, argparse.Namespace(seed=3, max_bytes=1 << 16))
+    s = soak.Soak(comm, argparse.Namespace(seed=3, max_bytes=1 << 16, leave_out=frozenset()))
     if patch is not None:
         patch(comm)
     try:
@@ -150,3 +150,11 @@ def test_rss_trend_is_late_minus_early_median():
     leak = [(t, 100.0 + t) for t in range(100)]
     assert soak.rss_trend_mb(leak, 100.0) > 40.0
     assert soak.rss_trend_mb([(1.0, 5.0)], 100.0) == 0.0  # too few samples
+
+
+def test_leave_out_never_draws_the_kind():
+    rng = random.Random(5)
+    kinds = {soak.draw(rng, i, 3, 1 << 16, frozenset({"new_group"})).kind for i in range(3000)}
+    assert "new_group" not in kinds and len(kinds) == len(soak.KINDS) - 1
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--leave-out", "reboot"])

@@ -108,9 +108,11 @@ def _value_range(dtype: torch.dtype, op: str) -> tuple[int, int]:
     return (0, 3) if dtype == torch.uint8 else (-3, 3)
 
 
-def draw(rng: random.Random, index: int, world: int, max_bytes: int) -> Step:
-    """The step every rank takes at ``index`` (``rng`` is the same on every rank)."""
-    kind = rng.choices(KINDS, WEIGHTS)[0]
+def draw(rng: random.Random, index: int, world: int, max_bytes: int,
+         leave_out: frozenset[str] = frozenset()) -> Step:
+    """The step every rank takes at ``index`` (``rng`` is the same on every
+    rank); never a kind in ``leave_out``."""
+    kind = rng.choices(KINDS, [0 if k in leave_out else w for k, w in zip(KINDS, WEIGHTS)])[0]
     dtype = rng.choice(DTYPES)
     op = rng.choice(_ops_for(dtype))
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -425,7 +427,7 @@ class Soak:
         self.ops += 1
 
     def run_step(self, index: int) -> None:
-        step = draw(self.rng, index, self.world, self.args.max_bytes)
+        step = draw(self.rng, index, self.world, self.args.max_bytes, self.args.leave_out)
         p = self.issue(step)
         if step.async_op and len(self.in_flight) < MAX_IN_FLIGHT:
             self.in_flight.append(p)
@@ -658,6 +660,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-bytes", type=parse_size, default=parse_size("4M"),
                    help="largest tensor of a step (e.g. 64M)")
     p.add_argument("--report", type=float, default=10.0, help="seconds between progress lines")
+    p.add_argument("--leave-out", default="", metavar="KINDS",
+                   help="kinds of step never drawn, comma-separated (e.g. new_group)")
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
     p.add_argument("-T", "--timeout", type=float, default=None,
                    help="overall limit (default: duration + 300 s); ranks are killed past it")
@@ -665,6 +669,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the communicator's timeout (pycomm.init(timeout=...))")
     p.add_argument("--chaos", metavar="DIR", default=None, help=argparse.SUPPRESS)  # chaos.py
     args = p.parse_args(argv)
+    args.leave_out = frozenset(k for k in args.leave_out.split(",") if k)
+    if args.leave_out - set(KINDS) or args.leave_out >= set(KINDS):
+        p.error(f"--leave-out: kinds of step from {','.join(KINDS)}, leaving one at least")
     if args.nproc is not None and not 1 <= args.nproc <= MAX_WORLD:
         p.error(f"--nproc must be 1 to {MAX_WORLD} (the inputs keep every reduction exact up to it)")
     if args.hosts is not None:
