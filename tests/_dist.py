@@ -359,8 +359,11 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 180,
     if max_restarts is None:
         launch = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     else:
+        # The agent SIGTERMs the survivors at its first look after a worker
+        # died: every 0.1 s that sometimes came before a gloo survivor had
+        # raised and reported the death (a CI rehearsal); 1 s leaves it time.
         launch = ["--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--monitor-interval", "0.1"]
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--monitor-interval", "1"]
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *launch,
          str(root / script), *args],
