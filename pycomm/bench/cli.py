@@ -184,6 +184,13 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 
 _positive_int = _int_at_least(1)
+
+
+def add_hosts_argument(p: argparse.ArgumentParser) -> None:
+    """``--hosts H``, the same for the study and the soak."""
+    p.add_argument("--hosts", type=_positive_int, default=None,
+                   help="run on this many simulated hosts (network namespaces, root only; "
+                        "pycomm/bench/simhosts.py), --nproc ranks on each")
 _nonneg_int = _int_at_least(0)
 
 
@@ -245,9 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: cuda when available")
     p.add_argument("--nproc", type=_positive_int, default=None,
                    help="spawn this many local ranks (default: 1, or torchrun's ranks)")
-    p.add_argument("--hosts", type=_positive_int, default=None,
-                   help="run on this many simulated hosts (network namespaces, root only; "
-                        "pycomm/bench/simhosts.py), --nproc ranks on each")
+    add_hosts_argument(p)
     p.add_argument("-T", "--timeout", type=float, default=1800.0, metavar="SECONDS",
                    help="overall limit; ranks are killed and the run fails past it")
     p.add_argument("--json", metavar="FILE", help="write every measured row as JSON")

@@ -644,16 +644,14 @@ def _report(args: argparse.Namespace, rows: list[Any], elapsed: float, segments:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The soak's flags; ``rank_main`` tells the launcher what each rank runs."""
-    from .cli import parse_size
+    from .cli import add_hosts_argument, parse_size
 
     p = argparse.ArgumentParser(prog="python -m pycomm.bench soak",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=None, help="local ranks to spawn (default 2)")
     p.add_argument("--transport", default=None, choices=("shm", "gloo", "auto"),
                    help="default shm, with --hosts auto (shm within a host, gloo across)")
-    p.add_argument("--hosts", type=int, default=None,
-                   help="run on this many simulated hosts (network namespaces, root only; "
-                        "pycomm/bench/simhosts.py), --nproc ranks on each")
+    add_hosts_argument(p)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic")
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps instead")
     p.add_argument("--seed", type=int, default=0)
@@ -677,8 +675,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.hosts is not None:
         from .simhosts import unavailable_reason
 
-        if args.hosts < 1:
-            p.error("--hosts must be at least 1")
         why = unavailable_reason()
         if why:
             p.error(f"--hosts: {why}")
