@@ -225,36 +225,14 @@ def _make_backend(comm: Communicator, store: Any, timeout: timedelta | float,
     comm._impl.auto_register = bool(opts.register) and comm.transport == "shm"
     for key in [k for k, c in _communicators.items() if c.closed]:
         del _communicators[key]  # groups destroyed since (shutdown closed them)
-    # The C++ backend wraps one C++ communicator: across hosts ("shm+gloo"),
-    # the flat gloo ring of the hierarchical one, which runs CPU allreduce
-    # composed and closes with the group (its queued ops finish first).
-    impl, hierarchy = comm._impl, {}
-    if comm.transport == "shm+gloo":
-        impl = comm._impl.flat
-        hierarchy = {"parts": [comm._impl.intra, comm._impl.inter], "close": comm._impl.close,
-                     "drain": comm._impl._drain,
-                     "all_reduce": functools.partial(_composed_all_reduce, comm._impl, str(opts.algo))}
+    # Across hosts ("shm+gloo") the C++ communicator composes its own
+    # collectives (csrc/torch/hierarchy.h): the backend is the same.
+    impl = comm._impl
     _communicators[id(impl)] = comm
     cuda_factory = functools.partial(_create_cuda_communicator, store, comm.rank,
                                      comm.world_size, timeout, opts)
     shrinker = functools.partial(_shrink_backend, comm, timeout, opts)
-    return _C.make_backend(impl, opts.algo, cuda_factory, opts.cuda_algo, shrinker, **hierarchy)
-
-
-def _composed_all_reduce(hierarchical: Any, algo: str, t: torch.Tensor, op: int,
-                         async_op: bool, before: Any) -> torch.futures.Future:
-    """The backend's CPU allreduce across hosts (pycomm/_hierarchy.py), run
-    after ``before`` (the last async collective the backend issued on the
-    flat ring, or None): a future that completes with ``[t]``, completed already unless
-    ``async_op``."""
-    if before is not None:
-        hierarchical._flat_work = before
-    work = hierarchical.all_reduce(t, op, algo, async_op)
-    if work is not None:
-        return work.get_future()
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result([t])
-    return done
+    return _C.make_backend(impl, opts.algo, cuda_factory, opts.cuda_algo, shrinker)
 
 
 def _shrink_backend(comm: Communicator, timeout: timedelta | float, opts: Options,

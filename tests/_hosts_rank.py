@@ -51,6 +51,8 @@ def check_collectives(comm: pycomm.Communicator) -> None:
     check_rooted(comm)
     check_async_and_groups(comm)
     if comm.transport == "shm+gloo":
+        check_steps(comm)
+        check_shm_p2p_across_a_gloo_op(comm)
         check_register_on_some_ranks(comm)
         check_interleaved(comm)
         check_ddp(comm)
@@ -116,6 +118,56 @@ def check_quantized_wire(comm: pycomm.Communicator) -> None:
         # two roundings of at most absmax / 254 each (absmax of a sum of n normals < 6 sqrt(n))
         assert (t.double() - exact / n).abs().max() < 2 * 6 * n ** 0.5 / 254, "int8 wire avg"
         assert residual.abs().max() > 0, "int8 wire: no error feedback"
+
+
+def worker_threads() -> int:
+    """pycomm worker threads in this process (csrc/core/worker.h names them):
+    across hosts too, one per communicator (its parts share it)."""
+    tasks = f"/proc/{os.getpid()}/task"
+    names = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("pycomm-worker")
+
+
+def check_steps(comm: pycomm.Communicator) -> None:
+    """A composed all-reduce runs on its parts the ops of its step table
+    (pycomm._hierarchy.ALL_REDUCE_STEPS, which the cost model counts), on an
+    even tensor (no tail), small and large; the flat ring only numbers it."""
+    from pycomm._hierarchy import SMALL_BYTES, all_reduce_steps
+
+    parts = [comm._impl, *comm._impl.hierarchy_parts]
+    local = comm._impl.hierarchy_parts[0].world_size
+    for count in (1024, (SMALL_BYTES // 4 + 1) * local):
+        steps = all_reduce_steps(4 * count)
+        seqs = [p.seq for p in parts]
+        comm.all_reduce(torch.ones(count))
+        ran = [p.seq - s for p, s in zip(parts, seqs)]
+        want = [1] + [sum(s.comm == c for s in steps) for c in ("intra", "inter")]
+        assert ran == want, f"all_reduce {count}: (flat, intra, inter) ops {ran}, table {want}"
+
+
+def check_shm_p2p_across_a_gloo_op(comm: pycomm.Communicator) -> None:
+    """An isend to a peer on this host, then a barrier (gloo, between hosts):
+    the send, larger than shm's ring, keeps moving while the one worker
+    blocks in gloo, so the peer's recv, and then its barrier, complete
+    (Transport::set_while_blocked)."""
+    r = comm.rank
+    partner = r ^ 1  # torchrun numbering: ranks 2h and 2h + 1 share host h
+    big = torch.arange(4 << 20, dtype=torch.float32) + r
+    if r % 2 == 0:
+        work = comm.isend(big, partner)
+        comm.barrier()
+        work.wait()
+    else:
+        got = torch.empty_like(big)
+        comm.recv(got, partner)
+        comm.barrier()
+        assert torch.equal(got, big - 1), "shm isend across a gloo barrier"
 
 
 def check_register_on_some_ranks(comm: pycomm.Communicator) -> None:
@@ -286,6 +338,14 @@ def check_backend_order(r: int, n: int, inputs: list[torch.Tensor]) -> None:
     if recv is not None:
         recv.wait()
         assert torch.equal(x, torch.full((1021,), 1.0)), "irecv pending across an all_reduce"
+    # A receive from any source, here from a peer on this host: the backend's
+    # p2p runs on the flat ring, as torch's gloo backend's.
+    if r < 2:
+        y = torch.full((7,), float(r))
+        if r == 0:
+            assert dist.recv(y) == 1 and torch.equal(y, torch.ones(7)), "recv from any source"
+        else:
+            dist.send(y, dst=0)
     assert_matches(t, total, "all_reduce while an irecv is pending")
 
 
@@ -300,7 +360,7 @@ def check_backend() -> None:
     r, n = dist.get_rank(), dist.get_world_size()
     comm = pycomm.backend.get_communicator()
     assert comm.transport == "shm+gloo", comm.transport
-    parts = [comm._impl.flat, comm._impl.intra, comm._impl.inter]
+    parts = [comm._impl, *comm._impl.hierarchy_parts]
     inputs = [rank_input(q, 300_007, torch.float32, "sum") for q in range(n)]
     seqs = [p.seq for p in parts]
     t = inputs[r].clone()
@@ -308,8 +368,9 @@ def check_backend() -> None:
     assert_matches(t, reference(inputs, "sum"), "backend all_reduce")
     ran = [p.seq - s for p, s in zip(parts, seqs)]
     # intra: reduce-scatter, all-reduce of the odd tail element, all-gather;
-    # inter: the shard and the tail
-    assert ran == [0, 3, 2], f"composed (flat, intra, inter ops): {ran}"
+    # inter: the shard and the tail; the flat communicator numbers the
+    # composed op itself
+    assert ran == [1, 3, 2], f"composed (flat, intra, inter ops): {ran}"
     t = inputs[r].clone()
     work = dist.all_reduce(t, async_op=True)
     (fut,) = work.get_future().wait()
@@ -342,6 +403,8 @@ def main() -> None:
     if sys.argv[1:] == ["backend"]:
         return check_backend()
     comm = pycomm.init(transport=sys.argv[1] if len(sys.argv) > 1 else "auto", timeout=60)
+    workers = worker_threads()
+    assert workers == 1, f"{comm.transport}: {workers} pycomm worker threads, not 1"
     check_collectives(comm)
     check_quantized_wire(comm)
     print(f"OK {comm.rank} {socket.gethostname()} {comm.transport}", flush=True)

@@ -201,6 +201,14 @@ class ShmTransport final : public Transport, public SharedBuffers {
   size_t take_slot(int peer, int channel, const Op& op, size_t slot);
   bool progress_all();
   void complete_op(Handle group);
+
+ public:
+  bool progress() override {
+    progress_all();
+    return pending_ops_ > 0;
+  }
+
+ private:
   void notify(int peer);
   // Blocks until poll() returns true (it may make progress, which sets
   // moved_), spinning, yielding, then sleeping on the doorbell futex.

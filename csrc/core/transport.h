@@ -215,6 +215,17 @@ class Transport {
   // Ends an idle_wait in progress, or the next one, promptly. Thread-safe.
   virtual void interrupt() {}
 
+  // Moves bytes of the posted groups without completing any for the caller
+  // (executing thread, between this transport's own waits); returns whether
+  // any is still pending. Across hosts the gloo parts call the shm part's
+  // while they block (set_while_blocked), so that shm p2p posted before a
+  // gloo op keeps moving: a peer blocked on it may be what that op waits for.
+  virtual bool progress() { return false; }
+  // `f` (a progress() of another transport on the same thread) is called
+  // while this transport's waits block, until it returns false. Set before
+  // the first op; transports that block in a single call may ignore it.
+  virtual void set_while_blocked(std::function<bool()> f) { (void)f; }
+
   // Called before each collective runs (on the executing thread): the
   // transport carries `h` with the op's messages and checks it against the
   // peers' (op_header.h), throwing CommError that names what differs. Ops

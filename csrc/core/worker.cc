@@ -1,12 +1,17 @@
 #include "worker.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
 
 namespace pycomm {
 
-Worker::Worker() : thread_([this] { loop(); }) {}
+Worker::Worker() : thread_([this] { loop(); }) {
+  // Named, so that a rank's workers can be counted (/proc/<pid>/task/*/comm).
+  pthread_setname_np(thread_.native_handle(), kThreadName);
+}
 
 Worker::~Worker() {
   {
@@ -26,6 +31,26 @@ void Worker::submit(std::function<void()> task) {
   }
   cv_.notify_all();
   if (waiting) wake_();
+}
+
+int Worker::add_idle_poll(std::function<bool()> poll) {
+  std::lock_guard<std::mutex> lk(polls_mu_);
+  polls_.emplace_back(next_poll_id_, std::move(poll));
+  return next_poll_id_++;
+}
+
+void Worker::remove_idle_poll(int id) {
+  std::lock_guard<std::mutex> lk(polls_mu_);
+  polls_.erase(
+      std::remove_if(polls_.begin(), polls_.end(), [id](const auto& p) { return p.first == id; }),
+      polls_.end());
+}
+
+bool Worker::poll_all() {
+  std::lock_guard<std::mutex> lk(polls_mu_);
+  bool more = false;
+  for (auto& p : polls_) more = p.second() || more;  // every one, each time
+  return more;
 }
 
 bool Worker::try_run_inline(const std::function<void()>& task) {
@@ -74,10 +99,10 @@ void Worker::loop() {
       cv_.notify_all();
       continue;
     }
-    if (poll_pending_ && !busy_ && poll_) {
+    if (poll_pending_ && !busy_) {
       busy_ = true;
       lk.unlock();
-      const bool more = poll_();
+      const bool more = poll_all();
       lk.lock();
       busy_ = false;
       poll_pending_ = more;

@@ -8,11 +8,14 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
+#include <vector>
 
 namespace pycomm {
 
 class Worker {
  public:
+  static constexpr const char* kThreadName = "pycomm-worker";
   Worker();
   ~Worker();  // drains the queue, then joins
   Worker(const Worker&) = delete;
@@ -39,13 +42,16 @@ class Worker {
   // for itself): throws std::logic_error there.
   void drain();
 
-  // `poll` runs on the worker whenever no task is queued, after kick(), until
-  // it returns false ("nothing pending"). It completes operations a task left
-  // in flight (user isend/irecv) without holding up later tasks. Between
-  // polls the worker backs off (yield, then an idle wait, below, or sleeps up
-  // to 200 us) and wakes at once for a new task. Set it before the first
-  // kick().
-  void set_idle_poll(std::function<bool()> poll) { poll_ = std::move(poll); }
+  // Idle polls run on the worker whenever no task is queued, after kick(),
+  // until every one returns false ("nothing pending"). They complete
+  // operations a task left in flight (user isend/irecv) without holding up
+  // later tasks; each executor that runs on this worker adds its own (several
+  // share one worker across hosts: csrc/torch/hierarchy.h). Between polls the
+  // worker backs off (yield, then an idle wait, below, or sleeps up to
+  // 200 us) and wakes at once for a new task. Returns the poll's id for
+  // remove_idle_poll, which waits for a poll round in progress to end.
+  int add_idle_poll(std::function<bool()> poll);
+  void remove_idle_poll(int id);
   // Called by a task (on the executing thread) that left work in flight.
   void kick() {
     std::lock_guard<std::mutex> lk(mu_);
@@ -56,7 +62,9 @@ class Worker {
   // the executing role, like a task) instead of napping on its own; wait
   // returns false if it cannot wait (the worker then naps). submit() calls
   // wake() to end such a wait early. Transport::idle_wait / interrupt fit.
+  // Cleared (nullptr) by its owner's close, after a drain (no wait runs then).
   void set_idle_wait(std::function<bool(int64_t)> wait, std::function<void()> wake) {
+    std::lock_guard<std::mutex> lk(mu_);
     idle_wait_ = std::move(wait);
     wake_ = std::move(wake);
   }
@@ -72,7 +80,11 @@ class Worker {
   std::deque<std::function<void()>> urgent_;  // submitted on the worker thread; run first
   bool busy_ = false;
   bool poll_pending_ = false;  // guarded by mu_
-  std::function<bool()> poll_;
+  // Runs every idle poll; true while any has work pending.
+  bool poll_all();
+  std::mutex polls_mu_;  // held while the polls run
+  std::vector<std::pair<int, std::function<bool()>>> polls_;
+  int next_poll_id_ = 0;
   std::function<bool(int64_t)> idle_wait_;
   std::function<void()> wake_;
   bool in_idle_wait_ = false;  // guarded by mu_

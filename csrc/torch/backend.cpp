@@ -41,19 +41,16 @@ ProcessGroupPycomm::ProcessGroupPycomm(std::shared_ptr<Comm> cpu_comm, std::stri
   TORCH_CHECK_VALUE(cpu_comm_->device() == "cpu",
                     "the pycomm backend needs a CPU communicator, got one on ",
                     cpu_comm_->device());
+  // Across hosts, p2p over the flat gloo ring, as torch's gloo backend:
+  // receives from any source work (Comm::set_p2p_over_flat).
+  cpu_comm_->set_p2p_over_flat(true);
   init();
 }
 
 ProcessGroupPycomm::~ProcessGroupPycomm() = default;
 
 std::shared_ptr<Comm> ProcessGroupPycomm::comm_for(c10::Device device, const char* op) {
-  if (device.is_cpu()) {
-    // After the composed ops issued before; not in a callback of a flat op
-    // (its ops run nested, at once: a composed op may wait for a flat op
-    // queued behind the callback).
-    if (hierarchy_.drain && !cpu_comm_->on_own_thread()) hierarchy_.drain();
-    return cpu_comm_;
-  }
+  if (device.is_cpu()) return cpu_comm_;
   TORCH_CHECK_VALUE(device.is_cuda(), op,
                     ": the pycomm backend runs on CPU and CUDA tensors, got one on ", device.str());
   if (!device.has_index()) device = c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice();
@@ -95,22 +92,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::launch(c10d::OpType type, con
   if (type != c10d::OpType::SEND && type != c10d::OpType::RECV &&
       type != c10d::OpType::RECVANYSOURCE)
     ++seq_;
-  // Point to point stays out of the composed ops' order: a pending irecv
-  // never holds back a later collective.
-  const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
-                   type == c10d::OpType::RECVANYSOURCE;
   if (!async_op) {
     // Synchronous. CPU: Comm runs the op on this thread when its worker is
     // idle (no hand-off), waits, and throws on failure. CUDA: the current
     // stream is ordered after the op, and the copy back runs on it.
     issue(*comm, false);
-    if (!p2p) issued_flat(device, nullptr);
     if (finish) finish();
     return c10::make_intrusive<BackendWork>(rank_, type, nullptr, completed_future(outputs, device),
                                             outputs);
   }
   c10::intrusive_ptr<pycomm::Work> work = issue(*comm, true);
-  if (!p2p) issued_flat(device, work);
   c10::intrusive_ptr<c10::ivalue::Future> future = then_finish(work->future(), finish, outputs);
   return c10::make_intrusive<BackendWork>(rank_, type, std::move(work), std::move(future),
                                           std::move(outputs));
@@ -145,26 +136,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
   const int rop = reduce_op(opts.reduceOp, kOp);
   at::Tensor buf = contiguous_buffer(t);
   Finish finish = copy_back_when_staged(t, buf);
-  if (hierarchy_.all_reduce && dev.is_cpu()) {
-    // Composed across hosts (the hierarchical communicator falls back to
-    // the flat ring itself where it must).
-    check_not_coalescing(kOp);
-    ++seq_;
-    // After the last async flat collective, unless it is done, or this is
-    // a callback of a flat op (nested: at once).
-    c10::intrusive_ptr<pycomm::Work> before;
-    {
-      std::lock_guard<std::mutex> lk(flat_mu_);
-      before = std::move(last_flat_);
-    }
-    if (before && (before->is_completed() || cpu_comm_->on_own_thread())) before.reset();
-    std::vector<at::Tensor> outputs{t};
-    // The continuation also gives the future a TensorList, as the flat path's.
-    auto future = then_finish(hierarchy_.all_reduce(buf, rop, opts.asyncOp, std::move(before)),
-                              finish ? std::move(finish) : Finish([] {}), outputs);
-    return c10::make_intrusive<BackendWork>(rank_, c10d::OpType::ALLREDUCE, nullptr,
-                                            std::move(future), std::move(outputs));
-  }
   const std::string algo = algo_for(dev);
   return launch(
       c10d::OpType::ALLREDUCE, kOp, dev, opts.asyncOp, {t},
@@ -415,31 +386,14 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupPycomm::shrink(
   return survivors;
 }
 
-void ProcessGroupPycomm::issued_flat(const c10::Device& device,
-                                     const c10::intrusive_ptr<pycomm::Work>& work) {
-  if (!hierarchy_.all_reduce || !device.is_cpu()) return;
-  // A synchronous op (`work` null) ran after every earlier one.
-  std::lock_guard<std::mutex> lk(flat_mu_);
-  last_flat_ = work;
-}
-
 std::vector<std::shared_ptr<Comm>> ProcessGroupPycomm::all_comms(std::shared_ptr<Comm> cuda) const {
-  std::vector<std::shared_ptr<Comm>> all{std::move(cuda), cpu_comm_};
-  all.insert(all.end(), hierarchy_.parts.begin(), hierarchy_.parts.end());
-  return all;
+  return {std::move(cuda), cpu_comm_};  // across hosts, the CPU one closes its parts
 }
 
 void ProcessGroupPycomm::shutdown() {
   std::shared_ptr<Comm> cuda = cuda_.shut_down();
   // All, on every rank in the same order; the first failure is raised.
   std::exception_ptr err;
-  if (hierarchy_.close) {
-    try {
-      hierarchy_.close();
-    } catch (...) {
-      err = std::current_exception();
-    }
-  }
   for (const auto& comm : all_comms(cuda)) {
     try {
       if (comm) comm->close();

@@ -106,26 +106,6 @@ class ProcessGroupPycomm final : public c10d::Backend {
       const std::vector<int64_t>& ranks_to_exclude, int shrink_flags = 0,
       const c10::intrusive_ptr<Options>& opts_override = nullptr) override;
   void set_shrinker(Shrinker shrinker) { shrinker_ = std::move(shrinker); }
-  // Across hosts ("shm+gloo", pycomm/_hierarchy.py): the CPU communicator is
-  // the flat gloo ring, and the hierarchical communicator that composes the
-  // shm and inter-host parts lives in Python. `parts`: those communicators,
-  // closed and aborted with the group. `close`: the Python close, run first
-  // at shutdown (the composed ops still queued finish, then the parts
-  // close; closing twice is harmless). `all_reduce(tensor, op, async_op,
-  // before)`: the composed all-reduce of a CPU tensor, run after `before`
-  // (the last async flat collective, or null), a future completed when it is done
-  // (already when !async_op); CPU allreduce takes it. `drain()`: waits for
-  // the composed ops issued so far; every other CPU op runs after it. So
-  // the group's CPU ops run in the order issued, as on one host.
-  struct Hierarchy {
-    std::vector<std::shared_ptr<Comm>> parts;
-    std::function<void()> close;
-    std::function<c10::intrusive_ptr<c10::ivalue::Future>(const at::Tensor&, int, bool,
-                                                          c10::intrusive_ptr<pycomm::Work>)>
-        all_reduce;
-    std::function<void()> drain;
-  };
-  void set_hierarchy(Hierarchy h) { hierarchy_ = std::move(h); }
   // The communicator for tensors on `device` ("cpu", or CUDA: created now if
   // this is the group's first CUDA use, collectively); `op` names the caller
   // in errors (ValueError for a device this group cannot serve).
@@ -235,19 +215,13 @@ class ProcessGroupPycomm final : public c10d::Backend {
   int reduce_op(const c10d::ReduceOp& op, const char* opname) const;
 
   std::shared_ptr<Comm> cpu_comm_;
-  Hierarchy hierarchy_;  // empty: one host (or no hierarchy)
-  // Across hosts: the last async CPU collective issued on the flat ring
-  // (null after a synchronous one), which the next composed op runs after
-  // (guarded by flat_mu_). Point to point stays out of it.
-  std::mutex flat_mu_;
-  c10::intrusive_ptr<pycomm::Work> last_flat_;
-  void issued_flat(const c10::Device& device, const c10::intrusive_ptr<pycomm::Work>& work);
   std::string cpu_algo_;
   LazyCudaComm cuda_;  // the CUDA communicator, made at the first CUDA op
   Shrinker shrinker_;  // empty: supportsShrinking() is false
   std::string cuda_algo_;
   // Every communicator of the group for shutdown / abort, in the order every
-  // rank closes them: `cuda` (may be null), the CPU one, the hierarchy's parts.
+  // rank closes them: `cuda` (may be null), the CPU one (across hosts, it
+  // closes and aborts its parts: csrc/torch/hierarchy.h).
   std::vector<std::shared_ptr<Comm>> all_comms(std::shared_ptr<Comm> cuda) const;
   struct Coalesced {
     TensorP2P req;

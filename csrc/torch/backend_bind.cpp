@@ -1,5 +1,5 @@
 // The c10d backend's Python side: pycomm/backend.py's callables wrapped as
-// the C++ types the backend takes (CommFactory, Shrinker, the Hierarchy),
+// the C++ types the backend takes (CommFactory, Shrinker),
 // and _C.make_backend and its helpers.
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
@@ -94,35 +94,6 @@ Shrinker shrinker_from_python(py::object fn) {
   };
 }
 
-// pycomm/backend.py's parts of a hierarchical communicator (see
-// ProcessGroupPycomm::Hierarchy): close() -> None, drain() -> None and
-// all_reduce(tensor, op, async_op, before) -> torch.futures.Future (None: none).
-ProcessGroupPycomm::Hierarchy hierarchy_from_python(std::vector<std::shared_ptr<Comm>> parts,
-                                                    py::object close, py::object drain,
-                                                    py::object all_reduce) {
-  ProcessGroupPycomm::Hierarchy h;
-  h.parts = std::move(parts);
-  if (!close.is_none()) {
-    h.close = [holder = hold_python(std::move(close))] {
-      call_python<void>(*holder, "shutdown", "None");
-    };
-  }
-  if (!drain.is_none()) {
-    h.drain = [holder = hold_python(std::move(drain))] {
-      call_python<void>(*holder, "drain", "None");
-    };
-  }
-  if (!all_reduce.is_none()) {
-    h.all_reduce = [holder = hold_python(std::move(all_reduce))](
-                       const at::Tensor& t, int op, bool async_op,
-                       c10::intrusive_ptr<pycomm::Work> before) {
-      return call_python<c10::intrusive_ptr<c10::ivalue::Future>>(
-          *holder, "allreduce", "a torch.futures.Future", t, op, async_op, std::move(before));
-    };
-  }
-  return h;
-}
-
 ProcessGroupPycomm& as_pycomm(const c10::intrusive_ptr<c10d::Backend>& backend, const char* fn) {
   auto* pg = dynamic_cast<ProcessGroupPycomm*>(backend.get());
   TORCH_CHECK_TYPE(pg != nullptr, fn, ": not a pycomm backend (its name is '",
@@ -136,31 +107,22 @@ void bind_backend(py::module_& m) {
   m.def(
       "make_backend",
       [](std::shared_ptr<Comm> comm, const std::string& algo, py::object cuda_factory,
-         const std::string& cuda_algo, py::object shrinker,
-         std::vector<std::shared_ptr<Comm>> parts, py::object close, py::object drain,
-         py::object all_reduce) -> c10::intrusive_ptr<c10d::Backend> {
+         const std::string& cuda_algo, py::object shrinker) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(comm, "make_backend: comm is None");
         auto pg = c10::make_intrusive<ProcessGroupPycomm>(
             std::move(comm), algo, factory_from_python(std::move(cuda_factory)), cuda_algo);
         pg->set_shrinker(shrinker_from_python(std::move(shrinker)));
-        pg->set_hierarchy(hierarchy_from_python(std::move(parts), std::move(close),
-                                                std::move(drain), std::move(all_reduce)));
         return pg;
       },
       py::arg("comm"), py::arg("algo"), py::arg("cuda_factory") = py::none(),
       py::arg("cuda_algo") = "auto", py::arg("shrinker") = py::none(),
-      py::arg("parts") = std::vector<std::shared_ptr<Comm>>{}, py::arg("close") = py::none(),
-      py::arg("drain") = py::none(), py::arg("all_reduce") = py::none(),
       "A c10d Backend (torch._C._distributed_c10d.Backend) over the CPU communicator `comm`, "
       "for torch.distributed.Backend.register_backend (pycomm/backend.py). "
       "cuda_factory(device: str, op: str) -> Comm builds the CUDA communicator at the first "
       "CUDA operation (None: CPU tensors only). shrinker(ranks_to_exclude: list[int], flags: int, "
       "timeout_ms: int) -> Backend makes the survivors' backend for torch.distributed.shrink_group "
-      "(None: the backend does not support shrinking). Across hosts, `comm` is the flat ring of "
-      "a hierarchical communicator: parts (its shm and inter-host communicators) close and abort "
-      "with the group, close() runs first at shutdown (it drains the composed ops), "
-      "all_reduce(tensor, op: int, async_op: bool, before: Work | None) -> torch.futures.Future "
-      "runs CPU allreduce composed after `before`, and every other CPU op runs after drain().");
+      "(None: the backend does not support shrinking). Across hosts `comm` is a 'shm+gloo' "
+      "communicator, which composes its collectives itself (csrc/torch/hierarchy.h).");
   m.def(
       "backend_comm",
       [](const c10::intrusive_ptr<c10d::Backend>& backend,

@@ -161,6 +161,43 @@ void dequantize(at::Tensor dst, const at::Tensor& src, int64_t block, bool add,
   pycomm::cpu_dequantize(f, dst.data_ptr<float>(), src.data_ptr(), n, b, add);
 }
 
+// Across hosts (hierarchy.h): Comm.compose_hosts, Comm.hierarchy_parts and
+// the composed all-reduce's step table (for the cost model and tests).
+void bind_hierarchy(py::module_& m, py::class_<Comm, py::smart_holder>& comm) {
+  comm.def_property_readonly(
+          "hierarchy_parts",
+          [](const Comm& c)
+              -> std::optional<std::pair<std::shared_ptr<Comm>, std::shared_ptr<Comm>>> {
+            if (c.hierarchy() == nullptr) return std::nullopt;
+            return std::make_pair(c.hierarchy()->intra_ptr(), c.hierarchy()->inter_ptr());
+          },
+          "Across hosts: (intra, inter), the communicators the collectives compose over; "
+          "else None")
+      .def(
+          "compose_hosts",
+          [](Comm& c, std::vector<int> host, std::vector<int> local, std::shared_ptr<Comm> intra,
+             std::shared_ptr<Comm> inter) {
+            c.compose_hosts(pycomm::HostLayout{std::move(host), std::move(local)}, std::move(intra),
+                            std::move(inter));
+          },
+          py::arg("host"), py::arg("local"), py::arg("intra"), py::arg("inter"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Across hosts (csrc/torch/hierarchy.h): rank g is local rank local[g] of host "
+          "host[g]; this flat gloo communicator becomes 'shm+gloo' over the parts intra (shm) "
+          "and inter (gloo), on one worker thread");
+  // The composed all-reduce's steps (hierarchy.h), for the cost model and tests.
+  m.def(
+      "hierarchy_steps",
+      [](const std::string& which) {
+        std::vector<std::tuple<std::string, std::string, bool>> steps;
+        for (const auto& st : pycomm::all_reduce_steps(which))
+          steps.emplace_back(st.comm, st.op, st.shard);
+        return steps;
+      },
+      py::arg("which"));
+  m.attr("HIERARCHY_SMALL_BYTES") = pycomm::kSmallBytes;
+}
+
 // The Work and Comm classes (pycomm/comm.py wraps them).
 void bind_comm(py::module_& m) {
   py::class_<Work, c10::intrusive_ptr<Work>>(m, "Work")
@@ -176,8 +213,8 @@ void bind_comm(py::module_& m) {
 
   // smart_holder: the torch.distributed backend shares the communicator
   // (std::shared_ptr) with the Python object that created it.
-  py::class_<Comm, py::smart_holder>(m, "Comm")
-      .def_property_readonly("rank", &Comm::rank)
+  py::class_<Comm, py::smart_holder> comm(m, "Comm");
+  comm.def_property_readonly("rank", &Comm::rank)
       .def_property_readonly("world_size", &Comm::world_size)
       .def_property_readonly("transport", &Comm::transport_name)
       .def_property_readonly("device", &Comm::device)
@@ -238,6 +275,7 @@ void bind_comm(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("close", &Comm::close, py::call_guard<py::gil_scoped_release>())
       .def("abort", &Comm::abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>());
+  bind_hierarchy(m, comm);
 }
 
 }  // namespace
@@ -277,6 +315,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("create"), py::arg("timeout_ms"), py::arg("slice_bytes"),
         py::call_guard<py::gil_scoped_release>());
   m.def("shm_unlink", &pycomm::ShmTransport::unlink, py::arg("name"));
+
   // The algorithms a caller may name for a collective ("all_reduce", ...),
   // as pick() accepts them (besides "auto"): the auto table's checks.
   m.def("algorithms_of", [](const std::string& op) {

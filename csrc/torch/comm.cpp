@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "../core/huge_pages.h"
+#include "call_guard.h"
 
 namespace pycomm {
 
@@ -94,6 +95,11 @@ void Comm::check_tensor(const at::Tensor& t, const char* arg, const char* op) co
   pycomm::check_tensor(t, arg, op, device_);
 }
 
+void Comm::set_check(bool on) {
+  options_.check = on;
+  if (hierarchy_) hierarchy_->set_check(on);
+}
+
 void Comm::close() {
   if (exec_ && !forked() && exec_->on_own_thread()) {
     throw std::runtime_error(
@@ -106,18 +112,36 @@ void Comm::close() {
     // the parent: joining or tearing them down here would hang or break the
     // parent's. Leak this process's copies instead.
     exec_->leak();
-    (void)exec_.release();  // its destructor would touch the parent's threads too
+    (void)exec_.release();                // its destructor would touch the parent's threads too
+    if (hierarchy_) hierarchy_->close();  // leaks them likewise
     return;
   }
+  // This executor first: its close drains the one worker, running every op
+  // queued (composed ones too, while the parts are open); then the parts.
   exec_->close();
+  std::exception_ptr parts_error;
+  if (hierarchy_) {
+    // Nothing runs any more: an abort from now on (another thread) stays
+    // with the executor it reaches, whose transport may be going.
+    for (Executor* e :
+         {exec_.get(), hierarchy_->intra().exec_.get(), hierarchy_->inter().exec_.get()}) {
+      e->set_on_abort(nullptr);
+    }
+    try {
+      hierarchy_->close();
+    } catch (...) {
+      parts_error = std::current_exception();
+    }
+  }
   // A failure nobody waited for (an async op whose Work was dropped) must
   // not vanish: close() reports it, after releasing everything.
-  if (exec_->aborted() && !user_aborted_ && !failure_reported_->load()) {
+  if (exec_->aborted() && !user_aborted_ && !is_part_ && !failure_reported_->load()) {
     throw CommError(
         join_msg({"close: an operation failed and aborted the communicator, and "
                   "no call has raised it yet (",
                   exec_->abort_reason(), "); its resources are released"}));
   }
+  if (parts_error) std::rethrow_exception(parts_error);
 }
 
 void Comm::abort(const std::string& why) {
@@ -240,41 +264,6 @@ std::string Comm::auto_algo(const std::string& op, int64_t bytes) const {
   throw UsageError(cat("auto_algo: unknown collective '", op, "'"));
 }
 
-// Ops pair up across ranks by the order each rank issues them. Two threads
-// issuing on one communicator at once would interleave differently on each
-// rank and silently cross-match data, so a call made while another thread is
-// inside one (issuing, or waiting for a synchronous op) is rejected. Calls
-// one after the other from different threads (autograd's, say) are fine, and
-// so are ops issued by Future callbacks on the CPU worker, which orders them.
-class Comm::CallGuard {
- public:
-  CallGuard(Comm& c, const char* op) : c_(c) {
-    if (c.exec_->on_own_thread()) return;
-    std::thread::id none;
-    if (c.caller_.compare_exchange_strong(none, std::this_thread::get_id())) {
-      owner_ = true;
-      return;
-    }
-    if (none == std::this_thread::get_id()) return;  // nested (the same thread)
-    throw std::runtime_error(
-        join_msg({op,
-                  ": another thread is inside a call on this communicator. Calls issued from "
-                  "several threads at once pair up in different orders on different ranks (wrong "
-                  "results), so pycomm rejects them: issue ops from one thread at a time (a lock "
-                  "around each call, taken in the same order on every rank), or use one "
-                  "communicator per thread"}));
-  }
-  ~CallGuard() {
-    if (owner_) c_.caller_.store(std::thread::id());
-  }
-  CallGuard(const CallGuard&) = delete;
-  CallGuard& operator=(const CallGuard&) = delete;
-
- private:
-  Comm& c_;
-  bool owner_ = false;
-};
-
 c10::intrusive_ptr<Work> Comm::start(
     const char* op, std::vector<at::Tensor> outputs, Wait wait,
     const std::function<void(const c10::intrusive_ptr<Work>&)>& submit) {
@@ -339,6 +328,19 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
         "all_reduce: residual (error feedback) needs a quantized wire_dtype (torch.int8, "
         "torch.float8_e4m3fn or torch.float8_e5m2)");
   }
+  if (hierarchy_ &&
+      hierarchy_->takes_all_reduce(t, algo, op, wire.cast.has_value(), quantized, to_register)) {
+    std::optional<Hierarchy::QuantWire> qw;
+    if (quantized) qw = Hierarchy::QuantWire{wire_dtype, wire_block, residual};
+    auto h = hierarchy_;
+    auto work = compose(
+        kOp, {t},
+        [h, t, op, algo, to_register, qw] { h->all_reduce(t, op, algo, to_register, qw); },
+        async_op, /*hold=*/to_register);
+    // register=True may move t's storage: decided before the call returns.
+    if (work && to_register) work->wait();
+    return work;
+  }
   AlgoKind kind = quantized ? quant_kind(*wire.quant)
                             : pick(algo, CollKind::kAllReduce, t.nbytes(), wire.cast.has_value());
   if (wire.cast) kind = wire_kind(*wire.cast);
@@ -353,7 +355,9 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   void* qbuf = quantized ? qwork.data_ptr() : nullptr;
   float* res = residual ? residual->data_ptr<float>() : nullptr;
   SymmetricMemory::Decision sym;
-  if (kind == AlgoKind::kDirect) sym = symmetric_->decide(t, to_register, exec_->on_own_thread());
+  if (kind == AlgoKind::kDirect) {
+    sym = symmetric_->decide(t, to_register, exec_->on_own_thread() && !in_composed_op());
+  }
   // A registration holds one caller at a time until the move is done: another
   // thread's op on the tensor issued meanwhile would take the old address.
   std::optional<CallGuard> guard;
@@ -414,6 +418,11 @@ DType Comm::check_chunked(const at::Tensor& out, const at::Tensor& in, bool outp
 c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op,
                                               const std::string& algo, bool async_op) {
   constexpr const char* kOp = "reduce_scatter";
+  if (hierarchy_ && hierarchy_->takes_chunked(in, out, algo, op)) {
+    auto h = hierarchy_;
+    return compose(
+        kOp, {out}, [h, out, in, op, algo] { h->reduce_scatter(out, in, op, algo); }, async_op);
+  }
   const DType dt = check_chunked(out, in, /*output_whole=*/false, kOp);
   const ReduceOp rop = to_op(op, dt, kOp);
   const AlgoKind kind = pick(algo, CollKind::kReduceScatter, in.nbytes(), false);
@@ -444,6 +453,10 @@ c10::intrusive_ptr<Work> Comm::reduce_scatter(const at::Tensor& out, const at::T
 c10::intrusive_ptr<Work> Comm::all_gather(const at::Tensor& out, const at::Tensor& in,
                                           const std::string& algo, bool async_op) {
   constexpr const char* kOp = "all_gather";
+  if (hierarchy_ && hierarchy_->takes_chunked(out, in, algo)) {
+    auto h = hierarchy_;
+    return compose(kOp, {out}, [h, out, in, algo] { h->all_gather(out, in, algo); }, async_op);
+  }
   const DType dt = check_chunked(out, in, /*output_whole=*/true, kOp);
   const AlgoKind kind = pick(algo, CollKind::kAllGather, out.nbytes(), false);
   const size_t es = in.element_size();
@@ -468,6 +481,10 @@ c10::intrusive_ptr<Work> Comm::all_gather(const at::Tensor& out, const at::Tenso
 c10::intrusive_ptr<Work> Comm::broadcast(const at::Tensor& t, int src, const std::string& algo,
                                          bool async_op) {
   constexpr const char* kOp = "broadcast";
+  if (hierarchy_ && src >= 0 && src < size_ && hierarchy_->takes(t, algo)) {
+    auto h = hierarchy_;
+    return compose(kOp, {t}, [h, t, src, algo] { h->broadcast(t, src, algo); }, async_op);
+  }
   check_open(kOp);
   check_tensor(t, "tensor", kOp);
   check_peer(src, "src", kOp, rank_, size_, /*allow_self=*/true);
@@ -508,6 +525,15 @@ void Comm::check_matching(const char* op, int tag, bool any_source) const {
 c10::intrusive_ptr<Work> Comm::point_to_point(const char* op, P2POp::Kind kind, const at::Tensor& t,
                                               const char* peer_arg, int peer, bool async_op,
                                               int tag) {
+  if (hierarchy_ && (kind == P2POp::kRecv || peer != kAnySource)) {
+    auto [part, local_peer] = hierarchy_->route(peer, op);
+    if (part != nullptr) {  // a peer on this host: over shm
+      CallGuard guard(*this, op);
+      check_open(op);
+      return kind == P2POp::kSend ? part->send(t, local_peer, async_op, tag)
+                                  : part->recv(t, local_peer, async_op, tag);
+    }
+  }
   check_open(op);
   check_tensor(t, "tensor", op);
   const bool any = kind == P2POp::kRecv && peer == kAnySource;
@@ -518,21 +544,29 @@ c10::intrusive_ptr<Work> Comm::point_to_point(const char* op, P2POp::Kind kind, 
   return launch_p2p(op, {t}, {p}, wait_of(async_op));
 }
 
+std::pair<std::vector<P2POp>, std::vector<at::Tensor>> Comm::p2p_ops(
+    const std::vector<TensorP2P>& reqs) {
+  std::pair<std::vector<P2POp>, std::vector<at::Tensor>> out;
+  for (const auto& q : reqs) {
+    out.first.push_back({q.send ? P2POp::kSend : P2POp::kRecv, q.tensor.data_ptr(),
+                         static_cast<size_t>(q.tensor.nbytes()), q.peer});
+    out.first.back().tag = q.tag;
+    out.second.push_back(q.tensor);
+  }
+  return out;
+}
+
 c10::intrusive_ptr<Work> Comm::batch_p2p(const std::vector<TensorP2P>& reqs) {
   constexpr const char* kOp = "batch_isend_irecv";
   check_open(kOp);
-  std::vector<P2POp> ops;
-  std::vector<at::Tensor> tensors;
   for (const auto& q : reqs) {
     check_tensor(q.tensor, "tensor", kOp);
     check_peer(q.peer, "peer", kOp, rank_, size_, /*allow_self=*/false);
     check_matching(kOp, q.tag, false);
-    ops.push_back({q.send ? P2POp::kSend : P2POp::kRecv, q.tensor.data_ptr(),
-                   static_cast<size_t>(q.tensor.nbytes()), q.peer});
-    ops.back().tag = q.tag;
-    tensors.push_back(q.tensor);
   }
-  return launch_p2p(kOp, tensors, ops, Wait::kAsync);
+  if (hierarchy_) return batch_p2p_across_hosts(reqs);
+  auto [ops, tensors] = p2p_ops(reqs);
+  return launch_p2p(kOp, std::move(tensors), std::move(ops), Wait::kAsync);
 }
 
 std::unique_ptr<Comm> Comm::split(int color, int key, int64_t timeout_ms) {

@@ -38,6 +38,7 @@
 #include "../core/transport.h"
 #include "checks.h"
 #include "executor.h"
+#include "hierarchy.h"
 #include "symmetric.h"
 #include "work.h"
 
@@ -69,7 +70,7 @@ class Comm {
   // On a thread of its executor's own (a Future callback on the CPU worker).
   bool on_own_thread() const { return exec_ && exec_->on_own_thread(); }
   bool check() const { return options_.check; }
-  void set_check(bool on) { options_.check = on; }  // equal on all ranks, between ops
+  void set_check(bool on);  // equal on all ranks, between ops (a hierarchy's parts too)
   // algo="auto"'s table (CommOptions::auto_table); set between ops, the
   // same on every rank (pycomm/_auto_table.py picks it). UsageError for an
   // algorithm or collective it does not know.
@@ -158,6 +159,20 @@ class Comm {
   // transport has no split of its own (CPU transports).
   std::unique_ptr<Comm> split(int color, int key, int64_t timeout_ms);
 
+  // Across hosts: this communicator (the flat gloo ring over every rank)
+  // becomes "shm+gloo", composing collectives over `intra` (shm, this host's
+  // ranks) and `inter` (gloo, the ranks with this local index) as
+  // hierarchy.h says; the three run on this one's worker thread, abort
+  // together and close with it. Every rank calls it on fresh communicators.
+  void compose_hosts(HostLayout layout, std::shared_ptr<Comm> intra, std::shared_ptr<Comm> inter);
+  const Hierarchy* hierarchy() const { return hierarchy_.get(); }
+  // Across hosts: every p2p op over the flat ring, peers on this host too
+  // (receives from any source then work, as on gloo). The c10d backend sets
+  // it, on every rank, before its first op.
+  void set_p2p_over_flat(bool on) {
+    if (hierarchy_) hierarchy_->set_p2p_over_flat(on);
+  }
+
   // Waits for queued work, then releases the transport. Idempotent. Raises
   // CommError (once everything is released) if a failed op aborted the
   // communicator and no call raised that failure to the caller yet (an async
@@ -195,6 +210,17 @@ class Comm {
   // fingerprint exchange when enabled.
   Body collective(OpHeader h, Body body);
   void check_open(const char* op) const;
+  // A composed op across hosts: `run` (the parts' ops) as one task of the
+  // worker, in issue order, never inline in the caller (the parts' ops run
+  // nested in it, on the worker). Waits unless `async_op`.
+  c10::intrusive_ptr<Work> compose(const char* op, std::vector<at::Tensor> outputs,
+                                   std::function<void()> run, bool async_op, bool hold = false);
+  // batch_p2p across hosts: the ops to peers on this host over shm, the
+  // others over the flat ring, one Work for both.
+  c10::intrusive_ptr<Work> batch_p2p_across_hosts(const std::vector<TensorP2P>& reqs);
+  // batch_p2p's requests as the transport's ops, and their tensors.
+  static std::pair<std::vector<P2POp>, std::vector<at::Tensor>> p2p_ops(
+      const std::vector<TensorP2P>& reqs);
   void check_tensor(const at::Tensor& t, const char* arg, const char* op) const;
   // reduce_scatter's and all_gather's checks: `output` and `input` valid, the
   // whole one (`output` when `output_whole`) world_size times the other;
@@ -233,6 +259,9 @@ class Comm {
   size_t direct_max_bytes_ = 0;
   // Registered storages and each all-reduce's decision about them.
   std::shared_ptr<SymmetricMemory> symmetric_;
+  // Across hosts (compose_hosts): the parts; null on one host.
+  std::shared_ptr<Hierarchy> hierarchy_;
+  bool is_part_ = false;  // a hierarchy's part: its owner reports failures
 };
 
 }  // namespace pycomm

@@ -18,6 +18,11 @@ std::unique_ptr<Executor> Executor::split(int, int, const CommOptions&) {
                              "through the store: Communicator.new_group / split)"}));
 }
 
+void Executor::share_worker_of(Executor&, bool) {
+  throw UsageError(join_msg(
+      {"share_worker_of: the ", transport_name(), " executor has no worker thread to share"}));
+}
+
 size_t scratch_bytes(size_t slice_bytes, int world_size) {
   return std::max(2 * slice_bytes + 64, static_cast<size_t>(world_size) * sizeof(Fingerprint));
 }
@@ -34,10 +39,39 @@ class CpuExecutor final : public Executor, private DeferredP2P::Transfers {
         scratch_(scratch_bytes(slice_bytes_, transport_->world_size())) {
     transport_->set_timeout(timeout_);
     if (transport_->checks_interrupts()) transport_->set_interrupt_check(&check_interrupt);
-    worker_ = std::make_unique<Worker>();
-    worker_->set_idle_poll([this] { return deferred_.poll(); });
+    worker_ = std::make_shared<Worker>();
+    owns_idle_wait_ = true;
+    poll_id_ = worker_->add_idle_poll([this] { return deferred_.poll(); });
+    // The worker's owner (the executor that made it) is the last to close.
     worker_->set_idle_wait([this](int64_t ns) { return transport_->idle_wait(ns); },
                            [this] { transport_->interrupt(); });
+  }
+
+  void share_worker_of(Executor& owner, bool idle_wait) override {
+    auto* other = dynamic_cast<CpuExecutor*>(&owner);
+    if (other == nullptr || other == this) {
+      throw UsageError("share_worker_of: needs another CPU executor");
+    }
+    worker_->drain();
+    worker_->remove_idle_poll(poll_id_);
+    worker_ = other->worker_;  // this one's own thread ends here
+    owns_idle_wait_ = false;
+    poll_id_ = worker_->add_idle_poll([this] { return deferred_.poll(); });
+    if (idle_wait) {
+      worker_->set_idle_wait([this](int64_t ns) { return transport_->idle_wait(ns); },
+                             [this] { transport_->interrupt(); });
+      owns_idle_wait_ = true;
+      other->owns_idle_wait_ = false;
+    }
+  }
+  std::function<bool()> progress_fn() override {
+    // Only on the worker: the transport is the worker's alone (gloo's
+    // background waiters block as they are).
+    return
+        [this] { return worker_ && worker_->is_current() && transport_ && transport_->progress(); };
+  }
+  void set_while_blocked(std::function<bool()> f) override {
+    transport_->set_while_blocked(std::move(f));
   }
 
   c10::Device device() const override { return c10::Device(c10::kCPU); }
@@ -133,12 +167,14 @@ class CpuExecutor final : public Executor, private DeferredP2P::Transfers {
 
   void close() override {
     worker_->drain();
-    worker_.reset();
+    worker_->remove_idle_poll(poll_id_);
+    if (owns_idle_wait_) worker_->set_idle_wait(nullptr, nullptr);  // it waits on transport_
+    worker_.reset();  // the last executor on it joins its thread
     transport_.reset();
   }
 
   void leak() override {
-    (void)worker_.release();
+    new std::shared_ptr<Worker>(std::move(worker_));  // never destroyed: the parent's thread
     (void)transport_.release();
   }
 
@@ -150,6 +186,7 @@ class CpuExecutor final : public Executor, private DeferredP2P::Transfers {
       aborted_ = true;
     }
     if (transport_) transport_->abort_because(why);
+    aborted_now(why);
   }
   bool aborted() const override { return aborted_; }
   std::string abort_reason() const override {
@@ -191,7 +228,9 @@ class CpuExecutor final : public Executor, private DeferredP2P::Transfers {
   CpuReducer reducer_;
   std::vector<char> scratch_;
   DeferredP2P deferred_{*this, timeout_};  // user isend/irecv; only the executing thread
-  std::unique_ptr<Worker> worker_;
+  std::shared_ptr<Worker> worker_;         // shared across hosts (share_worker_of)
+  int poll_id_ = -1;                       // deferred_'s idle poll on worker_
+  bool owns_idle_wait_ = false;            // the worker's idle waits are transport_'s
   std::atomic<bool> aborted_{false};
   mutable std::mutex abort_mu_;
   std::string abort_reason_;

@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -109,7 +110,36 @@ class Executor {
   virtual bool aborted() const = 0;
   virtual std::string abort_reason() const = 0;
 
+  // Across hosts (hierarchy.h): this executor's ops run on `owner`'s worker
+  // thread from then on, in one queue with owner's (its own thread ends);
+  // with `idle_wait`, the worker's idle waits are this transport's (shm's
+  // doorbell). Both idle, before their first op; CPU executors only
+  // (UsageError).
+  virtual void share_worker_of(Executor& owner, bool idle_wait);
+  // Across hosts: this transport's progress() (Transport::progress), and
+  // the hook this transport's blocking waits call (set_while_blocked).
+  virtual std::function<bool()> progress_fn() {
+    return [] { return false; };
+  }
+  virtual void set_while_blocked(std::function<bool()> f) { (void)f; }
+  // `f(why)` runs once this executor aborted, whoever aborted it: the
+  // hierarchy aborts its other parts with it. Set before the first op;
+  // cleared (nullptr) when the hierarchy closes.
+  void set_on_abort(std::function<void(const std::string&)> f) {
+    std::lock_guard<std::mutex> lk(on_abort_mu_);
+    on_abort_ = std::move(f);
+  }
+
+ protected:
+  // Called by abort() once, after the executor's own state says aborted.
+  void aborted_now(const std::string& why) {
+    std::lock_guard<std::mutex> lk(on_abort_mu_);
+    if (on_abort_) on_abort_(why);
+  }
+
  private:
+  std::mutex on_abort_mu_;
+  std::function<void(const std::string&)> on_abort_;
   const int rank_;
   const int size_;
   const std::string transport_name_;

@@ -23,6 +23,7 @@ constexpr uint64_t kAbortSeq = ~uint64_t{0};  // an abort header: its inline byt
 constexpr size_t kFrameBytes = 4096;
 constexpr auto kAbortNotice = std::chrono::milliseconds(200);  // broadcast_abort's patience
 constexpr auto kAbortPoll = std::chrono::milliseconds(200);    // the store watcher's period
+constexpr auto kBlockedSlice = std::chrono::microseconds(20);  // wait_work's polling period
 const char* const kAbortKey = "abort";  // in the communicator's store: the first failure's reason
 
 at::Tensor bytes_of(void* p, size_t n) {
@@ -283,9 +284,7 @@ void ProcessGroupTransport::take_tagged(Message& m,
       pull_work_ = backend_->recvAnysource(w, kTagBase + kTagged);
       c10::intrusive_ptr<c10d::Work> work = pull_work_;
       lk.unlock();
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      work->wait(std::max(left, std::chrono::milliseconds(1)));
+      wait_work(*work, deadline);
       from = work->sourceRank();
     } catch (const std::exception& e) {
       err = std::make_exception_ptr(CommError(with_told_reason(
@@ -375,15 +374,23 @@ void ProcessGroupTransport::broadcast_abort(const std::string& reason) {
   }
 }
 
+void ProcessGroupTransport::wait_work(c10d::Work& w,
+                                      std::chrono::steady_clock::time_point deadline) {
+  while (while_blocked_ && !w.isCompleted() && std::chrono::steady_clock::now() < deadline &&
+         while_blocked_()) {
+    std::this_thread::sleep_for(kBlockedSlice);
+  }
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      deadline - std::chrono::steady_clock::now());
+  w.wait(std::max(left, std::chrono::milliseconds(1)));
+}
+
 void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto wait_one = [&](Message& m, c10::intrusive_ptr<c10d::Work>& w, const char* part) {
     if (!w) return;
     try {
-      // One budget for the whole group, not `timeout` per op.
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      w->wait(std::max(left, std::chrono::milliseconds(1)));
+      wait_work(*w, deadline);  // one budget for the whole group, not `timeout` per op
       // An aborted gloo work may return from wait() as if done: it was not.
       if (aborted_) throw std::runtime_error("aborted before it completed");
     } catch (const std::exception& e) {
@@ -434,7 +441,14 @@ void ProcessGroupTransport::wait(Handle h) {
   std::exception_ptr err;
   try {
     if (p->waiter.valid()) {
-      p->waiter.get();  // the waiter thread works on the entry: join it first
+      // The waiter thread works on the entry: join it first (driving
+      // while_blocked_ meanwhile, as wait_work does).
+      while (while_blocked_ &&
+             p->waiter.wait_for(std::chrono::seconds(0)) != std::future_status::ready &&
+             while_blocked_()) {
+        std::this_thread::sleep_for(kBlockedSlice);
+      }
+      p->waiter.get();
     } else {
       wait_all(*p, timeout_);
     }

@@ -68,8 +68,14 @@ class ProcessGroupTransport final : public Transport {
   bool test(Handle h) override;
   void abort() override;
   void abort_because(const std::string& why) override;
+  void set_while_blocked(std::function<bool()> f) override { while_blocked_ = std::move(f); }
 
  private:
+  // Waits for gloo work `w` until `deadline` (throwing its error or the
+  // timeout); while while_blocked_ reports work pending elsewhere it polls
+  // in short slices, driving it, instead of blocking inside gloo.
+  void wait_work(c10d::Work& w, std::chrono::steady_clock::time_point deadline);
+  std::function<bool()> while_blocked_;
   struct Wire {  // the header message, plain bytes
     uint64_t bytes;
     uint64_t seq;

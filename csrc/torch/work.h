@@ -57,6 +57,8 @@ class Work : public c10::intrusive_ptr_target {
   // (an op queued behind the running one) throws instead of deadlocking.
   void set_worker(const Worker* w) { worker_ = w; }
   void set_pump(std::function<bool(const Work* target)> pump) { pump_ = std::move(pump); }
+  // One round of the pump for this op: whether it is still pending after it.
+  bool drive() { return pump_ && !future_->completed() && pump_(this); }
   // Called (with a reason) when wait() on the main thread is interrupted
   // by SIGINT before the op completed: the communicator aborts it.
   void set_on_interrupt(std::function<void(const std::string&)> f) { on_interrupt_ = std::move(f); }
