@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ._setup import ENV, host_id
@@ -104,10 +104,28 @@ def liveness(store: Any, world_size: int) -> tuple[set[int], set[int]]:
     return {q for q, pid in local.items() if not _process_alive(pid)}, unknown
 
 
-def _processes(store: Any, world_size: int) -> tuple[dict[int, int], set[int]]:
-    """({rank: pid} of the ranks on this host, the ranks on other hosts)."""
+def exited(store: Any, ranks: list[int]) -> list[int]:
+    """Those of ``ranks`` on this host whose process has exited (the others
+    cannot be told from slow ones from here)."""
+    local, _ = _processes(store, ranks)
+    return [q for q in ranks if q in local and not _process_alive(local[q])]
+
+
+def group_exited(store: Any, members: Sequence[int]) -> Callable[[list[int]], list[int]]:
+    """For the rendezvous of a group of ``members`` (ranks of the
+    communicator whose store is ``store``): group ranks -> those whose
+    process has exited (pycomm._store.watching_liveness)."""
+    def of(missing: list[int]) -> list[int]:
+        gone = set(exited(store, [members[i] for i in missing]))
+        return [i for i in missing if members[i] in gone]
+    return of
+
+
+def _processes(store: Any, ranks: int | list[int]) -> tuple[dict[int, int], set[int]]:
+    """({rank: pid} of ``ranks`` (all of a world of that size, for an int)
+    that run on this host, those on other hosts)."""
     me, local, unknown = host_id(), {}, set()
-    for q in range(world_size):
+    for q in (range(ranks) if isinstance(ranks, int) else ranks):
         host, _, pid = store.get(f"process/{q}").decode().rpartition("|")
         if host != me:
             unknown.add(q)

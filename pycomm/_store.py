@@ -11,13 +11,65 @@ name, the NCCL unique id) is one :func:`broadcast`.
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from contextlib import contextmanager
+from contextvars import ContextVar
+from datetime import timedelta
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
 from ._ext import CommError
 
-__all__ = ["agree_errors", "all_gather", "broadcast", "wait_for"]
+__all__ = ["agree_errors", "all_gather", "broadcast", "wait_for", "watching_liveness"]
+
+#: How often a rendezvous under :func:`watching_liveness` looks whether a
+#: rank it waits for has exited.
+LIVENESS_SLICE = timedelta(seconds=0.5)
+
+#: ranks still missing -> those of them known to have exited (see
+#: watching_liveness); None: wait without looking.
+_exited: ContextVar[Callable[[list[int]], list[int]] | None] = ContextVar(
+    "pycomm_rendezvous_exited", default=None)
+
+
+@contextmanager
+def watching_liveness(exited: Callable[[list[int]], list[int]]) -> Iterator[None]:
+    """Within it, every :func:`wait_for` looks every LIVENESS_SLICE which of
+    the ranks it still waits for ``exited`` says have exited, and raises
+    CommError naming them at once instead of waiting out the store's
+    timeout. A group's rendezvous runs under it (Communicator._create_group):
+    a member that died before arriving is seen within a second where its
+    process can be seen (on this host)."""
+    token = _exited.set(exited)
+    try:
+        yield
+    finally:
+        _exited.reset(token)
+
+
+def _missing(store: Any, keys: dict[int, str]) -> list[int]:
+    return [q for q, k in keys.items() if not store.check([k])]
+
+
+def _wait_watching(store: Any, keys: dict[int, str], what: str,
+                   exited: Callable[[list[int]], list[int]]) -> None:
+    # Polls (check() neither blocks nor logs a timeout, as a sliced wait()
+    # would), its period doubling from 1 ms to 50 ms.
+    start = time.monotonic()
+    deadline, looked, nap = start + store.timeout.total_seconds(), start, 0.001
+    while not store.check(list(keys.values())):
+        now = time.monotonic()
+        if now >= deadline:
+            raise dist.DistStoreError(f"wait timeout after {now - start:.1f} s")
+        if now - looked >= LIVENESS_SLICE.total_seconds():
+            looked = now
+            gone = exited(_missing(store, keys))
+            if gone:
+                raise CommError(f"{what}: ranks {gone} exited before arriving (their processes "
+                                "are gone); every rank of a new communicator must create it")
+        time.sleep(nap)
+        nap = min(2 * nap, 0.05)
 
 
 def wait_for(store: Any, keys: dict[int, str], what: str) -> None:
@@ -25,11 +77,16 @@ def wait_for(store: Any, keys: dict[int, str], what: str) -> None:
     the store's own timeout (ranks may reach a rendezvous far apart; the
     communicator's timeout bounds its operations, not its creation). A
     timeout is a CommError naming the ranks still missing and ``what`` was
-    being set up."""
+    being set up; so is, at once, a missing rank known to have exited
+    (:func:`watching_liveness`)."""
+    exited = _exited.get()
     try:
-        store.wait(list(keys.values()))
+        if exited is None:
+            store.wait(list(keys.values()))
+        else:
+            _wait_watching(store, keys, what, exited)
     except dist.DistStoreError as e:
-        missing = [q for q, k in keys.items() if not store.check([k])]
+        missing = _missing(store, keys)
         raise CommError(
             f"{what}: ranks {missing} did not arrive within the store's timeout "
             f"({store.timeout.total_seconds():g} s); every rank of a new communicator must "

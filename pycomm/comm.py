@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence, overload
 import torch
 import torch.distributed as dist
 
-from . import _setup, _shrink
+from . import _setup, _shrink, _store
 from ._ext import _C, CommError
 from ._setup import (  # noqa: F401 - the defaults stay importable from pycomm.comm
     DEFAULT_CUDA_SLICE_BYTES,
@@ -564,17 +564,17 @@ class Communicator:
 
     def _create_group(self, members: tuple[int, ...],
                       timeout: timedelta | float | None) -> Communicator | None:
-        """Builds the group ``members`` (ordered ranks of this communicator)
-        on the members; None elsewhere. The rendezvous prefix names the
-        member list and this rank's count of groups with that member list."""
+        """Builds the group ``members`` (ordered ranks) on the members, None
+        elsewhere; the rendezvous names the members and this rank's count of such groups."""
         if self.rank not in members:
             return None
         self._group_counts[members] = count = self._group_counts.get(members, 0) + 1
         ident = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:16]
-        store = dist.PrefixStore(f"group/{ident}/{count}", self._store)
         settings = replace(self._group_settings(timeout), require_check=self._settings.check)
-        try:
-            return _build(store, members.index(self.rank), len(members), settings)
+        try:  # a member that exited meanwhile is named at once, not at the store's timeout
+            with _store.watching_liveness(_shrink.group_exited(self._store, members)):
+                return _build(dist.PrefixStore(f"group/{ident}/{count}", self._store),
+                              members.index(self.rank), len(members), settings)
         except (CommError, dist.DistError) as e:  # setup failed, or a member never came
             why = f"the store is unreachable ({e})" if isinstance(e, dist.DistNetworkError) else e
             raise CommError(f"creating the group of ranks {list(members)} (group rank i is "

@@ -267,6 +267,46 @@ def test_communicator_tags_and_any_source(transport):
     assert spawn_ranks(_communicator, 3, transport, timeout=240) == [["ok"]] * 3
 
 
+def _nested_tagged(rank: int, world_size: int, port: int, transport: str) -> list:
+    """PowerSGD's pattern with tags, around a ring of 3: an async all-reduce's
+    callback issues another, whose callback sends two tagged messages to the
+    right and waits for the left's in the other order, inside the callback
+    (issue 41 saw such a wait time out on gloo; it has not come back)."""
+    import pycomm
+
+    store = client_store(port, world_size)
+    comm = pycomm.init(rank=rank, world_size=world_size, store=store, transport=transport,
+                       timeout=20, set_default=False)
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    try:
+        def inner(f: torch.futures.Future) -> list:
+            sends = [comm.isend(_payload(rank, 10 + k, 300), right, tag=10 + k) for k in range(2)]
+            for k in (1, 0):
+                got = torch.empty(300)
+                comm.irecv(got, left, tag=10 + k).wait()
+                assert torch.equal(got, _payload(left, 10 + k, 300)), k
+            for w in sends:
+                w.wait()
+            return f.value()
+
+        def outer(f: torch.futures.Future) -> list:
+            work = comm.all_reduce(f.value()[0].clone(), async_op=True)
+            return work.get_future().then(inner).wait()
+
+        futures = [comm.all_reduce(torch.ones(100), async_op=True).get_future().then(outer)
+                   for _ in range(10)]
+        for fut in futures:
+            assert torch.equal(fut.wait()[0], torch.full((100,), 9.0))
+        return ["ok"]
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_tagged_p2p_waited_in_nested_callbacks(transport):
+    assert spawn_ranks(_nested_tagged, 3, transport, timeout=240) == [["ok"]] * 3
+
+
 def _shuffled(rank: int, world_size: int, port: int, transport: str) -> list:
     """Every rank but 0 sends rank 0 a random stream of tagged messages (size
     and content a function of sender, tag and ordinal); rank 0 posts its

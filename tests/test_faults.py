@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from tests._dist import run_fault_trials
+from tests._dist import run_fault_trials, spawn_ranks
 
 WORLD = 3
 COMM_TIMEOUT_S = 5.0
@@ -491,6 +491,39 @@ try:
 except pycomm.CommError as e:
     print(f"{t.tolist()} CommError: {e}")
 '''
+
+
+def _member_exits_before_the_group(rank, world, port):
+    import pycomm
+    from tests._dist import client_store
+
+    store = client_store(port, world)  # its timeout: 60 s
+    comm = pycomm.init(rank=rank, world_size=world, store=store, transport="shm", timeout=5,
+                       set_default=False)
+    comm.barrier()
+    if rank == 2:
+        os._exit(0)  # gone before the group's rendezvous
+    t0 = time.monotonic()
+    try:
+        comm.new_group([0, 1, 2])
+        out = ("created", "", time.monotonic() - t0)
+    except pycomm.CommError as e:
+        out = ("raised", str(e), time.monotonic() - t0)
+    comm.abort("test over")
+    comm.close()
+    return out
+
+
+def test_a_member_that_exited_fails_the_group_at_once():
+    """A member that exited before a group's rendezvous is named within
+    about a second (its process is gone), not after the store's 60 s."""
+    results = spawn_ranks(_member_exits_before_the_group, 3, timeout=150)
+    assert results[2] == ("died", 0), results[2]
+    for r in (0, 1):
+        status, msg, elapsed = results[r]
+        assert status == "raised" and "ranks [2] exited before arriving" in msg, results[r]
+        assert "creating the group of ranks [0, 1, 2]" in msg, msg
+        assert elapsed < 10, f"rank {r} took {elapsed:.1f} s"
 
 
 def test_new_group_after_the_store_died_names_the_store(tmp_path):

@@ -99,7 +99,7 @@ def test_a_wrong_result_is_caught():
 
 
 @pytest.mark.parametrize("transport, nproc, seconds", [
-    ("shm", 3, 30), ("gloo", 2, 20),
+    ("shm", 3, 20), ("gloo", 2, 12),
     pytest.param("shm", 3, 300, marks=pytest.mark.slow),
     pytest.param("gloo", 3, 180, marks=pytest.mark.slow)])
 def test_soak_mixed_traffic(tmp_path, transport, nproc, seconds):

@@ -60,7 +60,7 @@ def _registered_cases(comm, register: bool):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_registered_all_reduce_same_bits_as_staged(world_size):
     registered = run_ranks(_registered_cases, world_size, "shm", True)
     staged = run_ranks(_registered_cases, world_size, "shm", False)

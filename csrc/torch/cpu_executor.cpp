@@ -74,6 +74,15 @@ class CpuExecutor final : public Executor, private DeferredP2P::Transfers {
     transport_->set_while_blocked(std::move(f));
   }
 
+  // Without close() (it was refused on the worker thread, say): a worker
+  // shared across hosts outlives this executor, so its poll and idle wait,
+  // which reach into it, go (not from the worker itself, which runs them).
+  ~CpuExecutor() override {
+    if (!worker_ || worker_->is_current()) return;
+    worker_->remove_idle_poll(poll_id_);
+    if (owns_idle_wait_) worker_->set_idle_wait(nullptr, nullptr);
+  }
+
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   bool shared_buffers() const override { return transport_->shared_buffers() != nullptr; }
   uint64_t symmetric_domain() const override {
