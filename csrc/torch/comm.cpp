@@ -170,15 +170,6 @@ Body Comm::collective(OpHeader h, Body body) {
 }
 
 namespace {
-// The ring with a 16-bit wire (all_reduce(wire_dtype=...)).
-AlgoKind wire_kind(DType wire) {
-  return wire == DType::kFloat16 ? AlgoKind::kRingWireF16 : AlgoKind::kRingWireBF16;
-}
-// The quantized all-reduce in format f (op_header.h: kQuantInt8 + format).
-AlgoKind quant_kind(QuantFormat f) {
-  return static_cast<AlgoKind>(static_cast<int32_t>(AlgoKind::kQuantInt8) + static_cast<int>(f));
-}
-
 // The transport's own collectives (algo="nccl"); pick() only returns kNative
 // when the transport has them.
 NativeCollectives& native(const Context& ctx) { return *ctx.transport.native(); }
@@ -309,97 +300,6 @@ c10::intrusive_ptr<Work> Comm::launch_p2p(const char* op, std::vector<at::Tensor
     }
     exec_->run_p2p(work, std::move(ops), wait, std::move(tensors));
   });
-}
-
-c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std::string& algo,
-                                          bool async_op, int wire_dtype, bool to_register,
-                                          int64_t wire_block,
-                                          const std::optional<at::Tensor>& residual) {
-  constexpr const char* kOp = "all_reduce";
-  check_open(kOp);
-  check_tensor(t, "tensor", kOp);
-  const DType dt = to_dtype(t.scalar_type(), "tensor");
-  const ReduceOp rop = to_op(op, dt, kOp);
-  const Wire wire = to_wire(wire_dtype, dt, kOp);
-  const bool quantized = wire.quant.has_value();
-  if (quantized) check_quantized_wire(t, *wire.quant, rop, algo, wire_block, residual, kOp);
-  if (residual && !quantized) {
-    throw UsageError(
-        "all_reduce: residual (error feedback) needs a quantized wire_dtype (torch.int8, "
-        "torch.float8_e4m3fn or torch.float8_e5m2)");
-  }
-  if (hierarchy_ &&
-      hierarchy_->takes_all_reduce(t, algo, op, wire.cast.has_value(), quantized, to_register)) {
-    std::optional<Hierarchy::QuantWire> qw;
-    if (quantized) qw = Hierarchy::QuantWire{wire_dtype, wire_block, residual};
-    auto h = hierarchy_;
-    auto work = compose(
-        kOp, {t},
-        [h, t, op, algo, to_register, qw] { h->all_reduce(t, op, algo, to_register, qw); },
-        async_op, /*hold=*/to_register);
-    // register=True may move t's storage: decided before the call returns.
-    if (work && to_register) work->wait();
-    return work;
-  }
-  AlgoKind kind = quantized ? quant_kind(*wire.quant)
-                            : pick(algo, CollKind::kAllReduce, t.nbytes(), wire.cast.has_value());
-  if (wire.cast) kind = wire_kind(*wire.cast);
-  void* data = t.data_ptr();
-  const size_t count = t.numel();
-  const size_t block = static_cast<size_t>(wire_block);
-  at::Tensor qwork =
-      quantized
-          ? at::empty({static_cast<int64_t>(quantized_all_reduce_work_bytes(count, block, size_))},
-                      t.options().dtype(at::kByte))
-          : at::Tensor();
-  void* qbuf = quantized ? qwork.data_ptr() : nullptr;
-  float* res = residual ? residual->data_ptr<float>() : nullptr;
-  SymmetricMemory::Decision sym;
-  if (kind == AlgoKind::kDirect) {
-    sym = symmetric_->decide(t, to_register, exec_->on_own_thread() && !in_composed_op());
-  }
-  // A registration holds one caller at a time until the move is done: another
-  // thread's op on the tensor issued meanwhile would take the old address.
-  std::optional<CallGuard> guard;
-  if (sym.decided) guard.emplace(*this, kOp);
-  auto symmetric = symmetric_;
-  c10::intrusive_ptr<Work> work = launch(
-      kOp, {t},
-      collective(OpHeader::of(CollKind::kAllReduce, count, int32_t(dt), int32_t(rop),
-                              quantized ? int32_t(wire_block) : -1, kind),
-                 [=](const Context& ctx) {
-                   switch (kind) {
-                     case AlgoKind::kQuantInt8:
-                     case AlgoKind::kQuantFp8E4M3:
-                     case AlgoKind::kQuantFp8E5M2:
-                       quantized_all_reduce(ctx, static_cast<float*>(data), count, res, block,
-                                            *wire.quant, rop, qbuf);
-                       break;
-                     case AlgoKind::kRingWireF16:
-                     case AlgoKind::kRingWireBF16:
-                       ring_all_reduce_wire(ctx, static_cast<float*>(data), count, *wire.cast, rop);
-                       break;
-                     case AlgoKind::kDirect:
-                       symmetric->all_reduce(ctx, sym, data, count, dt, rop);
-                       break;
-                     case AlgoKind::kNative:
-                       ctx.transport.wait(native(ctx).all_reduce(data, data, count, dt, rop));
-                       break;
-                     case AlgoKind::kRecursiveDoubling:
-                       recursive_doubling_all_reduce(ctx, data, count, dt, rop);
-                       break;
-                     case AlgoKind::kHalvingDoubling:
-                       halving_doubling_all_reduce(ctx, data, count, dt, rop);
-                       break;
-                     case AlgoKind::kTree: tree_all_reduce(ctx, data, count, dt, rop); break;
-                     default: ring_all_reduce(ctx, data, count, dt, rop); break;
-                   }
-                 }),
-      wait_of(async_op),
-      quantized ? std::vector<at::Tensor>{qwork, residual.value_or(qwork)}
-                : std::vector<at::Tensor>{});
-  if (work) SymmetricMemory::wait_for_decision(*work, sym);
-  return work;
 }
 
 DType Comm::check_chunked(const at::Tensor& out, const at::Tensor& in, bool output_whole,

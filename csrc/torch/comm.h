@@ -213,6 +213,12 @@ class Comm {
   // A composed op across hosts: `run` (the parts' ops) as one task of the
   // worker, in issue order, never inline in the caller (the parts' ops run
   // nested in it, on the worker). Waits unless `async_op`.
+  // all_reduce across hosts (hierarchy.h): arguments checked; `wire` for a
+  // quantized wire.
+  c10::intrusive_ptr<Work> all_reduce_across_hosts(const at::Tensor& t, int op,
+                                                   const std::string& algo, bool async_op,
+                                                   bool to_register,
+                                                   std::optional<Hierarchy::QuantWire> wire);
   c10::intrusive_ptr<Work> compose(const char* op, std::vector<at::Tensor> outputs,
                                    std::function<void()> run, bool async_op, bool hold = false);
   // batch_p2p across hosts: the ops to peers on this host over shm, the

@@ -46,6 +46,20 @@ void Comm::compose_hosts(HostLayout layout, std::shared_ptr<Comm> intra,
   hierarchy_ = std::move(h);
 }
 
+c10::intrusive_ptr<Work> Comm::all_reduce_across_hosts(const at::Tensor& t, int op,
+                                                       const std::string& algo, bool async_op,
+                                                       bool to_register,
+                                                       std::optional<Hierarchy::QuantWire> wire) {
+  auto h = hierarchy_;
+  auto work = compose(
+      "all_reduce", {t},
+      [h, t, op, algo, to_register, wire] { h->all_reduce(t, op, algo, to_register, wire); },
+      async_op, /*hold=*/to_register);
+  // register=True may move t's storage: decided before the call returns.
+  if (work && to_register) work->wait();
+  return work;
+}
+
 c10::intrusive_ptr<Work> Comm::compose(const char* op, std::vector<at::Tensor> outputs,
                                        std::function<void()> run, bool async_op, bool hold) {
   // A caller that waits holds the call guard meanwhile, as a synchronous op
