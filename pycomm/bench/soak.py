@@ -22,14 +22,12 @@ from the run. A wrong result is counted and printed, and the run goes on.
 Rank 0 prints a progress line every ``--report`` seconds (steps, ops/s,
 latency percentiles, wrong results); at the end every rank's counts are
 gathered: steps and ops completed and verified, wrong results, memory growth
-(the peak RSS, and the current RSS's trend once warm: a slow leak the peak
-would hide), open file descriptors and threads (start vs end), and the
-``/dev/shm`` segments of pycomm left once the communicators are closed. The
-exit status is 1 when a result was wrong or something leaked.
-
-``--hosts H`` runs it on H simulated hosts (``--nproc`` ranks each, root
-only) with ``transport="auto"``: shm within a host, gloo across, so a
-receive names its source there (pycomm's hierarchy has no any-source).
+(peak RSS, and the current RSS's trend once warm: a slow leak the peak would
+hide), fds and threads (start vs end), and pycomm's ``/dev/shm`` segments
+left once closed. The exit status is 1 when a result was wrong or something
+leaked. ``--hosts H`` runs it on H simulated hosts (``--nproc`` ranks each,
+root only) with ``transport="auto"`` (shm within a host, gloo across, so a
+receive names its source: a Communicator across hosts has no any-source).
 """
 
 from __future__ import annotations
@@ -492,10 +490,8 @@ def shm_segments(pids: Sequence[int]) -> list[str]:
 
 
 def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
     s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 # ---------------------------------------------------------------------- the run
