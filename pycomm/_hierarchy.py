@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from ._ext import _C
-from ._store import agree_errors
+from ._store import agree_errors, watching_liveness
 
 #: Largest all-reduce (bytes) taken as intra all-reduce + inter all-reduce of
 #: the whole tensor (csrc/torch/hierarchy.h, kSmallBytes).
@@ -181,8 +181,9 @@ def build_hierarchical(st: Any, rank: int, layout: Layout, asked: Any,
                           replace(asked, transport="gloo"))
     intra, why = None, ""
     try:
-        intra, _, keep_intra = build(dist.PrefixStore(f"intra/{host}", st), local, n_local,
-                                     replace(asked, transport="shm"))
+        with watching_liveness(None):  # its waits number this host's ranks
+            intra, _, keep_intra = build(dist.PrefixStore(f"intra/{host}", st), local, n_local,
+                                         replace(asked, transport="shm"))
     except RuntimeError as e:  # CommError: every rank of that host sees it
         why = f"host of rank {rank}: {e}"
     # A collective decision: the other hosts must not wait for a missing group.
@@ -193,7 +194,8 @@ def build_hierarchical(st: Any, rank: int, layout: Layout, asked: Any,
             intra.close()
         warn_flat_once(failed[0][1])
         return "gloo", flat, keep
-    inter, _, keep_inter = build(dist.PrefixStore(f"inter/{local}", st), host, n_hosts,
-                                 replace(asked, transport="gloo"))
+    with watching_liveness(None):  # its waits number the hosts
+        inter, _, keep_inter = build(dist.PrefixStore(f"inter/{local}", st), host, n_hosts,
+                                     replace(asked, transport="gloo"))
     flat.compose_hosts(list(layout.host), list(layout.local), intra, inter)
     return "shm+gloo", flat, keep + keep_intra + keep_inter

@@ -106,9 +106,11 @@ def liveness(store: Any, world_size: int) -> tuple[set[int], set[int]]:
 
 def exited(store: Any, ranks: list[int]) -> list[int]:
     """Those of ``ranks`` on this host whose process has exited (the others
-    cannot be told from slow ones from here)."""
-    local, _ = _processes(store, ranks)
-    return [q for q in ranks if q in local and not _process_alive(local[q])]
+    cannot be told from slow ones from here, nor can ranks that published no
+    process: a communicator made by an NCCL split has none)."""
+    known = [q for q in ranks if store.check([f"process/{q}"])]
+    local, _ = _processes(store, known)
+    return [q for q in known if q in local and not _process_alive(local[q])]
 
 
 def group_exited(store: Any, members: Sequence[int]) -> Callable[[list[int]], list[int]]:

@@ -34,13 +34,15 @@ _exited: ContextVar[Callable[[list[int]], list[int]] | None] = ContextVar(
 
 
 @contextmanager
-def watching_liveness(exited: Callable[[list[int]], list[int]]) -> Iterator[None]:
+def watching_liveness(exited: Callable[[list[int]], list[int]] | None) -> Iterator[None]:
     """Within it, every :func:`wait_for` looks every LIVENESS_SLICE which of
     the ranks it still waits for ``exited`` says have exited, and raises
     CommError naming them at once instead of waiting out the store's
     timeout. A group's rendezvous runs under it (Communicator._create_group):
     a member that died before arriving is seen within a second where its
-    process can be seen (on this host)."""
+    process can be seen (on this host). ``exited`` reads the waits' ranks as
+    the group's: a build whose waits number ranks otherwise (a hierarchy's
+    parts) runs under ``watching_liveness(None)``, which waits plainly."""
     token = _exited.set(exited)
     try:
         yield
@@ -55,9 +57,11 @@ def _missing(store: Any, keys: dict[int, str]) -> list[int]:
 def _wait_watching(store: Any, keys: dict[int, str], what: str,
                    exited: Callable[[list[int]], list[int]]) -> None:
     # Polls (check() neither blocks nor logs a timeout, as a sliced wait()
-    # would), its period doubling from 1 ms to 50 ms.
+    # would), its period doubling from 1 ms to 100 ms. A timeout of 0 is
+    # c10d's "none".
     start = time.monotonic()
-    deadline, looked, nap = start + store.timeout.total_seconds(), start, 0.001
+    limit = store.timeout.total_seconds()
+    deadline, looked, nap = start + limit if limit > 0 else float("inf"), start, 0.001
     while not store.check(list(keys.values())):
         now = time.monotonic()
         if now >= deadline:
@@ -69,7 +73,7 @@ def _wait_watching(store: Any, keys: dict[int, str], what: str,
                 raise CommError(f"{what}: ranks {gone} exited before arriving (their processes "
                                 "are gone); every rank of a new communicator must create it")
         time.sleep(nap)
-        nap = min(2 * nap, 0.05)
+        nap = min(2 * nap, 0.1)
 
 
 def wait_for(store: Any, keys: dict[int, str], what: str) -> None:

@@ -5,6 +5,7 @@ once into a Plan before one builder per transport builds it."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -53,6 +54,47 @@ def test_wait_for_names_the_missing_ranks():
     store.set("k/0", "x")
     with pytest.raises(CommError, match=r"setting up: ranks \[1\] did not arrive"):
         _store.wait_for(store, {0: "k/0", 1: "k/1"}, "setting up")
+
+
+def test_a_watched_wait_names_a_rank_that_exited_at_once():
+    """Under watching_liveness (a group's rendezvous), a missing rank that
+    the callback says exited is named within a slice, not at the timeout."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    store.set("k/0", "x")
+    start = time.monotonic()
+    with _store.watching_liveness(lambda missing: [q for q in missing if q == 1]):
+        with pytest.raises(CommError, match=r"setting up: ranks \[1\] exited before arriving"):
+            _store.wait_for(store, {0: "k/0", 1: "k/1"}, "setting up")
+    assert time.monotonic() - start < 10
+
+
+def test_a_watched_wait_keeps_the_store_timeout_and_its_message():
+    store = dist.HashStore()
+    store.set_timeout(timedelta(milliseconds=300))
+    with _store.watching_liveness(lambda missing: []):
+        with pytest.raises(CommError, match=r"ranks \[1\] did not arrive"):
+            _store.wait_for(store, {1: "k/1"}, "setting up")
+
+
+def test_a_watched_wait_returns_once_every_rank_arrived():
+    def gather(st, r):
+        with _store.watching_liveness(lambda missing: []):  # per thread: a context of its own
+            return _store.all_gather(st, "w", r, 3, f"v{r}", "test")
+
+    assert _on_ranks(3, gather) == [["v0", "v1", "v2"]] * 3
+
+
+def test_a_rank_without_a_process_key_is_not_called_exited():
+    """A communicator made by an NCCL split published no process/<rank>:
+    liveness must not block on the missing key (until the store's timeout)."""
+    from pycomm import _shrink
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    start = time.monotonic()
+    assert _shrink.exited(store, [0, 1]) == []
+    assert time.monotonic() - start < 5
 
 
 def _asked(transport):
