@@ -81,23 +81,29 @@ c10::Device check_coalesced(const std::vector<at::Tensor>& outputs,
   return dev;
 }
 
-// gather's and scatter's arguments as torch passes them: one tensor in
+// gather's and scatter's arguments, checked: the one tensor every rank
+// passes, the list (the root's; empty elsewhere) and the op's device.
+struct RootedArgs {
+  at::Tensor one;
+  std::vector<at::Tensor> list;
+  c10::Device dev = c10::kCPU;
+};
+
+// Reads gather's and scatter's arguments as torch passes them: one tensor in
 // `one` (named `one_arg`), and the list as [list] on the root, [] elsewhere.
-// Checks them and the root, sets `dev` to the op's device; returns the list
-// (empty off the root).
-std::vector<at::Tensor> rooted_args(std::vector<at::Tensor>& one,
-                                    std::vector<std::vector<at::Tensor>>& lists,
-                                    const char* one_arg, const char* list_arg, int root,
-                                    const char* root_arg, int rank, int size, const char* op,
-                                    c10::Device* dev) {
+// Checks them and the root.
+RootedArgs rooted_args(std::vector<at::Tensor>& one, std::vector<std::vector<at::Tensor>>& lists,
+                       const char* one_arg, const char* list_arg, int root, const char* root_arg,
+                       int rank, int size, const char* op) {
   check_one(one, op);
   check_peer(root, root_arg, op, rank, size, /*allow_self=*/true);
-  std::vector<at::Tensor> list;
+  RootedArgs a;
+  a.one = one[0];
   // The list goes the other way: gather's outputs, scatter's inputs.
   const char* lists_arg = std::strcmp(one_arg, "input") == 0 ? "output" : "input";
-  if (!lists.empty()) list = one_list(lists, lists_arg, op);
-  *dev = OpDevice(op).add(one[0], one_arg).add_list(list, list_arg).get();
-  return list;
+  if (!lists.empty()) a.list = one_list(lists, lists_arg, op);
+  a.dev = OpDevice(op).add(a.one, one_arg).add_list(a.list, list_arg).get();
+  return a;
 }
 
 std::vector<int64_t> numels(const std::vector<at::Tensor>& list) {
@@ -132,16 +138,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(
     const c10d::GatherOptions& opts) {
   constexpr const char* kOp = "gather";
   const int dst = static_cast<int>(opts.rootRank);
-  c10::Device dev = c10::kCPU;
-  const std::vector<at::Tensor> outs =
-      rooted_args(inputs, outputs, "input", "gather_list", dst, "dst", rank_, size_, kOp, &dev);
-  const at::Tensor in = inputs[0];
-  std::vector<at::Tensor> bufs = contiguous_buffers(outs);
-  at::Tensor src = contiguous_buffer(in);
+  const RootedArgs a =
+      rooted_args(inputs, outputs, "input", "gather_list", dst, "dst", rank_, size_, kOp);
+  std::vector<at::Tensor> bufs = contiguous_buffers(a.list);
+  at::Tensor src = contiguous_buffer(a.one);
   return launch(
-      c10d::OpType::GATHER, kOp, dev, opts.asyncOp, outs,
+      c10d::OpType::GATHER, kOp, a.dev, opts.asyncOp, a.list,
       [bufs, src, dst](Comm& c, bool async_op) { return c.gather(bufs, src, dst, async_op); },
-      copy_back_list(outs, bufs));
+      copy_back_list(a.list, bufs));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(
@@ -149,16 +153,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(
     const c10d::ScatterOptions& opts) {
   constexpr const char* kOp = "scatter";
   const int src = static_cast<int>(opts.rootRank);
-  c10::Device dev = c10::kCPU;
-  const std::vector<at::Tensor> ins =
-      rooted_args(outputs, inputs, "output", "scatter_list", src, "src", rank_, size_, kOp, &dev);
-  const at::Tensor out = outputs[0];
-  at::Tensor buf = contiguous_buffer(out);
-  std::vector<at::Tensor> srcs = contiguous_buffers(ins);
+  const RootedArgs a =
+      rooted_args(outputs, inputs, "output", "scatter_list", src, "src", rank_, size_, kOp);
+  at::Tensor buf = contiguous_buffer(a.one);
+  std::vector<at::Tensor> srcs = contiguous_buffers(a.list);
   return launch(
-      c10d::OpType::SCATTER, kOp, dev, opts.asyncOp, {out},
+      c10d::OpType::SCATTER, kOp, a.dev, opts.asyncOp, {a.one},
       [buf, srcs, src](Comm& c, bool async_op) { return c.scatter(buf, srcs, src, async_op); },
-      copy_back_when_staged(out, buf));
+      copy_back_when_staged(a.one, buf));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(std::vector<at::Tensor>& outputs,

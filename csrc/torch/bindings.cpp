@@ -198,8 +198,8 @@ void bind_hierarchy(py::module_& m, py::class_<Comm, py::smart_holder>& comm) {
   m.attr("HIERARCHY_SMALL_BYTES") = pycomm::kSmallBytes;
 }
 
-// The Work and Comm classes (pycomm/comm.py wraps them).
-void bind_comm(py::module_& m) {
+// The Work class: what every op returns.
+void bind_work(py::module_& m) {
   py::class_<Work, c10::intrusive_ptr<Work>>(m, "Work")
       .def("wait", &Work::wait, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &Work::is_completed)
@@ -210,32 +210,14 @@ void bind_comm(py::module_& m) {
       .def_property_readonly("seq", &Work::seq)
       .def("source_rank", &Work::source_rank,
            "a recv's sender (from any source: the rank matched, once complete); -1 otherwise");
+}
 
-  // smart_holder: the torch.distributed backend shares the communicator
-  // (std::shared_ptr) with the Python object that created it.
-  py::class_<Comm, py::smart_holder> comm(m, "Comm");
-  comm.def_property_readonly("rank", &Comm::rank)
-      .def_property_readonly("world_size", &Comm::world_size)
-      .def_property_readonly("transport", &Comm::transport_name)
-      .def_property_readonly("device", &Comm::device)
-      .def_property_readonly("slice_bytes", &Comm::slice_bytes)
-      .def_property_readonly("seq", &Comm::seq)
-      .def_property_readonly("closed", &Comm::closed)
-      .def_property_readonly("aborted", &Comm::aborted)
-      .def_property("check", &Comm::check, &Comm::set_check)  // checked mode (core/check.h)
-      .def_property("auto_table", &Comm::auto_table, &Comm::set_auto_table)
-      .def("auto_algo", &Comm::auto_algo, py::arg("op"), py::arg("nbytes"))
-      .def_property_readonly("forked", &Comm::forked)
-      .def("all_reduce", &Comm::all_reduce, py::arg("tensor"), py::arg("op"), py::arg("algo"),
+// Comm's collectives; every call releases the GIL (the op may block).
+void bind_collectives(py::class_<Comm, py::smart_holder>& comm) {
+  comm.def("all_reduce", &Comm::all_reduce, py::arg("tensor"), py::arg("op"), py::arg("algo"),
            py::arg("async_op"), py::arg("wire_dtype") = -1, py::arg("register") = false,
            py::arg("wire_block") = 256, py::arg("residual") = py::none(),
            py::call_guard<py::gil_scoped_release>())
-      .def("register_tensor", &Comm::register_tensor, py::arg("tensor"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("is_registered", &Comm::is_registered, py::arg("tensor"))
-      .def_property("auto_register", &Comm::auto_register, &Comm::set_auto_register)
-      .def_property_readonly("symmetric_all_reduces", &Comm::symmetric_all_reduces)
-      .def_property_readonly("cross_memory_all_reduces", &Comm::cross_memory_all_reduces)
       .def("reduce_scatter", &Comm::reduce_scatter, py::arg("output"), py::arg("input"),
            py::arg("op"), py::arg("algo"), py::arg("async_op"),
            py::call_guard<py::gil_scoped_release>())
@@ -254,8 +236,12 @@ void bind_comm(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("all_to_all_single", &Comm::all_to_all_single, py::arg("output"), py::arg("input"),
            py::arg("output_split_sizes"), py::arg("input_split_sizes"), py::arg("async_op"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("send", &Comm::send, py::arg("tensor"), py::arg("dst"), py::arg("async_op"),
+           py::call_guard<py::gil_scoped_release>());
+}
+
+// Comm's point-to-point calls, barrier, split and life (close, abort).
+void bind_p2p_and_life(py::class_<Comm, py::smart_holder>& comm) {
+  comm.def("send", &Comm::send, py::arg("tensor"), py::arg("dst"), py::arg("async_op"),
            py::arg("tag") = 0, py::call_guard<py::gil_scoped_release>())
       .def("recv", &Comm::recv, py::arg("tensor"), py::arg("src"), py::arg("async_op"),
            py::arg("tag") = 0, py::call_guard<py::gil_scoped_release>(),
@@ -275,6 +261,34 @@ void bind_comm(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("close", &Comm::close, py::call_guard<py::gil_scoped_release>())
       .def("abort", &Comm::abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>());
+}
+
+// The Comm class (pycomm/comm.py wraps it).
+void bind_comm(py::module_& m) {
+  bind_work(m);
+  // smart_holder: the torch.distributed backend shares the communicator
+  // (std::shared_ptr) with the Python object that created it.
+  py::class_<Comm, py::smart_holder> comm(m, "Comm");
+  comm.def_property_readonly("rank", &Comm::rank)
+      .def_property_readonly("world_size", &Comm::world_size)
+      .def_property_readonly("transport", &Comm::transport_name)
+      .def_property_readonly("device", &Comm::device)
+      .def_property_readonly("slice_bytes", &Comm::slice_bytes)
+      .def_property_readonly("seq", &Comm::seq)
+      .def_property_readonly("closed", &Comm::closed)
+      .def_property_readonly("aborted", &Comm::aborted)
+      .def_property("check", &Comm::check, &Comm::set_check)  // checked mode (core/check.h)
+      .def_property("auto_table", &Comm::auto_table, &Comm::set_auto_table)
+      .def("auto_algo", &Comm::auto_algo, py::arg("op"), py::arg("nbytes"))
+      .def_property_readonly("forked", &Comm::forked)
+      .def("register_tensor", &Comm::register_tensor, py::arg("tensor"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("is_registered", &Comm::is_registered, py::arg("tensor"))
+      .def_property("auto_register", &Comm::auto_register, &Comm::set_auto_register)
+      .def_property_readonly("symmetric_all_reduces", &Comm::symmetric_all_reduces)
+      .def_property_readonly("cross_memory_all_reduces", &Comm::cross_memory_all_reduces);
+  bind_collectives(comm);
+  bind_p2p_and_life(comm);
   bind_hierarchy(m, comm);
 }
 

@@ -1,9 +1,12 @@
 // The C++ communicator behind pycomm.Communicator, one class for CPU and GPU.
 //
-//   Comm             every op once (comm.cpp): argument checks (checks.h),
-//                    the algorithm choice, the op header (op_header.h) and
+//   Comm             every op once: argument checks (checks.h), the
+//                    algorithm choice, the op header (op_header.h) and
 //                    checked mode, and the body that calls the algorithm
-//                    (csrc/core/algorithms.h) over raw pointers.
+//                    (csrc/core/algorithms.h) over raw pointers. comm.cpp
+//                    (life, the other collectives), comm_all_reduce.cpp,
+//                    comm_rooted.cpp, comm_p2p.cpp, comm_pick.cpp (the
+//                    algorithm choice), comm_hosts.cpp (across hosts).
 //   Executor         where a body runs and how its completion is observed
 //                    (executor.h); the only part that differs between devices:
 //                      CpuExecutor (cpu_executor.cpp)  a worker thread; a Work

@@ -110,9 +110,9 @@
 #include "../cuda/check.h"
 #include "../cuda/cuda_reducer.h"
 #include "../cuda/nccl_transport.h"
-#include "../cuda/reduce_kernels.h"
 #include "../cuda/streams.h"
 #include "comm.h"
+#include "cuda_work.h"
 
 namespace py = pybind11;
 
@@ -120,91 +120,6 @@ namespace pycomm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// An event in `device`'s context: Works are made on the caller's thread,
-// whose current device need not be the communicator's (init never calls
-// set_device), and recording an event on another device's stream fails.
-cudaEvent_t event_on(int device) {
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  return cuda::make_event();
-}
-
-class CudaWork final : public Work {
- public:
-  CudaWork(std::string op, uint64_t seq, std::vector<at::Tensor> outputs, int device)
-      : Work(std::move(op), seq, std::move(outputs),
-             {c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))}),
-        device_(device),
-        done_(event_on(device)) {}
-  ~CudaWork() override { (void)cudaEventDestroy(done_); }
-
-  // The op is enqueued: completes the CUDA-aware future with an event on
-  // `stream` (the one `done` was recorded on), like ProcessGroupNCCL. The
-  // future records events on the devices of its value's storages; an op
-  // without outputs (barrier, an empty batch) names `anchor`'s instead, so
-  // that its future is still ordered after the op.
-  void enqueued(const c10::cuda::CUDAStream& stream, const at::Tensor& anchor) {
-    c10::cuda::CUDAStreamGuard guard(stream);
-    if (outputs().empty()) {
-      complete_future(
-          std::vector<c10::ivalue::Future::WeakStorage>{anchor.storage().getWeakStorageImpl()});
-    } else {
-      complete_future();
-    }
-  }
-  // wait() also blocks the host until the op is done (barrier, like
-  // ProcessGroupNCCL's), through `host_wait` (bounded by the timeout).
-  void set_host_wait(std::function<void(cudaEvent_t)> host_wait) {
-    host_wait_ = std::move(host_wait);
-  }
-
-  // The watchdog saw `done` pass / the op failed after (or while) enqueueing.
-  void complete() override { state_ = kDone; }
-  void fail(std::exception_ptr e) override {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (!error_) error_ = e;
-    }
-    state_ = kFailed;
-    Work::fail(std::move(e));  // only if the future was not completed yet
-  }
-  bool is_completed() const override { return state_ != kPending; }
-  bool is_success() const override { return state_ == kDone; }
-
-  // Stream semantics, like ProcessGroupNCCL's WorkNCCL::wait(): the caller's
-  // current stream waits for the operation; the host does not block. Raises
-  // if the operation has already failed.
-  void wait() override {
-    rethrow_if_failed();
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-    PYCOMM_CUDA_CHECK(cudaStreamWaitEvent(
-        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream(), done_,
-        0));
-    if (host_wait_) {
-      host_wait_(done_);
-      rethrow_if_failed();
-    }
-  }
-  void rethrow_if_failed() const {
-    std::exception_ptr e;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      e = error_;
-    }
-    if (e) report(e);
-  }
-
-  cudaEvent_t done() const { return done_; }
-
- private:
-  enum State { kPending, kDone, kFailed };
-  int device_;
-  cudaEvent_t done_;
-  std::atomic<State> state_{kPending};
-  mutable std::mutex mu_;
-  std::exception_ptr error_;
-  std::function<void(cudaEvent_t)> host_wait_;
-};
 
 // The executor's lanes: the collectives' one and two for user p2p, one per
 // direction (see the top). Each is one NCCL communicator with its streams.
@@ -664,19 +579,10 @@ class CudaExecutor final : public Executor {
   std::thread watchdog_;
 };
 
-void check_kernel_args(const at::Tensor& dst, const at::Tensor* src, const char* what) {
-  TORCH_CHECK_VALUE(dst.is_cuda() && dst.is_contiguous(), what, ": contiguous CUDA tensors only");
-  if (src != nullptr) {
-    TORCH_CHECK_VALUE(src->is_cuda() && src->is_contiguous(), what,
-                      ": contiguous CUDA tensors only");
-    TORCH_CHECK_VALUE(src->device() == dst.device(), what, ": dst and src on different devices");
-    TORCH_CHECK_VALUE(dst.numel() == src->numel(), what, ": dst and src differ in numel");
-    TORCH_CHECK_TYPE(dst.scalar_type() == src->scalar_type(), what,
-                     ": dst and src differ in dtype");
-  }
-}
-
 }  // namespace
+
+// The raw reduction kernels (cuda_kernels_bind.cpp).
+void bind_cuda_kernels(py::module_& m);
 
 // Registers the GPU half of pycomm._C (called from bindings.cpp).
 void bind_cuda(py::module_& m) {
@@ -708,44 +614,7 @@ void bind_cuda(py::module_& m) {
       py::arg("timeout_ms"), py::arg("slice_bytes"), py::arg("auto_table"),
       py::arg("check") = false);
 
-  // The raw kernels on the caller's current stream: tests (bitwise equality
-  // with reduce_/scale_ on CPU) and benchmarks/gpu (kernel bandwidth).
-  m.def(
-      "cuda_reduce_",
-      [](at::Tensor dst, const at::Tensor& src, int op) {
-        check_kernel_args(dst, &src, "cuda_reduce_");
-        TORCH_CHECK_VALUE(op >= 0 && op < kNumReduceOps, "cuda_reduce_: unknown op");
-        const DType dt = to_dtype(dst.scalar_type(), "dst");
-        c10::cuda::CUDAGuard g(dst.device());
-        cuda::launch_reduce(dst.data_ptr(), dst.data_ptr(), src.data_ptr(), dst.numel(), dt,
-                            static_cast<ReduceOp>(op),
-                            c10::cuda::getCurrentCUDAStream(dst.device().index()).stream());
-      },
-      py::arg("dst"), py::arg("src"), py::arg("op"));
-  m.def(
-      "cuda_reduce_scale_",
-      [](at::Tensor dst, const at::Tensor& src, int op, double factor) {
-        check_kernel_args(dst, &src, "cuda_reduce_scale_");
-        TORCH_CHECK_VALUE(op >= 0 && op < kNumReduceOps, "cuda_reduce_scale_: unknown op");
-        const DType dt = to_dtype(dst.scalar_type(), "dst");
-        TORCH_CHECK_VALUE(is_floating(dt), "cuda_reduce_scale_: floating dtype only");
-        c10::cuda::CUDAGuard g(dst.device());
-        cuda::launch_reduce_scale(dst.data_ptr(), dst.data_ptr(), src.data_ptr(), dst.numel(), dt,
-                                  static_cast<ReduceOp>(op), factor,
-                                  c10::cuda::getCurrentCUDAStream(dst.device().index()).stream());
-      },
-      py::arg("dst"), py::arg("src"), py::arg("op"), py::arg("factor"));
-  m.def(
-      "cuda_scale_",
-      [](at::Tensor dst, double factor) {
-        check_kernel_args(dst, nullptr, "cuda_scale_");
-        const DType dt = to_dtype(dst.scalar_type(), "dst");
-        TORCH_CHECK_VALUE(is_floating(dt), "cuda_scale_: floating dtype only");
-        c10::cuda::CUDAGuard g(dst.device());
-        cuda::launch_scale(dst.data_ptr(), dst.numel(), dt, factor,
-                           c10::cuda::getCurrentCUDAStream(dst.device().index()).stream());
-      },
-      py::arg("dst"), py::arg("factor"));
+  bind_cuda_kernels(m);
 }
 
 }  // namespace pycomm
