@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 
 def _jit_build() -> ModuleType:
@@ -50,3 +51,13 @@ _C = load_extension()
 #: error, mismatched calls in checked mode). A RuntimeError; the compiled
 #: core's exception class, named here once (``pycomm.CommError``).
 CommError = _C.CommError
+
+#: Handle of an asynchronous operation: ``wait()``, ``is_completed()``,
+#: ``is_success()``, ``get_future()`` (a ``torch.futures.Future`` completed with
+#: the list of output tensors, what DDP communication hooks return; on GPU a
+#: CUDA-aware one, completed at the enqueue and ordered on the caller's stream,
+#: as ProcessGroupNCCL's). Named here once, like CommError (``pycomm.Work``).
+if TYPE_CHECKING:  # the compiled class, opaque to type checkers
+    Work = Any
+else:
+    Work = _C.Work

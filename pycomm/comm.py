@@ -11,16 +11,16 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-import warnings
 from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Sequence, overload
+from typing import Any, Literal, Sequence, overload
 
 import torch
 import torch.distributed as dist
 
 from . import _setup, _shrink, _store
-from ._ext import _C, CommError
+from ._ext import CommError, Work
+from ._p2p import PointToPoint
 from ._setup import (  # noqa: F401 - the defaults stay importable from pycomm.comm
     DEFAULT_CUDA_SLICE_BYTES,
     DEFAULT_GLOO_SLICE_BYTES,
@@ -28,6 +28,7 @@ from ._setup import (  # noqa: F401 - the defaults stay importable from pycomm.c
     DEFAULT_TIMEOUT,
     Settings,
 )
+from ._symmetric import SymmetricMemory
 from ._types import (  # noqa: F401 - _to_op stays importable from pycomm.comm
     OpLike,
     P2POp,
@@ -39,20 +40,8 @@ from ._types import (  # noqa: F401 - _to_op stays importable from pycomm.comm
     _to_wire,
 )
 
-_ANY_SOURCE = -1  # the core's kAnySource (csrc/core/transport.h)
-
 __all__ = ["CommError", "Communicator", "P2POp", "ReduceOp", "Work", "init", "get_default",
            "is_initialized"]
-
-#: Handle of an asynchronous operation: ``wait()``, ``is_completed()``,
-#: ``is_success()``, ``get_future()`` (a ``torch.futures.Future`` completed with
-#: the list of output tensors, what DDP communication hooks return; on GPU a
-#: CUDA-aware one, completed at the enqueue and ordered on the caller's stream,
-#: as ProcessGroupNCCL's).
-if TYPE_CHECKING:  # the compiled class, opaque to type checkers
-    Work = Any
-else:
-    Work = _C.Work
 
 
 # The communicator of the module-level functions (pycomm.all_reduce, ...):
@@ -74,7 +63,7 @@ def _set_default(comm: Communicator | None, *, if_current: Communicator | None =
 _forked_leaks: list[Any] = []
 
 
-class Communicator:
+class Communicator(PointToPoint, SymmetricMemory):
     """A group of ranks and the transport between them.
 
     Create one with :func:`pycomm.init`, or over a subset of an existing
@@ -325,126 +314,9 @@ class Communicator:
         """Returns once every rank has entered the barrier."""
         self._impl.barrier()
 
-    # -- symmetric memory ------------------------------------------------
-    def register_tensor(self, tensor: torch.Tensor) -> bool:
-        """Moves the storage of ``tensor`` into symmetric memory, in place:
-        shared memory that every rank of this communicator maps, so that an
-        :meth:`all_reduce` of it reads the peers' copies and writes the
-        result into every copy, with nothing staged through the transport's
-        buffers (on 2 ranks half the memory traffic; torch calls this idea
-        ``SymmetricMemory``, NCCL "registered buffers").
-
-        A collective: every rank calls it at the same point of its op
-        sequence, with a tensor whose storage has the same number of bytes.
-        Like :meth:`torch.Tensor.share_memory_`, the data is copied and the
-        storage's memory swapped, so ``tensor`` and every view of its storage
-        keep their identity and values; ``data_ptr()`` changes, so anything
-        that holds the old address (a ``numpy()`` view taken before, an op in
-        flight on another communicator or thread, a pending ``irecv`` into
-        it) must not be in use. Inside a Future callback every rank returns
-        False (ops queued earlier may hold the address). Only a
-        storage that torch's CPU allocator made moves (not ``from_numpy``,
-        ``from_blob`` or ``share_memory_()`` memory, whose sharing would
-        silently end): otherwise every rank returns False. The memory is
-        released when the storage is freed; registering again moves it to a
-        fresh region. :meth:`all_reduce` with ``register=True`` does the same
-        inside an all-reduce, without a collective of its own.
-
-        The fast path applies to ``all_reduce`` (``algo`` "auto" or "direct")
-        of a tensor that spans its whole registered storage, when every rank
-        passes its registered tensor. Otherwise (a view, an unregistered
-        tensor on some rank) every rank takes the staged path: same bits,
-        nothing to get wrong.
-
-        Args:
-            tensor: a contiguous CPU tensor; its whole storage is registered.
-
-        Returns:
-            True when registered. False on every rank, with a warning naming
-            the rank and the reason, when some rank could not reserve the
-            memory (``/dev/shm`` too small), has ``PYCOMM_SHM_SYMMETRIC=0``
-            or a storage that may not move; the tensor is then unchanged.
-
-        Raises:
-            ValueError: the communicator's transport is not ``shm``, or the
-                tensor is not on its device.
-            CommError: the collective failed (a dead peer, the timeout,
-                storages of different sizes).
-        """
-        _need_tensors("register_tensor", tensor=tensor)
-        why = self._impl.register_tensor(tensor)
-        if why:
-            warnings.warn(f"pycomm: register_tensor: no symmetric memory ({why}); all_reduce "
-                          "stages through the transport's buffers instead", stacklevel=2)
-        return not why
-
-    def is_registered(self, tensor: torch.Tensor) -> bool:
-        """True when the storage of ``tensor`` was moved into symmetric memory
-        by this communicator (:meth:`register_tensor`, or an all-reduce with
-        ``register=True``)."""
-        return self._impl.is_registered(tensor)
-
-    @property
-    def symmetric_all_reduces(self) -> int:
-        """All-reduces so far that ran from symmetric memory (nothing staged)."""
-        return self._impl.symmetric_all_reduces
-
-    @property
-    def cross_memory_all_reduces(self) -> int:
-        """All-reduces so far that read the peers' tensors (``PYCOMM_SHM_CMA=1``)."""
-        return self._impl.cross_memory_all_reduces
-
-    # -- point to point --------------------------------------------------
-    # Matching is torch.distributed's: a recv takes the first message sent to
-    # it with its ``tag`` from ``src`` (or, with ``src=None``, from any rank),
-    # whatever other tags are in flight; one sender's messages with one tag
-    # arrive in order. Tags other than 0 and src=None: CPU transports only.
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        """Sends ``tensor`` to rank ``dst`` (blocks until it is delivered to
-        the transport)."""
-        _need_tensors("send", tensor=tensor)
-        self._impl.send(tensor, dst, False, tag)
-
-    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
-        """Receives into ``tensor`` from rank ``src`` (None: from whichever
-        rank sends first) and returns the sender's rank.
-
-        Raises:
-            NotImplementedError: ``src=None`` or a tag other than 0 on CUDA
-                tensors (NCCL pairs messages in posting order)."""
-        _need_tensors("recv", tensor=tensor)
-        if src is not None:
-            self._impl.recv(tensor, src, False, tag)
-            return src
-        work = self._impl.recv(tensor, _ANY_SOURCE, True, tag)
-        work.wait()
-        return int(work.source_rank())
-
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
-        """Asynchronous :meth:`send`."""
-        _need_tensors("isend", tensor=tensor)
-        return self._impl.send(tensor, dst, True, tag)
-
-    def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
-        """Asynchronous :meth:`recv`; ``work.source_rank()`` is the sender
-        once the work is complete."""
-        _need_tensors("irecv", tensor=tensor)
-        return self._impl.recv(tensor, _ANY_SOURCE if src is None else src, True, tag)
-
-    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
-        """Posts all ``ops`` together (so a send and a recv between the same
-        pair cannot deadlock) and returns one :class:`Work` per op (they share
-        one completion)."""
-        ops = list(ops)
-        if not ops:
-            return []
-        for o in ops:
-            if not isinstance(o, P2POp):
-                raise TypeError(f"batch_isend_irecv takes pycomm.P2POp items, got {type(o).__name__}")
-        for o in ops:
-            _need_tensors("batch_isend_irecv", tensor=o.tensor)
-        work = self._impl.batch_p2p([(o.is_send(), o.tensor, o.peer, o.tag) for o in ops])
-        return [work] * len(ops)
+    # -- symmetric memory (register_tensor, ...) and point to point (send,
+    # recv, ...): the base classes SymmetricMemory (pycomm/_symmetric.py) and
+    # PointToPoint (pycomm/_p2p.py)
 
     # -- groups -----------------------------------------------------------
     def new_group(self, ranks: Sequence[int], *,

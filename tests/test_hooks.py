@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import pycomm
-from pycomm import hooks
+from pycomm import _powersgd, hooks
 from tests._dist import client_store, run_ranks, spawn_ranks
 from tests.reference import digest, ring_chunks
 
@@ -594,7 +594,7 @@ def test_powerSGD_chain_futures_name_the_cuda_device(monkeypatch, device):
 
     monkeypatch.setattr(torch.futures, "Future", recording)
     first, inner = plain(), plain()
-    out = hooks._then_async(first, lambda done: inner, torch.device(device))
+    out = _powersgd._then_async(first, lambda done: inner, torch.device(device))
     assert made == [[torch.device(device)] if device != "cpu" else None]
     first.set_result(1)
     inner.set_result([torch.ones(2)])
@@ -621,7 +621,7 @@ def _powersgd_dicts_emptied_midway(comm) -> tuple[bool, bool]:
         state = hooks.PowerSGDState(comm, matrix_approximation_rank=1, start_powerSGD_iter=2,
                                     use_error_feedback=False, warm_start=False)
         state.iter = state.start_powerSGD_iter
-        batches = hooks._LowRank._batches
+        batches = _powersgd._LowRank._batches
 
         def emptying(self, st):
             st.p_memory_dict.clear()  # another bucket's chain ended just now
@@ -629,11 +629,11 @@ def _powersgd_dicts_emptied_midway(comm) -> tuple[bool, bool]:
             return batches(self, st)
 
         if empty_midway:
-            hooks._LowRank._batches = emptying
+            _powersgd._LowRank._batches = emptying
         try:
             out = hooks.powerSGD_hook(state, _MatrixBucket(grads.clone())).wait()
         finally:
-            hooks._LowRank._batches = batches
+            _powersgd._LowRank._batches = batches
         assert not state.p_memory_dict and not state.q_memory_dict
         return out
 

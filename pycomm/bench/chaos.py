@@ -281,18 +281,24 @@ def environment_trial(index: int, kind: str, victim: int, delay: float,
             record["breaches"].append(f"/dev/shm segments left: {record['shm_left']}")
     finally:
         stop.set()
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-            p.communicate()
-        for helper in (server, holder):
-            if helper is not None and helper.poll() is None:
-                helper.kill()
-            if helper is not None:
-                helper.communicate()
+        _end_job(procs, [h for h in (server, holder) if h is not None])
         shutil.rmtree(directory, ignore_errors=True)
     return record
+
+
+def _end_job(procs: list[subprocess.Popen], helpers: list[subprocess.Popen]) -> None:
+    """Kills what is left of an environment trial: its ranks (continued
+    first, should the throttle have left one stopped) and its helpers (the
+    store's server, the holder of the private /dev/shm); reaps them all."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        p.communicate()
+    for helper in helpers:
+        if helper.poll() is None:
+            helper.kill()
+        helper.communicate()
 
 
 def _fill(prefix: list[str]) -> None:

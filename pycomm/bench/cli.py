@@ -194,19 +194,8 @@ def add_hosts_argument(p: argparse.ArgumentParser) -> None:
 _nonneg_int = _int_at_least(0)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of one measuring sub-command (collective is positional)."""
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description=(
-            "Measure a collective the way nccl-tests does, for several algorithms side by "
-            "side (pycomm's ring, auto, nccl, and torch.distributed's own backend). Runs "
-            "under torchrun, or spawns --nproc local ranks. "
-            "`python -m pycomm.bench model RESULTS.json` fits the alpha-beta cost model."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("collective", choices=COLLECTIVES, help="what to measure")
+def _add_size_args(p: argparse.ArgumentParser) -> None:
+    """The message sizes swept (nccl-tests' -b -e -f -i)."""
     p.add_argument("-b", "--minbytes", type=_size_arg, default=parse_size("32M"),
                    metavar="SIZE", help="smallest message in bytes (K/M/G suffixes)")
     p.add_argument("-e", "--maxbytes", type=_size_arg, default=parse_size("32M"),
@@ -215,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiply the size by F each step (> 1)")
     p.add_argument("-i", "--stepbytes", type=_size_arg, default=parse_size("1M"), metavar="SIZE",
                    help="add SIZE each step when no -f is given")
+
+
+def _add_timing_args(p: argparse.ArgumentParser) -> None:
+    """How many calls are timed per size, and how they take turns between algos."""
     p.add_argument("-n", "--iters", type=_positive_int, default=20, help="timed iterations per size")
     p.add_argument("-w", "--warmup_iters", type=_nonneg_int, default=5, help="untimed warm-up iterations")
     p.add_argument("--rounds", type=_positive_int, default=4,
@@ -225,12 +218,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time at least this long per algo and round: small messages get more "
                         "calls than -n gives them (a call's time then settles as in a tight "
                         "loop); 0: exactly -n calls")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    """The data of each call: element type, reduction, root, and the check of the result."""
     p.add_argument("-d", "--datatype", default="float", help="element type: " + ", ".join(sorted(DTYPES)))
     p.add_argument("-o", "--op", default="sum", help="reduction: sum, prod, max, min, avg")
     p.add_argument("-r", "--root", type=_nonneg_int, default=0,
                    help="root rank (broadcast, reduce, gather, scatter)")
     p.add_argument("-c", "--check", type=_zero_one, default=1,
                    help="1: count wrong elements against an independently computed result")
+
+
+def _add_series_args(p: argparse.ArgumentParser) -> None:
+    """The series measured side by side: algorithms, quantized wires, other libraries."""
     p.add_argument("--algo", type=_algo_list, default=None,
                    help="comma-separated list of ring, auto, direct (shm), nccl (GPU), torch, flat, "
                         "symmetric, "
@@ -246,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", type=_peer_list, default=[], metavar="LIST",
                    help=f"comma-separated list of {', '.join(P.PEERS)}: another library's all-reduce "
                         "as one more series in the same rounds (pycomm/bench/peers.py)")
+
+
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    """Where the ranks run: transport, device, how many, on how many hosts, for how long."""
     p.add_argument("--transport", default="auto", choices=("auto", "gloo", "shm", "nccl"),
                    help="pycomm transport (pycomm.init(transport=...))")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -255,10 +260,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_hosts_argument(p)
     p.add_argument("-T", "--timeout", type=float, default=1800.0, metavar="SECONDS",
                    help="overall limit; ranks are killed and the run fails past it")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """What is written besides the table: JSON, a plot, a progress bar."""
     p.add_argument("--json", metavar="FILE", help="write every measured row as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw busbw vs size per algo")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of one measuring sub-command (collective is positional)."""
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=(
+            "Measure a collective the way nccl-tests does, for several algorithms side by "
+            "side (pycomm's ring, auto, nccl, and torch.distributed's own backend). Runs "
+            "under torchrun, or spawns --nproc local ranks. "
+            "`python -m pycomm.bench model RESULTS.json` fits the alpha-beta cost model."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("collective", choices=COLLECTIVES, help="what to measure")
+    _add_size_args(p)
+    _add_timing_args(p)
+    _add_data_args(p)
+    _add_series_args(p)
+    _add_job_args(p)
+    _add_output_args(p)
     return p
 
 

@@ -329,7 +329,7 @@ class Soak:
     def _callback_chain(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
         """PowerSGD's pattern: the second all-reduce is issued from the first's
         Future callback, and the chain's future is what the caller waits."""
-        from pycomm.hooks import _then_async
+        from pycomm._powersgd import _then_async
 
         c = self.comm
         t1, t2 = mine.clone(), mine.clone()

@@ -32,7 +32,6 @@ they answer each of (join, buffers, (2)-(6)) with zeros.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import itertools
 import time
@@ -44,33 +43,24 @@ import torch
 from torch import nn
 
 from .._grad_bucket import GradBucket
-from ..comm import Communicator, ReduceOp, Work, get_default
-from ._records import _Bucket, _InFlight, _JoinState
+from ..comm import Communicator, Work, get_default
+from ._records import CommHook, _Bucket, _InFlight, _JoinState
 from ._sync import broadcast_coalesced, check_same_parameters
+from ._unused import find_tensors, late_gradient_error, params_reached, unused_error
 from .buckets import bucket_size_limits, compute_bucket_assignment_by_size
 from .stats import BucketStats, DDPStats, IterationStats, comm_overlap
 
 __all__ = ["DistributedDataParallel"]
 
-CommHook = Callable[[Any, GradBucket], torch.futures.Future]
-
 _REDUCIBLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _STATS_HISTORY = 10_000
 
 
-def _find_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) forward output."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _find_tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _find_tensors(x)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _find_tensors(getattr(obj, f.name))
+def _as_communicator(comm: Any) -> Communicator:
+    """``comm``, which must be a pycomm.Communicator (TypeError otherwise)."""
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"comm must be a pycomm.Communicator, got {type(comm).__name__}")
+    return comm
 
 
 def _grad_ready_hook(ref: "weakref.ref[DistributedDataParallel]", i: int) -> Callable:
@@ -178,9 +168,7 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        comm = get_default() if comm is None else comm
-        if not isinstance(comm, Communicator):
-            raise TypeError(f"comm must be a pycomm.Communicator, got {type(comm).__name__}")
+        comm = _as_communicator(get_default() if comm is None else comm)
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
@@ -208,17 +196,7 @@ class DistributedDataParallel(nn.Module):
         except (TypeError, ValueError) as e:
             local_error = e
         # A collective even when this rank failed, so the others raise too.
-        every = list(module.named_parameters())  # frozen ones are broadcast too
-        check_same_parameters(comm, [p for _, p in every], [n for n, _ in every],
-                              str(local_error) if local_error else None)
-        if local_error is not None:
-            raise local_error
-        # As torch: every parameter, frozen ones (requires_grad=False) too, so
-        # that all ranks compute with rank 0's model; broadcast_buffers=False
-        # keeps rank-local buffers, at init too.
-        synced = [p for _, p in every] + (
-            self._module_buffers if self.broadcast_buffers else [])
-        broadcast_coalesced(comm, synced, src=0)
+        self._match_rank0(comm, local_error)
 
         n = len(self._params)
         self._comm_hook: CommHook | None = None
@@ -237,10 +215,7 @@ class DistributedDataParallel(nn.Module):
 
         # Initial buckets: reverse registration order (the usual gradient-ready
         # order), small first bucket; rebuilt once after the first iteration.
-        order = list(reversed(range(n)))
-        assignment, _ = compute_bucket_assignment_by_size(
-            [self._params[i] for i in order], self._limits, order)
-        self._set_buckets(assignment)
+        self._assign_buckets(list(reversed(range(n))))
 
         me = weakref.ref(self)
         self._grad_hooks = [p.register_post_accumulate_grad_hook(_grad_ready_hook(me, i))
@@ -259,6 +234,31 @@ class DistributedDataParallel(nn.Module):
                                  f"on {dev}; move the module to {dev} before wrapping it")
             if p.is_sparse:
                 raise ValueError(f"parameter {name!r} is sparse; only dense gradients are supported")
+
+    def _match_rank0(self, comm: Communicator, local_error: Exception | None = None) -> None:
+        """Makes every rank's model rank 0's, a collective of ``comm``: raises
+        on every rank unless all wrap the same parameters (``local_error``,
+        this rank's own failed check, is named to the others, then raised
+        here); then broadcasts rank 0's parameters (and, with
+        broadcast_buffers, its buffers)."""
+        every = list(self.module.named_parameters())  # frozen ones are broadcast too
+        check_same_parameters(comm, [p for _, p in every], [n for n, _ in every],
+                              str(local_error) if local_error else None)
+        if local_error is not None:
+            raise local_error
+        # As torch: every parameter, frozen ones (requires_grad=False) too, so
+        # that all ranks compute with rank 0's model; broadcast_buffers=False
+        # keeps rank-local buffers, at init too.
+        synced = [p for _, p in every] + (
+            self._module_buffers if self.broadcast_buffers else [])
+        broadcast_coalesced(comm, synced, src=0)
+
+    def _assign_buckets(self, order: list[int]) -> None:
+        """Buckets for the parameters in gradient-ready ``order`` (their
+        indices), filled in that order up to the size limits."""
+        assignment, _ = compute_bucket_assignment_by_size(
+            [self._params[i] for i in order], self._limits, order)
+        self._set_buckets(assignment)
 
     def _set_buckets(self, assignment: list[list[int]]) -> None:
         """Allocates the buckets; with gradient_as_bucket_view, existing
@@ -312,9 +312,9 @@ class DistributedDataParallel(nn.Module):
     def _prepare_for_backward(self, outputs: Any) -> None:
         """Arms the backward hooks; finds the parameters this forward did not use."""
         self._sync_pending = True
-        tensors = [t for t in _find_tensors(outputs) if t.requires_grad]
+        tensors = [t for t in find_tensors(outputs) if t.requires_grad]
         if self._find_unused_now():
-            reached = self._params_reached(tensors)
+            reached = params_reached(tensors, self._index_of)
             self._unused_now = [i for i in range(len(self._params)) if i not in reached]
         elif self.static_graph:
             self._unused_now = list(self._static_unused)
@@ -324,29 +324,6 @@ class DistributedDataParallel(nn.Module):
             # parameter then gets a gradient (the others must not wait for us).
             if t.grad_fn is not None:
                 t.register_hook(_output_grad_hook(me))
-
-    def _params_reached(self, tensors: list[torch.Tensor]) -> set[int]:
-        """Indices of the parameters whose AccumulateGrad node is reachable
-        from ``tensors``' autograd graph."""
-        reached: set[int] = set()
-        stack = []
-        for t in tensors:
-            if t.grad_fn is None:
-                if id(t) in self._index_of:
-                    reached.add(self._index_of[id(t)])
-            else:
-                stack.append(t.grad_fn)
-        seen: set[Any] = set()
-        while stack:
-            fn = stack.pop()
-            if fn in seen:
-                continue
-            seen.add(fn)
-            var = getattr(fn, "variable", None)
-            if var is not None and id(var) in self._index_of:
-                reached.add(self._index_of[id(var)])
-            stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
-        return reached
 
     # ------------------------------------------------------------ backward
     def _start_backward(self) -> bool:
@@ -408,48 +385,13 @@ class DistributedDataParallel(nn.Module):
         step to step, in symmetric memory)."""
         record = _InFlight(buffer=buffer, launched=time.perf_counter())
         if self._comm_hook is None:
-            div = self._divisor()
-            op = ReduceOp.AVG if div == self.comm.world_size else ReduceOp.SUM
-            record.post_scale = 1.0 if op == ReduceOp.AVG else 1.0 / div
-            # register: on shm the bucket moves into symmetric memory at its
-            # first all-reduce (every rank registers it), and later ones read and
-            # write every rank's bucket in place.
-            record.work = self.comm.all_reduce(buffer, op=op, async_op=True, register=register)
-            fut = record.work.get_future()
+            record.start_average(self.comm, self._divisor(), register)
         else:
             params = [self._params[i] for i in self._buckets[index].param_indices]
-            grad_bucket = GradBucket(index, buffer, views, params,
-                                     index == len(self._buckets) - 1)
-            fut = self._comm_hook(self._hook_state, grad_bucket)
-            if not isinstance(fut, torch._C.Future):  # torch.futures.Future's base
-                raise TypeError(f"the comm hook must return a torch.futures.Future, got "
-                                f"{type(fut).__name__} (bucket {index})")
-            record.future = fut
-        record.timed = fut.then(lambda _f: setattr(record, "done", time.perf_counter()))
+            record.start_hook(self._comm_hook, self._hook_state,
+                              GradBucket(index, buffer, views, params,
+                                         index == len(self._buckets) - 1))
         return record
-
-    def _wait(self, record: _InFlight, index: int) -> None:
-        """Waits for a launched bucket; its reduced gradients end up in its buffer."""
-        assert record.timed is not None  # set by _launch
-        if record.work is not None:
-            if record.buffer.device.type == "cpu":
-                record.timed.wait()
-            record.work.wait()  # on GPU: the current stream waits, not the host
-            if record.post_scale != 1.0:
-                record.buffer.mul_(record.post_scale)
-            return
-        record.timed.wait()
-        assert record.future is not None  # a comm hook's launch sets it
-        value = record.future.wait()
-        if isinstance(value, (list, tuple)) and len(value) == 1:
-            value = value[0]
-        if not isinstance(value, torch.Tensor) or value.numel() != record.buffer.numel():
-            what = (f"a tensor of {value.numel()} elements" if isinstance(value, torch.Tensor)
-                    else type(value).__name__)
-            raise RuntimeError(f"the comm hook's future for bucket {index} returned {what}; "
-                               f"expected a tensor of {record.buffer.numel()} elements")
-        if value.data_ptr() != record.buffer.data_ptr():
-            record.buffer.copy_(value.reshape(-1))
 
     def _needs_used_flags(self) -> bool:
         return not (self.static_graph and self._iteration > 0)
@@ -475,7 +417,7 @@ class DistributedDataParallel(nn.Module):
             known = self._static_counts if status is None else None
             early = known is not None or not (self.find_unused_parameters or self.static_graph)
             for k, record in enumerate(self._inflight):
-                self._wait(record, k)
+                record.wait(k)
                 if early:
                     self._write_back(self._buckets[k], known)
             t_waited = time.perf_counter()
@@ -505,31 +447,15 @@ class DistributedDataParallel(nn.Module):
         values = tensor.tolist()
         counts, late = values[:-1], values[-1]
         if late:
-            names = ", ".join(self._names[i] for i in self._late) or "(on another rank)"
-            raise RuntimeError(
-                "DistributedDataParallel: a parameter got its gradient after DDP had treated it "
-                f"as unused ({names}): with find_unused_parameters/static_graph, every gradient "
-                "must come from the forward's outputs (do not use parameters outside forward)")
+            raise RuntimeError(late_gradient_error([self._names[i] for i in self._late]))
         if not self._find_unused_now() and not self.static_graph:
             missing = [i for i, c in enumerate(counts) if c != self._active]
             if missing:
-                raise RuntimeError(self._unused_error(missing, counts, flags))
+                raise RuntimeError(unused_error(self._names, missing, counts, flags, self._active))
         if self.static_graph and self._static_counts is None:
             self._static_counts = counts
             self._static_unused = [i for i, f in enumerate(flags) if not f]
         return counts
-
-    def _unused_error(self, missing: list[int], counts: list[int], flags: list[int]) -> str:
-        shown = ", ".join(f"{self._names[i]!r} (index {i}: got a gradient on {counts[i]} of "
-                          f"{self._active} ranks, {'not ' if not flags[i] else ''}on this one)"
-                          for i in missing[:8])
-        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        return ("DistributedDataParallel: Expected to have finished reduction, but parameters "
-                f"did not receive a gradient on every rank: {shown}{more}. This error indicates "
-                "that your module has parameters that were not used in producing loss. Pass "
-                "find_unused_parameters=True (or static_graph=True if the unused set never "
-                "changes), or make sure every output of forward takes part in the loss. "
-                "Every rank raises this error; the .grad values are not valid.")
 
     def _write_back(self, bucket: _Bucket, counts: list[int] | None) -> None:
         """A bucket's averaged gradients into ``.grad``; parameters that no
@@ -571,9 +497,7 @@ class DistributedDataParallel(nn.Module):
         if sorted(order) != list(range(n)):
             raise RuntimeError(f"DistributedDataParallel: rank 0's bucket order {order} is not a "
                                "permutation of the parameters (ranks wrap different models?)")
-        assignment, _ = compute_bucket_assignment_by_size(
-            [self._params[i] for i in order], self._limits, order)
-        self._set_buckets(assignment)
+        self._assign_buckets(order)
         self._rebuilt_after = self._iteration
 
     # ------------------------------------------------------------ public API
@@ -669,18 +593,13 @@ class DistributedDataParallel(nn.Module):
             ValueError: the parameters are not on ``comm``'s device, or
                 differ in shape or dtype between ``comm``'s ranks.
         """
-        if not isinstance(comm, Communicator):
-            raise TypeError(f"comm must be a pycomm.Communicator, got {type(comm).__name__}")
-        old, self.comm = self.comm, comm
+        old, self.comm = self.comm, _as_communicator(comm)
         if self._hook_state is old:
             self._hook_state = comm
         self._join = None
         self._active = comm.world_size
         self._check_params()
-        every = list(self.module.named_parameters())
-        check_same_parameters(comm, [p for _, p in every], [n for n, _ in every])
-        broadcast_coalesced(comm, [p for _, p in every] + (
-            self._module_buffers if self.broadcast_buffers else []), src=0)
+        self._match_rank0(comm)
         self._set_buckets([bucket.param_indices for bucket in self._buckets])
         self._reset_iteration()
 
@@ -724,35 +643,20 @@ class DistributedDataParallel(nn.Module):
             self._buffer_src = 0
 
     def _join_notify(self, active: bool, sync: bool) -> bool:
-        """The per-iteration all-reduce of [active per rank..., syncing ranks].
+        """The per-iteration all-reduce of [active per rank..., syncing ranks]
+        (:meth:`_JoinState.notify`); adopts the active ranks it names.
 
         Returns:
             whether any rank is still active.
         """
-        join, comm = self._join, self.comm
-        assert join is not None
-        n = comm.world_size
-        v = torch.zeros(n + 1, dtype=torch.int64, device=comm.device)
-        if active:
-            v[comm.rank] = 1
-            v[n] = int(sync)
-        comm.all_reduce(v)
-        flags = v.tolist()
-        ranks = [r for r in range(n) if flags[r]]
-        if not ranks:
+        join = self._join
+        assert join is not None  # inside join()
+        shadow_sync = join.notify(self.comm, active, sync)
+        if shadow_sync is None:
             return False
-        join.last_active = ranks
-        if join.throw_on_early_termination and len(ranks) < n:
-            done = sorted(set(range(n)) - set(ranks))
-            raise RuntimeError(f"DistributedDataParallel.join(throw_on_early_termination=True): "
-                               f"rank(s) {done} exhausted their inputs")
-        if flags[n] not in (0, len(ranks)):
-            raise RuntimeError("DistributedDataParallel.join(): the active ranks disagree on "
-                               "synchronising gradients (no_sync() or torch.no_grad() on some "
-                               "ranks only)")
-        self._active = len(ranks)
-        self._buffer_src = max(ranks)
-        self._shadow_sync = bool(flags[n])
+        self._active = len(join.last_active)
+        self._buffer_src = max(join.last_active)
+        self._shadow_sync = shadow_sync
         return True
 
     def _shadow_until_all_joined(self) -> None:
@@ -779,7 +683,7 @@ class DistributedDataParallel(nn.Module):
         n = len(self._params)
         status = self._launch_used_flags([0] * n, False)
         for k, record in enumerate(records):
-            self._wait(record, k)
+            record.wait(k)
         self._check_used(status, [0] * n)
         self._iteration += 1
         if self._rebuild_pending:
