@@ -1,27 +1,20 @@
 #!/usr/bin/env python3
 """Size limits that keep the code readable (run by scripts/lint.sh).
 
-Errors (exit 1):
-- no source file in csrc/ or pycomm/ over MAX_FILE_LINES lines;
+Each is an error (exit 1), printed with where it is:
+- no unit in csrc/ or pycomm/ over MAX_UNIT_LINES lines, a unit being a
+  source together with its header (``foo.cc`` + ``foo.h``, ``foo.cpp`` +
+  ``foo.h``: the same stem in the same folder; a file with no partner, and
+  every Python module, is a unit alone);
 - no function over MAX_FUNCTION_LINES lines of logic: blank lines, comments
   and (Python) docstrings do not count; nested functions and lambdas count
   towards the function that holds them.
 
-Warnings (printed, exit status unchanged): the targets of issue 37, which
-the tree does not meet yet:
-- no unit over WARN_UNIT_LINES lines, a unit being a source together with
-  its header (``foo.cc`` + ``foo.h``, ``foo.cpp`` + ``foo.h``: the same
-  stem in the same folder; a file with no partner, and every Python
-  module, is a unit alone);
-- no function over WARN_FUNCTION_LINES lines of logic.
-
 Python functions are found with `ast`; C++/CUDA function bodies with a brace
 scanner over the text with comments and literals removed (a `{` that follows
-a parameter list, outside any other function body). Prints each violation
-and exits 1 if there is any.
+a parameter list, outside any other function body).
 
-    python scripts/check_size.py [--max-file N] [--max-function N]
-                                 [--warn-unit N] [--warn-function N] [ROOT ...]
+    python scripts/check_size.py [--max-unit N] [--max-function N] [ROOT ...]
 """
 
 from __future__ import annotations
@@ -32,10 +25,8 @@ import re
 import sys
 from pathlib import Path
 
-MAX_FILE_LINES = 800
-MAX_FUNCTION_LINES = 80
-WARN_UNIT_LINES = 700
-WARN_FUNCTION_LINES = 60
+MAX_UNIT_LINES = 700
+MAX_FUNCTION_LINES = 60
 ROOTS = ("csrc", "pycomm")
 CPP_SUFFIXES = {".cc", ".cpp", ".h", ".cu", ".cuh"}
 # Keywords whose `(...) {` opens a block inside a function, not a function.
@@ -157,52 +148,41 @@ def units(paths: list[Path]) -> dict[str, list[Path]]:
     return out
 
 
-def check(roots: list[str], args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """(problems, warnings) of the source files under ``roots``."""
+def check(roots: list[str], args: argparse.Namespace) -> list[str]:
+    """The violations of the limits in the source files under ``roots``."""
     problems: list[str] = []
-    warnings: list[str] = []
     paths = [p for root in roots for p in sorted(Path(root).rglob("*"))
              if p.suffix in CPP_SUFFIXES | {".py"} and p.is_file()]
     lines: dict[Path, int] = {}
     for path in paths:
         text = path.read_text()
-        lines[path] = n = text.count("\n")
-        if n > args.max_file:
-            problems.append(f"{path}: {n} lines (limit {args.max_file})")
+        lines[path] = text.count("\n")
         found = python_functions(path, text) if path.suffix == ".py" else cpp_functions(path, text)
         for line, name, logic in found:
             if logic > args.max_function:
                 problems.append(f"{path}:{line}: function {name} has {logic} lines of logic "
                                 f"(limit {args.max_function})")
-            elif logic > args.warn_function:
-                warnings.append(f"{path}:{line}: function {name} has {logic} lines of logic "
-                                f"(target {args.warn_function})")
     for unit, members in sorted(units(paths).items()):
         total = sum(lines[p] for p in members)
-        if total > args.warn_unit:
+        if total > args.max_unit:
             header = " with its header" if len(members) > 1 else ""
-            warnings.append(f"{unit}: {total} lines{header} (target {args.warn_unit})")
-    return problems, warnings
+            problems.append(f"{unit}: {total} lines{header} (limit {args.max_unit})")
+    return problems
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--max-file", type=int, default=MAX_FILE_LINES)
-    ap.add_argument("--max-function", type=int, default=MAX_FUNCTION_LINES)
-    ap.add_argument("--warn-unit", type=int, default=WARN_UNIT_LINES,
-                    help="warn about a source and its header over this many lines together")
-    ap.add_argument("--warn-function", type=int, default=WARN_FUNCTION_LINES,
-                    help="warn about a function over this many lines of logic")
+    ap.add_argument("--max-unit", type=int, default=MAX_UNIT_LINES,
+                    help="a source and its header together, at most this many lines")
+    ap.add_argument("--max-function", type=int, default=MAX_FUNCTION_LINES,
+                    help="a function, at most this many lines of logic")
     ap.add_argument("roots", nargs="*", default=list(ROOTS))
     args = ap.parse_args()
-    problems, warnings = check(args.roots, args)
-    for w in warnings:
-        print(f"warning: {w}")
+    problems = check(args.roots, args)
     for p in problems:
         print(p)
-    print(f"check_size: {len(problems)} problem(s), {len(warnings)} warning(s) (targets: units "
-          f"<= {args.warn_unit} lines, functions <= {args.warn_function} lines of logic)",
-          file=sys.stderr)
+    print(f"check_size: {len(problems)} problem(s) (limits: units <= {args.max_unit} lines, "
+          f"functions <= {args.max_function} lines of logic)", file=sys.stderr)
     return 1 if problems else 0
 
 
