@@ -1,10 +1,12 @@
 """API fuzz (hypothesis): random, often wrong, arguments to every
-Communicator collective and to p2p, the same on every rank of a world of 1
-to 3. Every call either works (every rank then agrees bitwise on its
-outputs) or raises TypeError / ValueError / NotImplementedError / CommError
-on every rank alike, with a message that names the call; after it, the
-communicator still all-reduces correctly. No crash, no hang (a hung case
-fails at run_ranks' timeout).
+collective and to p2p, the same on every rank of a world of 1 to 3, through
+each of the three ways in: a Communicator's method, its module-level twin
+(``pycomm.all_reduce``: the default communicator) and the torch.distributed
+op on a ``"pycomm"`` process group. Every call either works (every rank then
+agrees bitwise on its outputs) or raises TypeError / ValueError /
+NotImplementedError / CommError on every rank alike, with a message that
+names the call; after it, the communicator still all-reduces correctly. No
+crash, no hang (a hung case fails at run_ranks' timeout).
 
 Arguments are identical on every rank (a wrong size on one rank only is
 checked mode's business, tests/test_misuse.py), and lists for rooted ops are
@@ -23,12 +25,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests._dist import close_pools, run_ranks
 
 ALLOWED = ("TypeError", "ValueError", "NotImplementedError", "CommError")
+APIS = ("method", "module", "c10d")
 METHODS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather",
            "scatter", "all_to_all", "all_to_all_single", "p2p")
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "int8", "bool",
@@ -54,6 +58,7 @@ async_ops = st.sampled_from([False, True])
 def calls(draw: Any) -> dict[str, Any]:
     method = draw(st.sampled_from(METHODS))
     return {
+        "api": draw(st.sampled_from(APIS)),
         "method": method,
         "a": draw(tensor_args),
         "b": draw(tensor_args),
@@ -90,22 +95,32 @@ def _like(t: Any, n: int) -> Any:
 
 
 def _call(comm: Any, c: dict[str, Any]) -> list[Any]:
-    """Makes the call; returns the outputs to compare across ranks."""
+    """Makes the call through the case's API; returns the outputs to compare
+    across ranks."""
     a, b = _build(c["a"]), _build(c["b"])
+    if c["api"] == "c10d":
+        return _call_c10d(comm, c, a, b)
+    if c["api"] == "module":
+        import pycomm
+
+        assert pycomm.get_default() is comm
+        api: Any = pycomm  # the module-level twins, on the default communicator
+    else:
+        api = comm
     m, r, n = c["method"], comm.rank, comm.world_size
     root, opts = c["root"], {"async_op": c["async_op"]}
     n_list = n if c["n_list"] is None else c["n_list"]
     outs: list[Any] = [a]
     if m == "all_reduce":
-        work = comm.all_reduce(a, op=c["op"], algo=c["algo"], **opts)
+        work = api.all_reduce(a, op=c["op"], algo=c["algo"], **opts)
     elif m == "reduce_scatter":
-        work = comm.reduce_scatter(a, b, op=c["op"], algo=c["algo"], **opts)
+        work = api.reduce_scatter(a, b, op=c["op"], algo=c["algo"], **opts)
     elif m == "all_gather":
-        work = comm.all_gather(a, b, algo=c["algo"], **opts)
+        work = api.all_gather(a, b, algo=c["algo"], **opts)
     elif m == "broadcast":
-        work = comm.broadcast(a, src=root, algo=c["algo"], **opts)
+        work = api.broadcast(a, src=root, algo=c["algo"], **opts)
     elif m == "reduce":
-        work = comm.reduce(a, dst=root, op=c["op"], **opts)
+        work = api.reduce(a, dst=root, op=c["op"], **opts)
         outs = [a] if root == r else []
     elif m in ("gather", "scatter"):
         # The root's list matches the other tensor (world_size of them): a
@@ -113,44 +128,161 @@ def _call(comm: Any, c: dict[str, Any]) -> list[Any]:
         like = b if m == "gather" else a
         lst = _like(like, n) if root == r else None
         if m == "gather":
-            work = comm.gather(lst, b, dst=root, **opts)
+            work = api.gather(lst, b, dst=root, **opts)
             outs = lst if isinstance(lst, list) else []
         else:
-            work = comm.scatter(a, lst, src=root, **opts)
+            work = api.scatter(a, lst, src=root, **opts)
     elif m == "all_to_all":
         outs = _like(a, n_list)
-        work = comm.all_to_all(outs, _like(b, n_list), **opts)
+        work = api.all_to_all(outs, _like(b, n_list), **opts)
     elif m == "all_to_all_single":
-        work = comm.all_to_all_single(a, b, c["splits"], c["splits"], **opts)
+        work = api.all_to_all_single(a, b, c["splits"], c["splits"], **opts)
     else:  # p2p around the ring: send a to the next rank, receive b from the previous one
-        if n == 1:
-            return []
-        works = [comm.isend(a, (r + 1) % n, tag=c["tag"]), comm.irecv(b, (r - 1) % n, tag=c["tag"])]
-        for w in works:
-            w.wait()
-        return [b]
+        return _ring_p2p(api, a, b, r, n, c["tag"])
     if work is not None:
         work.wait()
     return outs if isinstance(outs, list) else []
 
 
+class LeftPosted(Exception):
+    """The isend was posted, then the irecv raised: the message is left for
+    whichever receive comes next, as in torch.distributed (nothing cancels a
+    posted send), so the case's ranks are not reused."""
+
+
+def _ring_p2p(api: Any, a: Any, b: Any, r: int, n: int, tag: int) -> list[Any]:
+    """isend ``a`` to the next rank, irecv ``b`` from the previous one, wait
+    for both (``api``: a Communicator, the pycomm module or
+    torch.distributed)."""
+    if n == 1:
+        return []
+    send = api.isend(a, (r + 1) % n, tag=tag)
+    try:
+        recv = api.irecv(b, (r - 1) % n, tag=tag)
+    except Exception as e:
+        raise LeftPosted() from e
+    send.wait()
+    recv.wait()
+    return [b]
+
+
+# torch.distributed's ReduceOp for the fuzzed ops. torch's frontend rejects
+# a value that is not a ReduceOp before any backend sees it, so the others
+# become the ReduceOps a backend may lack (bitwise ones).
+_C10D_OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+_C10D_ODD_OPS = ("BAND", "BOR", "BXOR")
+
+
+def _c10d_op(op: Any) -> Any:
+    name = _C10D_OPS.get(op) if isinstance(op, str) else None
+    return getattr(dist.ReduceOp, name or _C10D_ODD_OPS[len(repr(op)) % len(_C10D_ODD_OPS)])
+
+
+def _c10d_group(comm: Any) -> None:
+    """The default process group of this pool's ranks, on the pycomm backend
+    over the pool's transport (made once per pool: rank 0's store port goes
+    out over ``comm``)."""
+    if dist.is_initialized():
+        return
+    import pycomm
+
+    port = torch.zeros(1, dtype=torch.int64)
+    if comm.rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, comm.world_size, is_master=True,
+                              wait_for_workers=False)
+        port[0] = store.port
+    comm.broadcast(port, src=0)
+    if comm.rank != 0:
+        store = dist.TCPStore("127.0.0.1", int(port[0]), comm.world_size, is_master=False)
+    dist.init_process_group("pycomm", store=store, rank=comm.rank, world_size=comm.world_size,
+                            pg_options=pycomm.backend.Options(transport=comm.transport))
+
+
+def _call_c10d(comm: Any, c: dict[str, Any], a: Any, b: Any) -> list[Any]:
+    """The case as a torch.distributed op on the pycomm process group. algo
+    has no c10d twin; a root must be an int there (torch's own frontend
+    compares it with the group's ranks before any backend sees it)."""
+    _c10d_group(comm)
+    m, r, n = c["method"], comm.rank, comm.world_size
+    root = c["root"] if isinstance(c["root"], int) and 0 <= c["root"] < n else 0
+    op = _c10d_op(c["op"])
+    opts = {"async_op": c["async_op"]}
+    n_list = n if c["n_list"] is None else c["n_list"]
+    outs: list[Any] = [a]
+    if m == "all_reduce":
+        work = dist.all_reduce(a, op=op, **opts)
+    elif m == "reduce_scatter":
+        work = dist.reduce_scatter_tensor(a, b, op=op, **opts)
+    elif m == "all_gather":
+        work = dist.all_gather_into_tensor(a, b, **opts)
+    elif m == "broadcast":
+        work = dist.broadcast(a, src=root, **opts)
+    elif m == "reduce":
+        work = dist.reduce(a, dst=root, op=op, **opts)
+        outs = [a] if root == r else []
+    elif m in ("gather", "scatter"):
+        like = b if m == "gather" else a
+        lst = _like(like, n) if root == r else None
+        if m == "gather":
+            work = dist.gather(b, gather_list=lst, dst=root, **opts)
+            outs = lst if isinstance(lst, list) else []
+        else:
+            work = dist.scatter(a, scatter_list=lst, src=root, **opts)
+    elif m == "all_to_all":
+        outs = _like(a, n_list)
+        work = dist.all_to_all(outs, _like(b, n_list), **opts)
+    elif m == "all_to_all_single":
+        work = dist.all_to_all_single(a, b, c["splits"], c["splits"], **opts)
+    else:
+        return _ring_p2p(dist, a, b, r, n, c["tag"])
+    if work is not None:
+        work.wait()
+    return outs if isinstance(outs, list) else []
+
+
+def _raised_by_torch_frontend(e: BaseException) -> bool:
+    """Whether torch.distributed's Python frontend raised ``e`` itself (a
+    ``raise`` statement in torch/distributed), before any backend saw the
+    call. The backend's errors surface from the frontend's call into the
+    process group, a line that is not a ``raise``."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or "torch/distributed/" not in tb.tb_frame.f_code.co_filename:
+        return False
+    import linecache
+
+    line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).strip()
+    return line.startswith("raise ")
+
+
 def _fuzz_case(comm: Any, c: dict[str, Any]) -> tuple[str, str]:
-    """One rank's outcome: ("ok", digest of outputs) or (exception type, message);
-    then the communicator must still all-reduce correctly."""
+    """One rank's outcome: ("ok", digest of outputs) or (exception type,
+    message), the type prefixed "torch:" where torch's own frontend raised
+    it (its messages are torch's), and "left-posted:" where a p2p case's
+    send stays posted (LeftPosted); then the communicator (and the process
+    group, once made) must still all-reduce correctly."""
     try:
         outs = _call(comm, c)
     except Exception as e:  # noqa: BLE001 - the outcome is what the test checks
-        outcome = (type(e).__name__, str(e))
+        err = e.__cause__ if isinstance(e, LeftPosted) else e
+        frontend = c["api"] == "c10d" and _raised_by_torch_frontend(err)
+        outcome = (("torch:" if frontend else "") + type(err).__name__, str(err))
+        if isinstance(e, LeftPosted):
+            outcome = ("left-posted:" + outcome[0], outcome[1])  # the test replaces these ranks
     else:
         h = hashlib.sha1()
         for t in outs:
             h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         outcome = ("ok", h.hexdigest())
-    if outcome[0] == "CommError":
+    if outcome[0].endswith("CommError"):
         return outcome  # the communicator may be aborted: the test replaces it
     x = torch.ones(5)
     comm.all_reduce(x)
     assert torch.all(x == comm.world_size), f"communicator broken after {c}: {outcome}"
+    if dist.is_initialized():
+        dist.all_reduce(x)
+        assert torch.all(x == comm.world_size**2), f"process group broken after {c}: {outcome}"
     return outcome
 
 
@@ -159,16 +291,33 @@ def _check(transport: str, world_size: int, c: dict[str, Any]) -> None:
     kinds = {o[0] for o in outcomes}
     assert len(kinds) == 1, f"ranks disagree on {c}: {outcomes}"
     kind, detail = outcomes[0]
-    if kind == "CommError":
-        close_pools()  # its communicators may be aborted: the next case gets fresh ranks
+    if kind == "CommError" or kind.startswith("left-posted:"):
+        close_pools()  # aborted communicators or a send left posted: the next case gets fresh ranks
+        kind = kind.removeprefix("left-posted:")
     if kind == "ok":
         if c["method"] in ("all_reduce", "all_gather", "broadcast"):
             assert len({o[1] for o in outcomes}) == 1, f"outputs differ across ranks: {c}"
         return
+    if kind.startswith("torch:"):  # torch's frontend: its type is checked, its words are torch's
+        assert kind[len("torch:"):] in ALLOWED, f"{c} raised {kind}: {detail}"
+        return
     assert kind in ALLOWED, f"{c} raised {kind}: {detail}"
-    named = c["method"] if c["method"] != "p2p" else ("send", "recv")
-    assert detail and any(w in detail for w in ([named] if isinstance(named, str) else named)) \
-        or "reduce op" in detail or "datatype" in detail, f"{c}: message does not name the call: {detail}"
+    assert _names_the_call(c, detail), f"{c}: message does not name the call: {detail}"
+
+
+# How a message may name its call: the method, or its c10d op (the backend's
+# names; torch's frontend names the parameter it rejects instead).
+_C10D_NAMES = {"all_reduce": ("allreduce",), "reduce_scatter": ("reduce_scatter",),
+               "all_gather": ("allgather", "all_gather"), "all_to_all": ("alltoall",),
+               "all_to_all_single": ("alltoall_base", "all_to_all_single", "split")}
+
+
+def _names_the_call(c: dict[str, Any], detail: str) -> bool:
+    names = ("send", "recv") if c["method"] == "p2p" else (c["method"],)
+    if c["api"] == "c10d":
+        names += _C10D_NAMES.get(c["method"], ())
+    return bool(detail) and (any(w in detail for w in names) or "reduce op" in detail
+                             or "datatype" in detail)
 
 
 _fast = settings(max_examples=60, deadline=None, derandomize=True, database=None,
