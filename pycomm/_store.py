@@ -54,6 +54,12 @@ def _missing(store: Any, keys: dict[int, str]) -> list[int]:
     return [q for q, k in keys.items() if not store.check([k])]
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    """"rank 1" or "ranks [1, 2]": one rank is named as the errors of
+    collectives name it."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
 def _wait_watching(store: Any, keys: dict[int, str], what: str,
                    exited: Callable[[list[int]], list[int]]) -> None:
     # Polls (check() neither blocks nor logs a timeout, as a sliced wait()
@@ -70,8 +76,9 @@ def _wait_watching(store: Any, keys: dict[int, str], what: str,
             looked = now
             gone = exited(_missing(store, keys))
             if gone:
-                raise CommError(f"{what}: ranks {gone} exited before arriving (their processes "
-                                "are gone); every rank of a new communicator must create it")
+                raise CommError(f"{what}: {_ranks_text(gone)} exited before arriving (their "
+                                "processes are gone); every rank of a new communicator must "
+                                "create it")
         time.sleep(nap)
         nap = min(2 * nap, 0.1)
 
@@ -92,7 +99,7 @@ def wait_for(store: Any, keys: dict[int, str], what: str) -> None:
     except dist.DistStoreError as e:
         missing = _missing(store, keys)
         raise CommError(
-            f"{what}: ranks {missing} did not arrive within the store's timeout "
+            f"{what}: {_ranks_text(missing)} did not arrive within the store's timeout "
             f"({store.timeout.total_seconds():g} s); every rank of a new communicator must "
             "create it (init(), or new_group/split on every member)") from e
 

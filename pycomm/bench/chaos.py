@@ -119,7 +119,7 @@ def trial(index: int, kind: str, victim: int, delay: float, args: argparse.Names
     from .soak import shm_segments
 
     directory = Path(tempfile.mkdtemp(prefix="pycomm-chaos-"))
-    argv = _soak_argv(index, directory, args, groups=False)
+    argv = _soak_argv(index, directory, args, groups=kind != "stop")
     store, procs = start_script(argv, args.nproc, timeout=args.op_timeout + HUNG_S + 120,
                                 env=_rank_env())
     record: dict[str, Any] = {"trial": index, "fault": kind, "victim": victim,
@@ -152,9 +152,11 @@ def trial(index: int, kind: str, victim: int, delay: float, args: argparse.Names
 def _soak_argv(index: int, directory: Path, args: argparse.Namespace, *,
                groups: bool = True) -> list[str]:
     """A trial's soak; ``groups=False`` leaves out the steps that make a
-    group: a group's rendezvous waits for its members within the store's
-    timeout, not the communicator's (ranks may reach it far apart), so a
-    member killed meanwhile is seen only then, outside the signal rule."""
+    group. A group's rendezvous waits for its members within the store's
+    timeout, not the communicator's (ranks may reach it far apart); it
+    names a member whose process is gone at once (liveness watch), but one
+    stopped by SIGSTOP is seen only at the store's timeout, outside the
+    signal rule: stop trials leave groups out."""
     return ["-m", "pycomm.bench", "soak", "--transport", args.transport,
             "--seed", str(args.seed + index), "--max-bytes", args.max_bytes,
             "--op-timeout", str(args.op_timeout), "--report", "1e9", "--chaos", str(directory),
