@@ -27,7 +27,7 @@ __all__ = ["agree_errors", "all_gather", "broadcast", "wait_for", "watching_live
 #: rank it waits for has exited.
 LIVENESS_SLICE = timedelta(seconds=0.5)
 
-#: ranks still missing -> those of them known to have exited (see
+#: ranks still missing -> the ranks to name as known to have exited (see
 #: watching_liveness); None: wait without looking.
 _exited: ContextVar[Callable[[list[int]], list[int]] | None] = ContextVar(
     "pycomm_rendezvous_exited", default=None)
@@ -41,8 +41,9 @@ def watching_liveness(exited: Callable[[list[int]], list[int]] | None) -> Iterat
     timeout. A group's rendezvous runs under it (Communicator._create_group):
     a member that died before arriving is seen within a second where its
     process can be seen (on this host). ``exited`` reads the waits' ranks as
-    the group's: a build whose waits number ranks otherwise (a hierarchy's
-    parts) runs under ``watching_liveness(None)``, which waits plainly."""
+    the group's and returns the ranks to name (the parent's, for a group): a
+    build whose waits number ranks otherwise (a hierarchy's parts) runs
+    under ``watching_liveness(None)``, which waits plainly."""
     token = _exited.set(exited)
     try:
         yield

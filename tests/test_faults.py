@@ -505,7 +505,7 @@ def _member_exits_before_the_group(rank, world, port):
         os._exit(0)  # gone before the group's rendezvous
     t0 = time.monotonic()
     try:
-        comm.new_group([0, 1, 2])
+        comm.new_group([2, 0, 1])  # rank 2 is the group's rank 0
         out = ("created", "", time.monotonic() - t0)
     except pycomm.CommError as e:
         out = ("raised", str(e), time.monotonic() - t0)
@@ -516,13 +516,14 @@ def _member_exits_before_the_group(rank, world, port):
 
 def test_a_member_that_exited_fails_the_group_at_once():
     """A member that exited before a group's rendezvous is named within
-    about a second (its process is gone), not after the store's 60 s."""
+    about a second (its process is gone), not after the store's 60 s, by
+    its rank in the communicator that makes the group."""
     results = spawn_ranks(_member_exits_before_the_group, 3, timeout=150)
     assert results[2] == ("died", 0), results[2]
     for r in (0, 1):
         status, msg, elapsed = results[r]
         assert status == "raised" and "rank 2 exited before arriving" in msg, results[r]
-        assert "creating the group of ranks [0, 1, 2]" in msg, msg
+        assert "creating the group of ranks [2, 0, 1]" in msg, msg
         assert elapsed < 10, f"rank {r} took {elapsed:.1f} s"
 
 
