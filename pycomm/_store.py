@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ._ext import CommError
 
-__all__ = ["agree_errors", "all_gather", "broadcast", "wait_for", "watching_liveness"]
+__all__ = ["agree_errors", "all_gather", "broadcast", "ranks_text", "wait_for", "watching_liveness"]
 
 #: How often a rendezvous under :func:`watching_liveness` looks whether a
 #: rank it waits for has exited.
@@ -55,7 +55,7 @@ def _missing(store: Any, keys: dict[int, str]) -> list[int]:
     return [q for q, k in keys.items() if not store.check([k])]
 
 
-def _ranks_text(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
     """"rank 1" or "ranks [1, 2]": one rank is named as the errors of
     collectives name it."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
@@ -77,7 +77,7 @@ def _wait_watching(store: Any, keys: dict[int, str], what: str,
             looked = now
             gone = exited(_missing(store, keys))
             if gone:
-                raise CommError(f"{what}: {_ranks_text(gone)} exited before arriving (their "
+                raise CommError(f"{what}: {ranks_text(gone)} exited before arriving (their "
                                 "processes are gone); every rank of a new communicator must "
                                 "create it")
         time.sleep(nap)
@@ -100,7 +100,7 @@ def wait_for(store: Any, keys: dict[int, str], what: str) -> None:
     except dist.DistStoreError as e:
         missing = _missing(store, keys)
         raise CommError(
-            f"{what}: {_ranks_text(missing)} did not arrive within the store's timeout "
+            f"{what}: {ranks_text(missing)} did not arrive within the store's timeout "
             f"({store.timeout.total_seconds():g} s); every rank of a new communicator must "
             "create it (init(), or new_group/split on every member)") from e
 

@@ -448,9 +448,24 @@ class Communicator(PointToPoint, SymmetricMemory):
                 return _build(dist.PrefixStore(f"group/{ident}/{count}", self._store),
                               members.index(self.rank), len(members), settings)
         except (CommError, dist.DistError) as e:  # setup failed, or a member never came
-            why = f"the store is unreachable ({e})" if isinstance(e, dist.DistNetworkError) else e
+            why = f"the store is unreachable ({e})" if isinstance(e, dist.DistNetworkError) \
+                else self._with_exited_members(members, str(e))
             raise CommError(f"creating the group of ranks {list(members)} (group rank i is "
                             f"ranks[i]) on rank {self.rank}: {why}") from e
+
+    def _with_exited_members(self, members: tuple[int, ...], why: str) -> str:
+        """``why`` a group's setup failed, led by the members whose process
+        has exited where that is the cause and ``why`` does not say so (a
+        transport's own rendezvous, gloo's, only times out)."""
+        if "exited" in why:
+            return why
+        try:
+            gone = _shrink.exited(self._store, [m for m in members if m != self.rank])
+        except (dist.DistError, RuntimeError):  # the store is gone too: say what is known
+            return why
+        if not gone:
+            return why
+        return f"{_store.ranks_text(gone)} exited (the process is gone): {why}"
 
     def shrink(self, exclude: Sequence[int] | None = None, *,
                timeout: timedelta | float | None = None) -> Communicator:
