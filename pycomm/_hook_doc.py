@@ -2,6 +2,8 @@
 bucket) and fails the same way, every wrapper takes a hook; these decorators
 write that part of each docstring from one text."""
 
+from __future__ import annotations
+
 from typing import Any, Callable, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -17,11 +19,13 @@ _HOOK_DOC = """
         {returns}
 
     Raises:
-        TypeError: ``state`` holds no Communicator{not_float32}.
+        TypeError: ``state`` holds no Communicator{not_dtype}.
         ValueError: the bucket is not on the communicator's device.
 """
 _STATE = "a :class:`pycomm.Communicator` (or an object with ``.comm``)."
 _FLOAT32_BUCKET = "DDP's gradient bucket (float32); overwritten with the average."
+_FLOAT_BUCKET = ("DDP's gradient bucket (float32, bfloat16 or float16); overwritten with the "
+                 "average.")
 
 _WRAPPER_DOC = """
     Args:
@@ -49,8 +53,9 @@ def _with_doc(shared: str) -> Callable[[F], F]:
 
 
 def _hook_doc(bucket: str, returns: str, *, state: str = _STATE,
-              needs_float32: bool = False) -> Callable[[F], F]:
-    """A hook's Args/Returns/Raises, from :data:`_HOOK_DOC`."""
+              needs: str | None = None) -> Callable[[F], F]:
+    """A hook's Args/Returns/Raises, from :data:`_HOOK_DOC`; ``needs``: the
+    bucket dtypes it takes, where it does not take every one."""
     return _with_doc(_HOOK_DOC.format(
         state=state, bucket=bucket, returns=returns,
-        not_float32=", or the bucket is not float32" if needs_float32 else ""))
+        not_dtype=f", or the bucket is not {needs}" if needs else ""))

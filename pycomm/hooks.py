@@ -36,8 +36,9 @@ Numerics:
   and every ring step accumulates in float32. Same bytes on the wire as the
   cast-everything hooks, a smaller error: one rounding per ring step of the
   partial sum instead of rounding every input and every partial sum.
-* :func:`int8_hook` / :func:`fp8_hook` keep the bucket float32 and send 8
-  bits an element plus one float32 scale a block (block-scaled int8 or
+* :func:`int8_hook` / :func:`fp8_hook` keep the bucket in its dtype
+  (float32, bfloat16 or float16), sum in float32, and send 8 bits an
+  element plus one float32 scale a block (block-scaled int8 or
   float8 codes, ``all_reduce(wire_dtype=...)``), with error feedback: int8
   steps evenly through each block's range, float8 keeps a relative precision
   (3 or 2 significand bits) for the small values of a block.
@@ -53,7 +54,7 @@ import torch.distributed as dist
 
 from ._grad_bucket import GradBucket as PycommGradBucket
 from ._hook_common import _allreduce_avg, _check_bucket, _comm_of, _first
-from ._hook_doc import _FLOAT32_BUCKET, _WRAPPER_DOC, _hook_doc, _with_doc
+from ._hook_doc import _FLOAT32_BUCKET, _FLOAT_BUCKET, _WRAPPER_DOC, _hook_doc, _with_doc
 from ._powersgd import PowerSGDState, powerSGD_hook  # its own module; users find it here
 from .comm import Communicator, ReduceOp
 
@@ -251,7 +252,7 @@ def _ring_hook(wire: torch.dtype, state: Any,
     return _allreduce_avg(comm, buffer, wire_dtype=wire)
 
 
-@_hook_doc(_FLOAT32_BUCKET, "A future completing with the averaged bucket.", needs_float32=True)
+@_hook_doc(_FLOAT32_BUCKET, "A future completing with the averaged bucket.", needs="float32")
 def ring_fp16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a float32 bucket with a ring all-reduce whose traffic is fp16.
 
@@ -273,7 +274,7 @@ def ring_fp16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
     return _ring_hook(torch.float16, state, bucket)
 
 
-@_hook_doc(_FLOAT32_BUCKET, "A future completing with the averaged bucket.", needs_float32=True)
+@_hook_doc(_FLOAT32_BUCKET, "A future completing with the averaged bucket.", needs="float32")
 def ring_bf16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a float32 bucket with a ring all-reduce whose traffic is bfloat16.
 
@@ -298,8 +299,9 @@ class CompressionState:
         wire_block: elements per float32 scale on the wire (256: 1.6 % more
             bytes than the int8 codes).
         error_feedback: keep each bucket's quantization error (float32, one
-            residual per bucket) and send it with the next step's gradients,
-            so that no rounding is lost for good.
+            residual per bucket, whatever the bucket's dtype) and send it
+            with the next step's gradients, so that no rounding is lost for
+            good.
         exact_below: parameters with fewer elements than this, and every 1-D
             parameter (biases, norms), are averaged exactly in float32: few
             bytes, and the ones rounding hurts most.
@@ -327,7 +329,7 @@ class CompressionState:
             return None
         r = self.residuals.get(bucket.index())
         if r is None or r.numel() != buffer.numel():
-            r = self.residuals[bucket.index()] = torch.zeros_like(buffer)
+            r = self.residuals[bucket.index()] = torch.zeros_like(buffer, dtype=torch.float32)
         return r
 
     def exact_slices(self, bucket: Any) -> list[tuple[int, int]]:
@@ -349,11 +351,13 @@ def _quantized_hook(wire: torch.dtype, name: str, state: CompressionState,
     comm = _comm_of(state)
     buffer = bucket.buffer()
     _check_bucket(comm, bucket, buffer)
-    if buffer.dtype != torch.float32:
+    if buffer.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"pycomm {name}: gradient bucket {bucket.index()} is {buffer.dtype}; "
-                        f"the {str(wire).removeprefix('torch.')} wire needs float32 gradients")
+                        f"the {str(wire).removeprefix('torch.')} wire needs float32, bfloat16 "
+                        "or float16 gradients")
     exact = state.exact_slices(bucket)
-    small = torch.cat([buffer[o:o + n] for o, n in exact]) if exact else None  # before the op
+    # Taken before the op, averaged in float32 whatever the bucket's dtype.
+    small = torch.cat([buffer[o:o + n] for o, n in exact]).float() if exact else None
     work = comm.all_reduce(buffer, op=ReduceOp.AVG, async_op=True, wire_dtype=wire,
                            wire_block=state.wire_block, residual=state.residual(bucket, buffer))
     if small is None:
@@ -372,11 +376,11 @@ def _quantized_hook(wire: torch.dtype, name: str, state: CompressionState,
     return exact_work.get_future().then(write_back)
 
 
-@_hook_doc(_FLOAT32_BUCKET, "A future completing with the averaged bucket.",
-           state="a :class:`CompressionState`.", needs_float32=True)
+@_hook_doc(_FLOAT_BUCKET, "A future completing with the averaged bucket.",
+           state="a :class:`CompressionState`.", needs="float32, bfloat16 or float16")
 def int8_hook(state: CompressionState,
               bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average a float32 bucket over an 8-bit wire, with error feedback.
+    """Average a bucket over an 8-bit wire, with error feedback.
 
     ``all_reduce(wire_dtype=torch.int8)``: each rank's gradients (plus the
     bucket's residual) are quantized once, 8 bits and one float32 scale per
@@ -384,7 +388,8 @@ def int8_hook(state: CompressionState,
     and the average quantized once more: about a quarter of the float32
     bytes, every rank the same bits. The residual keeps what the quantization
     lost. Small and 1-D parameters (``state.exact_below``) are averaged again
-    exactly afterwards, in one float32 all-reduce.
+    exactly afterwards, in one float32 all-reduce. A bfloat16 or float16
+    bucket is summed in float32 too, and rounded to its dtype at the end.
 
     Example::
         >>> # xdoctest: +SKIP
@@ -394,11 +399,11 @@ def int8_hook(state: CompressionState,
     return _quantized_hook(torch.int8, "int8_hook", state, bucket)
 
 
-@_hook_doc(_FLOAT32_BUCKET, "A future completing with the averaged bucket.",
-           state="a :class:`CompressionState`.", needs_float32=True)
+@_hook_doc(_FLOAT_BUCKET, "A future completing with the averaged bucket.",
+           state="a :class:`CompressionState`.", needs="float32, bfloat16 or float16")
 def fp8_hook(state: CompressionState,
              bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average a float32 bucket over a float8 wire, with error feedback.
+    """Average a bucket over a float8 wire, with error feedback.
 
     :func:`int8_hook` with float8 codes, ``all_reduce(wire_dtype=
     state.fp8_format)``: each block's values are scaled so that its largest

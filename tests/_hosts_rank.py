@@ -8,6 +8,7 @@ transport to ask for ("auto", "gloo", ...).
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
@@ -91,21 +92,23 @@ def check_quantized_wire(comm: pycomm.Communicator) -> None:
     each pair is 127, 1: an int8 block with scale 1, so the result is exact.
     The flat quantized op rounds local 0's 0.5 to 0 (scale 1) and then the
     sum's 0.5 to 0: 127, 0. Small (one intra all-reduce) and large (the
-    reduce-scatter's chunks, blocks at any offset) sizes; every rank the same
-    bits, with error feedback's residual too."""
+    reduce-scatter's chunks, blocks at any offset) sizes, float32 and
+    bfloat16 (these values are exact in both); every rank the same bits,
+    with error feedback's residual too."""
     n = comm.world_size
     host, local = int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])
-    for count in (1000, 300_001):
-        pattern = torch.tensor([127.0, 0.5]).repeat(count // 2 + 1)[:count]
-        t = torch.zeros(count)
+    for count, dtype in itertools.product((1000, 300_001), (torch.float32, torch.bfloat16)):
+        pattern = torch.tensor([127.0, 0.5], dtype=dtype).repeat(count // 2 + 1)[:count]
+        t = torch.zeros(count, dtype=dtype)
         if host == 0 and local < 2:
             t = pattern.clone() if local == 0 else pattern.clone().mul_(pattern == 0.5)
-        want = torch.tensor([127.0, 1.0]).repeat(count // 2 + 1)[:count]
+        want = torch.tensor([127.0, 1.0], dtype=dtype).repeat(count // 2 + 1)[:count]
         comm.all_reduce(t, wire_dtype=torch.int8)
         if comm.transport == "shm+gloo":
-            assert torch.equal(t, want), f"int8 wire {count} (between hosts only): {t[:4]}"
+            assert torch.equal(t, want), f"int8 wire {count} {dtype} (between hosts only): {t[:4]}"
         else:  # the flat quantized op: local 0's 0.5 and then the sum's round to 0
             assert torch.equal(t, want.masked_fill(want == 1.0, 0.0)), f"int8 wire {count} flat"
+    for count in (1000, 300_001):
         g = torch.Generator().manual_seed(comm.rank)
         t, residual = torch.randn(count, generator=g), torch.zeros(count)
         exact = torch.zeros(count, dtype=torch.float64)

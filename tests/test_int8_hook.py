@@ -29,20 +29,22 @@ HOOKS = {"int8": (hooks.int8_hook, {}),
          "float8_e5m2": (hooks.fp8_hook, {"fp8_format": torch.float8_e5m2})}
 
 
-def _direct_call(comm, fmt):
+def _direct_call(comm, fmt, dtype=torch.float32):
     hook, kwargs = HOOKS[fmt]
     shapes = [(64, 40), (40,), (8, 8), (300, 7)]  # quantized, 1-D, small, quantized
-    params = [torch.zeros(s) for s in shapes]
+    params = [torch.zeros(s, dtype=dtype) for s in shapes]
     all_grads = [_grads(q, shapes) for q in range(comm.world_size)]
-    buffers = [torch.cat([g.reshape(-1) for g in gs]) for gs in all_grads]
+    buffers = [torch.cat([g.reshape(-1) for g in gs]).to(dtype) for gs in all_grads]
     buffer = buffers[comm.rank].clone()
     bucket = GradBucket(0, buffer, [buffer], params, True)
     state = hooks.CompressionState(comm, exact_below=100, **kwargs)
     out = hook(state, bucket).wait()
-    assert out is buffer
-    want = _reference_all_reduce(buffers, "avg", state.wire_block, fmt)
-    exact = torch.stack(buffers).sum(0) if comm.world_size > 1 else buffers[0].clone()
+    assert out is buffer and buffer.dtype == dtype
+    wide = [b.float() for b in buffers]  # a 16-bit bucket is summed in float32
+    want = _reference_all_reduce(wide, "avg", state.wire_block, fmt).to(dtype)
+    exact = torch.stack(wide).sum(0) if comm.world_size > 1 else wide[0].clone()
     _C.scale_(exact, 1.0 / comm.world_size)
+    exact = exact.to(dtype)
     offset = 0
     for s in shapes:
         n = torch.Size(s).numel()
@@ -52,9 +54,10 @@ def _direct_call(comm, fmt):
         else:
             assert torch.equal(buffer[offset:offset + n], want[offset:offset + n]), s
         offset += n
-    # the residual is what this rank's contribution lost
-    mine = buffers[comm.rank]
+    # the residual (float32) is what this rank's contribution lost
+    mine = wide[comm.rank]
     sent = ref_values(*ref_quantize(mine, state.wire_block, fmt), state.wire_block, fmt)
+    assert state.residuals[0].dtype == torch.float32
     assert torch.equal(state.residuals[0], mine - sent)
     return digest(buffer)
 
@@ -62,6 +65,14 @@ def _direct_call(comm, fmt):
 @pytest.mark.parametrize("fmt", HOOKS)
 def test_quantized_hook_equals_its_reference(fmt):
     per_rank = run_ranks(_direct_call, 2, "shm", fmt)
+    assert per_rank[0] == per_rank[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantized_hook_takes_16_bit_buckets(dtype):
+    """A bfloat16 / float16 bucket: summed in float32 on the wire and in
+    the exact slices, rounded to its dtype, the residual float32."""
+    per_rank = run_ranks(_direct_call, 2, "shm", "int8", dtype)
     assert per_rank[0] == per_rank[1]
 
 

@@ -236,6 +236,36 @@ def test_quantized_all_reduce_equals_its_reference_on_every_rank(transport, worl
         assert per_rank[r] == per_rank[0], f"rank {r} differs from rank 0"
 
 
+def _sixteen_bit_cases(comm, dtype):
+    """A 16-bit tensor over the quantized wire: the float32 algorithm on its
+    widened values (the same reference, bitwise), rounded to its dtype; the
+    residual (float32) is what the widened contribution lost."""
+    out = []
+    for fmt, (wire, _) in FORMATS.items():
+        for n in (0, 1, BLOCK - 1, 1009):
+            inputs = [_x(n, 100 * q + n).to(dtype) for q in range(comm.world_size)]
+            for op in ("sum", "avg"):
+                t = inputs[comm.rank].clone()
+                residual = torch.zeros(n)
+                comm.all_reduce(t, op=op, wire_dtype=wire, residual=residual)
+                assert t.dtype == dtype
+                want = _reference_all_reduce([x.float() for x in inputs], op, BLOCK, fmt)
+                assert torch.equal(t, want.to(dtype)), f"{fmt} {dtype} all_reduce {op} n={n}"
+                mine = inputs[comm.rank].float()
+                sent = ref_values(*ref_quantize(mine, BLOCK, fmt), BLOCK, fmt)
+                assert torch.equal(residual, mine - sent), f"{fmt} {dtype} residual n={n}"
+                out.append(digest(t))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_sixteen_bit_tensors_are_reduced_in_float32(transport, world_size, dtype):
+    per_rank = run_ranks(_sixteen_bit_cases, world_size, transport, dtype)
+    for r in range(1, world_size):
+        assert per_rank[r] == per_rank[0], f"rank {r} differs from rank 0"
+
+
 def _error_feedback(comm, steps):
     n, r = 5000, comm.rank
     for fmt, (dtype, _) in FORMATS.items():

@@ -195,7 +195,8 @@ void tree_all_reduce(const Context& ctx, void* data, size_t count, DType dtype, 
 //                      k=2: sends [0 1] to 2, gets [2 3] from 2  holds 0 1 2 3
 void bruck_all_gather(const Context& ctx, const void* in, void* out, size_t m, size_t elem_size);
 
-// All-reduce (SUM or AVG) of float32 `data` over a block-scaled 8-bit wire
+// All-reduce (SUM or AVG) of float32 `data` (or float16 / bfloat16: widened
+// to float32 first, rounded back at the end) over a block-scaled 8-bit wire
 // in `format` (int8, float8_e4m3fn or float8_e5m2: quant.h), quantized.cc: every rank quantizes its
 // contribution once (data + residual when `residual` is not null; the residual then receives what
 // the quantization lost: error feedback), chunk j of it goes to rank j (one all-to-all), the owner
@@ -203,13 +204,15 @@ void bruck_all_gather(const Context& ctx, const void* in, void* out, size_t m, s
 // rank (one all-gather), and every rank, the owner too, ends with that quantized sum's values: the
 // same bits everywhere. Bytes sent per rank: 2 (n-1)/n quant_bytes(count):
 // about a quarter of the float32 ring's. `work`: at least
-// quantized_all_reduce_work_bytes(count, block, n) bytes.
+// quantized_all_reduce_work_bytes(count, block, n, dtype) bytes.
 //
 //   4 ranks, chunks A B C D:  quantize A B C D | all-to-all: rank j gets
 //   every rank's chunk j | sum in float32, quantize | all-gather | dequantize
-size_t quantized_all_reduce_work_bytes(size_t count, size_t block, int n);
-void quantized_all_reduce(const Context& ctx, float* data, size_t count, float* residual,
-                          size_t block, QuantFormat format, ReduceOp op, void* work);
+size_t quantized_all_reduce_work_bytes(size_t count, size_t block, int n,
+                                       DType dtype = DType::kFloat32);
+void quantized_all_reduce(const Context& ctx, void* data, DType dtype, size_t count,
+                          float* residual, size_t block, QuantFormat format, ReduceOp op,
+                          void* work);
 
 // ---- Direct (one-shot) algorithms over SharedBuffers (direct.cc) ----------
 //

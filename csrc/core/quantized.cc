@@ -1,4 +1,5 @@
-// The all-reduce of float32 with an 8-bit block-scaled wire, int8 or float8
+// The all-reduce of float32 (and of float16 / bfloat16, through a float32
+// copy) with an 8-bit block-scaled wire, int8 or float8
 // (algorithms.h, quantized_all_reduce): each rank's contribution is quantized once, its
 // owner sums the contributions in float32, and the sum is quantized once more
 // for the all-gather. No partial sum is ever re-quantized.
@@ -28,17 +29,47 @@ struct QuantChunks {
   size_t offset(int j) const { return static_cast<size_t>(j) * stride(quant_bytes(per, block)); }
 };
 
-}  // namespace
-
-size_t quantized_all_reduce_work_bytes(size_t count, size_t block, int n) {
-  const QuantChunks c = QuantChunks::of(count, block, n);
-  // n quantized chunks (this rank's contribution, then the gathered result)
-  // + n contributions to this rank's chunk.
-  return 2 * c.offset(n);
+// The float32 copy of a 16-bit tensor, after the quantized chunks.
+size_t staging_bytes(size_t count, DType dtype) {
+  return dtype == DType::kFloat32 ? 0 : round_up(count * sizeof(float), 16);
 }
 
-void quantized_all_reduce(const Context& ctx, float* data, size_t count, float* residual,
-                          size_t block, QuantFormat format, ReduceOp op, void* work) {
+// The algorithm proper, over float32 `data`.
+void quantized_all_reduce_f32(const Context& ctx, float* data, size_t count, float* residual,
+                              size_t block, QuantFormat format, ReduceOp op, void* work);
+
+}  // namespace
+
+size_t quantized_all_reduce_work_bytes(size_t count, size_t block, int n, DType dtype) {
+  const QuantChunks c = QuantChunks::of(count, block, n);
+  // n quantized chunks (this rank's contribution, then the gathered result)
+  // + n contributions to this rank's chunk (+ a 16-bit tensor's float32 copy).
+  return 2 * c.offset(n) + staging_bytes(count, dtype);
+}
+
+void quantized_all_reduce(const Context& ctx, void* data, DType dtype, size_t count,
+                          float* residual, size_t block, QuantFormat format, ReduceOp op,
+                          void* work) {
+  if (dtype == DType::kFloat32) {
+    quantized_all_reduce_f32(ctx, static_cast<float*>(data), count, residual, block, format, op,
+                             work);
+    return;
+  }
+  // float16 / bfloat16: reduced in float32 like float32 tensors (the same
+  // wire, the same bits on every rank), widened before and rounded after.
+  const size_t n = static_cast<size_t>(ctx.transport.world_size());
+  float* wide = reinterpret_cast<float*>(
+      static_cast<char*>(work) + quantized_all_reduce_work_bytes(count, block, int(n), dtype) -
+      staging_bytes(count, dtype));
+  ctx.reducer.from_wire(wide, data, count, dtype);
+  quantized_all_reduce_f32(ctx, wide, count, residual, block, format, op, work);
+  ctx.reducer.to_wire(data, wide, count, dtype);
+}
+
+namespace {
+
+void quantized_all_reduce_f32(const Context& ctx, float* data, size_t count, float* residual,
+                              size_t block, QuantFormat format, ReduceOp op, void* work) {
   Transport& tr = ctx.transport;
   Reducer& red = ctx.reducer;
   const int n = tr.world_size(), r = tr.rank();
@@ -85,4 +116,5 @@ void quantized_all_reduce(const Context& ctx, float* data, size_t count, float* 
   }
 }
 
+}  // namespace
 }  // namespace pycomm

@@ -68,8 +68,9 @@ class Reducer {
   virtual void upload(void* dst, const void* host, size_t bytes) { copy(dst, host, bytes); }
   virtual void download(void* host, const void* src, size_t bytes) { copy(host, src, bytes); }
 
-  // The wire-dtype operations of ring_all_reduce_wire (see cpu_to_wire & co.
-  // for the contract). A reducer without them (the CUDA one: CudaComm rejects
+  // The wire-dtype operations of ring_all_reduce_wire, and the widening of a
+  // 16-bit tensor around quantized_all_reduce (see cpu_to_wire & co. for the
+  // contract). A reducer without them (the CUDA one: CudaComm rejects
   // wire_dtype before any op runs) keeps these defaults, which throw.
   virtual void to_wire(void* dst, const float* src, size_t count, DType wire);
   virtual void from_wire(float* dst, const void* src, size_t count, DType wire);

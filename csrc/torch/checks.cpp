@@ -101,11 +101,16 @@ Wire to_wire(int wire_dtype, DType tensor_dtype, const char* opname) {
                          wire_dtype < kNumDTypes ? dtype_name(static_cast<DType>(wire_dtype))
                                                  : std::to_string(wire_dtype)));
   }
-  if (tensor_dtype != DType::kFloat32) {
-    throw UsageError(join_msg({opname,
-                               ": wire_dtype needs a float32 tensor (it is reduced in "
-                               "float32 and sent as ",
-                               name, "), got ", dtype_name(tensor_dtype)}));
+  // A quantized wire takes 16-bit tensors too (widened to float32 around
+  // the op); a 16-bit wire only makes sense for float32.
+  const bool takes =
+      tensor_dtype == DType::kFloat32 ||
+      (w.quant && (tensor_dtype == DType::kFloat16 || tensor_dtype == DType::kBFloat16));
+  if (!takes) {
+    throw UsageError(join_msg({opname, ": wire_dtype needs a ",
+                               w.quant ? "float32, float16 or bfloat16" : "float32",
+                               " tensor (it is reduced in float32 and sent as ", name, "), got ",
+                               dtype_name(tensor_dtype)}));
   }
   return w;
 }

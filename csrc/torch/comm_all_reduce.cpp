@@ -36,8 +36,8 @@ void run_all_reduce(const Context& ctx, const AllReduceCall& c) {
     case AlgoKind::kQuantInt8:
     case AlgoKind::kQuantFp8E4M3:
     case AlgoKind::kQuantFp8E5M2:
-      quantized_all_reduce(ctx, static_cast<float*>(c.data), c.count, c.residual, c.block,
-                           *c.wire.quant, c.rop, c.qbuf);
+      quantized_all_reduce(ctx, c.data, c.dt, c.count, c.residual, c.block, *c.wire.quant, c.rop,
+                           c.qbuf);
       break;
     case AlgoKind::kRingWireF16:
     case AlgoKind::kRingWireBF16:
@@ -90,11 +90,10 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   void* data = t.data_ptr();
   const size_t count = t.numel();
   const size_t block = static_cast<size_t>(wire_block);
-  at::Tensor qwork =
-      quantized
-          ? at::empty({static_cast<int64_t>(quantized_all_reduce_work_bytes(count, block, size_))},
-                      t.options().dtype(at::kByte))
-          : at::Tensor();
+  at::Tensor qwork = quantized ? at::empty({static_cast<int64_t>(quantized_all_reduce_work_bytes(
+                                               count, block, size_, dt))},
+                                           t.options().dtype(at::kByte))
+                               : at::Tensor();
   void* qbuf = quantized ? qwork.data_ptr() : nullptr;
   float* res = residual ? residual->data_ptr<float>() : nullptr;
   SymmetricMemory::Decision sym;
