@@ -288,12 +288,13 @@ def _fuzz_case(comm: Any, c: dict[str, Any]) -> tuple[str, str]:
 
 def _check(transport: str, world_size: int, c: dict[str, Any]) -> None:
     outcomes = run_ranks(_fuzz_case, world_size, transport, c)
-    kinds = {o[0] for o in outcomes}
-    assert len(kinds) == 1, f"ranks disagree on {c}: {outcomes}"
-    kind, detail = outcomes[0]
-    if kind == "CommError" or kind.startswith("left-posted:"):
+    if any(o[0] == "CommError" or o[0].startswith("left-posted:") for o in outcomes):
         close_pools()  # aborted communicators or a send left posted: the next case gets fresh ranks
-        kind = kind.removeprefix("left-posted:")
+    # Where a rank's irecv raised only after its isend was posted is a matter of
+    # timing (an abort by a peer reaches it before or after): not an outcome.
+    kinds = {o[0].removeprefix("left-posted:") for o in outcomes}
+    assert len(kinds) == 1, f"ranks disagree on {c}: {outcomes}"
+    kind, detail = outcomes[0][0].removeprefix("left-posted:"), outcomes[0][1]
     if kind == "ok":
         if c["method"] in ("all_reduce", "all_gather", "broadcast"):
             assert len({o[1] for o in outcomes}) == 1, f"outputs differ across ranks: {c}"
