@@ -115,13 +115,11 @@ def exited(store: Any, ranks: list[int]) -> list[int]:
 
 def group_exited(store: Any, members: Sequence[int]) -> Callable[[list[int]], list[int]]:
     """For the rendezvous of a group of ``members`` (ranks of the
-    communicator whose store is ``store``): the missing group ranks -> the
-    ranks of that communicator, among their members, whose process has
-    exited (pycomm._store.watching_liveness); the error names those, as the
-    group's creator (who knows no group ranks) counts."""
+    communicator whose store is ``store``): the missing group ranks -> those
+    whose process has exited (pycomm._store.watching_liveness)."""
     def of(missing: list[int]) -> list[int]:
         gone = set(exited(store, [members[i] for i in missing]))
-        return [members[i] for i in missing if members[i] in gone]
+        return [i for i in missing if members[i] in gone]
     return of
 
 

@@ -15,7 +15,7 @@ import time
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch.distributed as dist
 
@@ -27,42 +27,51 @@ __all__ = ["agree_errors", "all_gather", "broadcast", "ranks_text", "wait_for", 
 #: rank it waits for has exited.
 LIVENESS_SLICE = timedelta(seconds=0.5)
 
-#: ranks still missing -> the ranks to name as known to have exited (see
+#: (ranks still missing -> those of them known to have exited, the group's
+#: members: its ranks in the communicator that makes it) while watching (see
 #: watching_liveness); None: wait without looking.
-_exited: ContextVar[Callable[[list[int]], list[int]] | None] = ContextVar(
-    "pycomm_rendezvous_exited", default=None)
+_watch: ContextVar[tuple[Callable[[list[int]], list[int]], Sequence[int] | None] | None] = \
+    ContextVar("pycomm_rendezvous_watch", default=None)
 
 
 @contextmanager
-def watching_liveness(exited: Callable[[list[int]], list[int]] | None) -> Iterator[None]:
+def watching_liveness(exited: Callable[[list[int]], list[int]] | None,
+                      members: Sequence[int] | None = None) -> Iterator[None]:
     """Within it, every :func:`wait_for` looks every LIVENESS_SLICE which of
     the ranks it still waits for ``exited`` says have exited, and raises
     CommError naming them at once instead of waiting out the store's
     timeout. A group's rendezvous runs under it (Communicator._create_group):
     a member that died before arriving is seen within a second where its
-    process can be seen (on this host). ``exited`` reads the waits' ranks as
-    the group's and returns the ranks to name (the parent's, for a group): a
-    build whose waits number ranks otherwise (a hierarchy's parts) runs
-    under ``watching_liveness(None)``, which waits plainly."""
-    token = _exited.set(exited)
+    process can be seen (on this host). The waits number ranks as the
+    group does; ``members`` (group rank -> rank of the communicator making
+    the group) lets the errors name both. A build whose waits number ranks
+    otherwise (a hierarchy's parts) runs under ``watching_liveness(None)``,
+    which waits plainly."""
+    token = _watch.set(None if exited is None else (exited, members))
     try:
         yield
     finally:
-        _exited.reset(token)
+        _watch.reset(token)
 
 
 def _missing(store: Any, keys: dict[int, str]) -> list[int]:
     return [q for q, k in keys.items() if not store.check([k])]
 
 
-def ranks_text(ranks: list[int]) -> str:
-    """"rank 1" or "ranks [1, 2]": one rank is named as the errors of
-    collectives name it."""
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+def ranks_text(ranks: list[int], members: Sequence[int] | None = None) -> str:
+    """"rank 1" or "ranks [1, 2]", as the errors of collectives name them;
+    group ranks (``members``: group rank -> the rank making the group) as
+    "rank 5 (group rank 1)" where the two differ."""
+    def named(q: list[int]) -> str:
+        return f"rank {q[0]}" if len(q) == 1 else f"ranks {q}"
+    if members is None or all(members[g] == g for g in ranks):
+        return named(ranks)
+    return f"{named([members[g] for g in ranks])} (group {named(ranks)})"
 
 
 def _wait_watching(store: Any, keys: dict[int, str], what: str,
-                   exited: Callable[[list[int]], list[int]]) -> None:
+                   exited: Callable[[list[int]], list[int]],
+                   members: Sequence[int] | None) -> None:
     # Polls (check() neither blocks nor logs a timeout, as a sliced wait()
     # would), its period doubling from 1 ms to 100 ms. A timeout of 0 is
     # c10d's "none".
@@ -77,7 +86,7 @@ def _wait_watching(store: Any, keys: dict[int, str], what: str,
             looked = now
             gone = exited(_missing(store, keys))
             if gone:
-                raise CommError(f"{what}: {ranks_text(gone)} exited before arriving (their "
+                raise CommError(f"{what}: {ranks_text(gone, members)} exited before arriving (their "
                                 "processes are gone); every rank of a new communicator must "
                                 "create it")
         time.sleep(nap)
@@ -91,16 +100,17 @@ def wait_for(store: Any, keys: dict[int, str], what: str) -> None:
     timeout is a CommError naming the ranks still missing and ``what`` was
     being set up; so is, at once, a missing rank known to have exited
     (:func:`watching_liveness`)."""
-    exited = _exited.get()
+    watch = _watch.get()
     try:
-        if exited is None:
+        if watch is None:
             store.wait(list(keys.values()))
         else:
-            _wait_watching(store, keys, what, exited)
+            _wait_watching(store, keys, what, *watch)
     except dist.DistStoreError as e:
         missing = _missing(store, keys)
         raise CommError(
-            f"{what}: {ranks_text(missing)} did not arrive within the store's timeout "
+            f"{what}: {ranks_text(missing, watch and watch[1])} did not arrive within the store's "
+            "timeout "
             f"({store.timeout.total_seconds():g} s); every rank of a new communicator must "
             "create it (init(), or new_group/split on every member)") from e
 

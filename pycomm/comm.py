@@ -445,7 +445,7 @@ class Communicator(PointToPoint, SymmetricMemory):
         ident = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:16]
         settings = replace(self._group_settings(timeout), require_check=self._settings.check)
         try:  # a member that exited meanwhile is named at once, not at the store's timeout
-            with _store.watching_liveness(_shrink.group_exited(self._store, members)):
+            with _store.watching_liveness(_shrink.group_exited(self._store, members), members):
                 return _build(dist.PrefixStore(f"group/{ident}/{count}", self._store),
                               members.index(self.rank), len(members), settings)
         except (CommError, dist.DistError) as e:  # setup failed, or a member never came
@@ -466,7 +466,8 @@ class Communicator(PointToPoint, SymmetricMemory):
             return why
         if not gone:
             return why
-        return f"{_store.ranks_text(gone)} exited (the process is gone): {why}"
+        group_ranks = [members.index(m) for m in gone]
+        return f"{_store.ranks_text(group_ranks, members)} exited (the process is gone): {why}"
 
     def shrink(self, exclude: Sequence[int] | None = None, *,
                timeout: timedelta | float | None = None) -> Communicator:

@@ -108,18 +108,20 @@ def check_quantized_wire(comm: pycomm.Communicator) -> None:
             assert torch.equal(t, want), f"int8 wire {count} {dtype} (between hosts only): {t[:4]}"
         else:  # the flat quantized op: local 0's 0.5 and then the sum's round to 0
             assert torch.equal(t, want.masked_fill(want == 1.0, 0.0)), f"int8 wire {count} flat"
-    for count in (1000, 300_001):
-        g = torch.Generator().manual_seed(comm.rank)
-        t, residual = torch.randn(count, generator=g), torch.zeros(count)
-        exact = torch.zeros(count, dtype=torch.float64)
-        for q in range(n):
-            exact += torch.randn(count, generator=torch.Generator().manual_seed(q)).double()
+    for count, dtype in itertools.product((1000, 300_001), (torch.float32, torch.bfloat16)):
+        def inputs(q: int) -> torch.Tensor:
+            return torch.randn(count, generator=torch.Generator().manual_seed(q)).to(dtype)
+        t, residual = inputs(comm.rank), torch.zeros(count)
+        exact = sum(inputs(q).double() for q in range(n))
         comm.all_reduce(t, op="avg", wire_dtype=torch.int8, residual=residual)
-        everyone = torch.empty(n * count)
+        assert t.dtype == dtype
+        everyone = torch.empty(n * count, dtype=dtype)
         comm.all_gather(everyone, t)
         assert all(torch.equal(row, t) for row in everyone.view(n, count)), "int8 wire: ranks differ"
-        # two roundings of at most absmax / 254 each (absmax of a sum of n normals < 6 sqrt(n))
-        assert (t.double() - exact / n).abs().max() < 2 * 6 * n ** 0.5 / 254, "int8 wire avg"
+        # two roundings of at most absmax / 254 each (absmax of a sum of n normals
+        # < 6 sqrt(n)), and bfloat16's last one (2**-8 of the average, < 6 / sqrt(n))
+        bound = 2 * 6 * n ** 0.5 / 254 + (6 / n ** 0.5 * 2 ** -8 if dtype != torch.float32 else 0)
+        assert (t.double() - exact / n).abs().max() < bound, f"int8 wire avg {dtype}"
         assert residual.abs().max() > 0, "int8 wire: no error feedback"
 
 

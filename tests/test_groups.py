@@ -321,9 +321,10 @@ def _missing_member(comm):
     parent._store.set_timeout(timedelta(seconds=3))  # the rendezvous waits under the store's
     try:
         if r == 2:  # rank 3 never creates {2, 3}
-            # shm: our store wait names the missing group rank (1 = rank 3);
+            # shm: our store wait names the missing member (rank 3, group rank 1);
             # gloo: its own rendezvous times out (after the group's timeout)
-            detail = r"rank 1 did not arrive" if parent.transport == "shm" else "timeout"
+            detail = (r"rank 3 \(group rank 1\) did not arrive" if parent.transport == "shm"
+                      else "timeout")
             with pytest.raises(pycomm.CommError,
                                match=rf"creating the group of ranks \[2, 3\].*{detail}"):
                 parent.new_group([2, 3], timeout=3)

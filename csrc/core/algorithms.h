@@ -208,8 +208,7 @@ void bruck_all_gather(const Context& ctx, const void* in, void* out, size_t m, s
 //
 //   4 ranks, chunks A B C D:  quantize A B C D | all-to-all: rank j gets
 //   every rank's chunk j | sum in float32, quantize | all-gather | dequantize
-size_t quantized_all_reduce_work_bytes(size_t count, size_t block, int n,
-                                       DType dtype = DType::kFloat32);
+size_t quantized_all_reduce_work_bytes(size_t count, size_t block, int n, DType dtype);
 void quantized_all_reduce(const Context& ctx, void* data, DType dtype, size_t count,
                           float* residual, size_t block, QuantFormat format, ReduceOp op,
                           void* work);

@@ -70,8 +70,8 @@ class Reducer {
 
   // The wire-dtype operations of ring_all_reduce_wire, and the widening of a
   // 16-bit tensor around quantized_all_reduce (see cpu_to_wire & co. for the
-  // contract). A reducer without them (the CUDA one: CudaComm rejects
-  // wire_dtype before any op runs) keeps these defaults, which throw.
+  // contract; the CUDA reducer has them as kernels). A reducer without them
+  // keeps these defaults, which throw.
   virtual void to_wire(void* dst, const float* src, size_t count, DType wire);
   virtual void from_wire(float* dst, const void* src, size_t count, DType wire);
   virtual void reduce_wire(float* dst, const float* a, const void* b, size_t count, DType wire,

@@ -53,7 +53,17 @@ c10::intrusive_ptr<Work> Comm::all_reduce_across_hosts(const at::Tensor& t, int 
   auto h = hierarchy_;
   auto work = compose(
       "all_reduce", {t},
-      [h, t, op, algo, to_register, wire] { h->all_reduce(t, op, algo, to_register, wire); },
+      [h, t, op, algo, to_register, wire] {
+        if (wire && t.scalar_type() != at::kFloat) {
+          // A 16-bit tensor over a quantized wire is summed in float32 from
+          // end to end, as on one host: the steps inside a host too.
+          at::Tensor wide = t.to(at::kFloat);
+          h->all_reduce(wide, op, algo, /*to_register=*/false, wire);
+          t.copy_(wide);
+          return;
+        }
+        h->all_reduce(t, op, algo, to_register, wire);
+      },
       async_op, /*hold=*/to_register);
   // register=True may move t's storage: decided before the call returns.
   if (work && to_register) work->wait();
