@@ -20,4 +20,4 @@ python -m pip install -q "$TORCH_SPEC"
 python -m pip install -q nvidia-nccl-cu13 -r requirements-dev.txt
 echo "setup_env: building pycomm._C (about 2 minutes on 2 cores)..." >&2
 python -m pip install -q --no-build-isolation --no-deps -e .
-python -c "import pycomm, torch; print('setup_env: pycomm', pycomm.__version__, 'torch', torch.__version__, 'WITH_CUDA', pycomm.comm._C.WITH_CUDA)"
+python -c "import pycomm, torch; from pycomm._ext import _C; print('setup_env: pycomm', pycomm.__version__, 'torch', torch.__version__, 'WITH_CUDA', _C.WITH_CUDA)"
