@@ -9,13 +9,13 @@ parameters of torch's ``powerSGD_hook`` up to float32 rounding.
 
 import logging
 from collections import defaultdict
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._hook_common import _allreduce_avg, _check_bucket, _comm_of
+from ._hook_common import _allreduce_avg, _check_bucket, _comm_of, then_async
 from ._hook_doc import _hook_doc
 from .comm import Communicator
 
@@ -23,40 +23,6 @@ __all__ = ["PowerSGDState", "powerSGD_hook"]
 
 # The public module's logger, where PowerSGD has always logged.
 logger = logging.getLogger("pycomm.hooks")
-
-
-def _then_async(fut: torch.futures.Future,
-                fn: Callable[[torch.futures.Future], torch.futures.Future],
-                device: torch.device) -> torch.futures.Future:
-    """``fut.then(fn)`` for an ``fn`` that issues an asynchronous op and
-    returns its future: the result completes with that future's value, without
-    any thread waiting for it. An exception in ``fut`` or ``fn`` fails it.
-
-    On CUDA the result is a CUDA-aware future on ``device``: it is completed
-    in the inner future's callback, whose current stream waits for the op, so
-    it records that ordering and its own callbacks' streams wait for it. A
-    plain future would hand its callbacks the value with no ordering at all:
-    they would read the tensors while the all-reduce still writes them (the
-    GPU check caught PowerSGD differing from torch's by 0.1)."""
-    out: torch.futures.Future = torch.futures.Future(
-        devices=[device] if device.type == "cuda" else None)
-
-    def forward(inner: torch.futures.Future) -> None:
-        try:
-            out.set_result(inner.value())
-        except Exception as e:  # noqa: BLE001 - handed to the waiting caller
-            out.set_exception(e)
-
-    def start(done: torch.futures.Future) -> None:
-        try:
-            inner = fn(done)
-        except Exception as e:  # noqa: BLE001
-            out.set_exception(e)
-            return
-        inner.add_done_callback(forward)
-
-    fut.add_done_callback(start)
-    return out
 
 
 def _orthonormalize(matrices: torch.Tensor, epsilon: float) -> None:
@@ -346,6 +312,6 @@ def powerSGD_hook(state: PowerSGDState,
         return buffer
 
     first = comm.all_reduce(uncompressed, async_op=True).get_future()
-    reduced_ps = _then_async(first, unpack_then_reduce_ps, buffer.device)
-    reduced_qs = _then_async(reduced_ps, compute_then_reduce_qs, buffer.device)
+    reduced_ps = then_async(first, unpack_then_reduce_ps, buffer.device)
+    reduced_qs = then_async(reduced_ps, compute_then_reduce_qs, buffer.device)
     return reduced_qs.then(decompress)

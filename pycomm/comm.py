@@ -460,14 +460,14 @@ class Communicator(PointToPoint, SymmetricMemory):
         transport's own rendezvous, gloo's, only times out)."""
         if "exited" in why:
             return why
+        others = [i for i, m in enumerate(members) if m != self.rank]
         try:
-            gone = _shrink.exited(self._store, [m for m in members if m != self.rank])
+            gone = _shrink.group_exited(self._store, members)(others)
         except (dist.DistError, RuntimeError):  # the store is gone too: say what is known
             return why
         if not gone:
             return why
-        group_ranks = [members.index(m) for m in gone]
-        return f"{_store.ranks_text(group_ranks, members)} exited (the process is gone): {why}"
+        return f"{_store.ranks_text(gone, members)} exited (the process is gone): {why}"
 
     def shrink(self, exclude: Sequence[int] | None = None, *,
                timeout: timedelta | float | None = None) -> Communicator:

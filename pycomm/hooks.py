@@ -291,6 +291,10 @@ def ring_bf16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
 
 # ---------------------------------------------------------------- 8-bit
 
+# The gradient dtypes an 8-bit hook takes (each summed in float32).
+_QUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_QUANTIZED_NEEDS = "float32, bfloat16 or float16"
+
 class CompressionState:
     """Settings and per-bucket memory of :func:`int8_hook` and :func:`fp8_hook`.
 
@@ -351,10 +355,10 @@ def _quantized_hook(wire: torch.dtype, name: str, state: CompressionState,
     comm = _comm_of(state)
     buffer = bucket.buffer()
     _check_bucket(comm, bucket, buffer)
-    if buffer.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if buffer.dtype not in _QUANTIZED_DTYPES:
         raise TypeError(f"pycomm {name}: gradient bucket {bucket.index()} is {buffer.dtype}; "
-                        f"the {str(wire).removeprefix('torch.')} wire needs float32, bfloat16 "
-                        "or float16 gradients")
+                        f"the {str(wire).removeprefix('torch.')} wire needs {_QUANTIZED_NEEDS} "
+                        "gradients")
     exact = state.exact_slices(bucket)
     # Taken before the op, averaged in float32 whatever the bucket's dtype.
     small = torch.cat([buffer[o:o + n] for o, n in exact]).float() if exact else None
@@ -377,7 +381,7 @@ def _quantized_hook(wire: torch.dtype, name: str, state: CompressionState,
 
 
 @_hook_doc(_FLOAT_BUCKET, "A future completing with the averaged bucket.",
-           state="a :class:`CompressionState`.", needs="float32, bfloat16 or float16")
+           state="a :class:`CompressionState`.", needs=_QUANTIZED_NEEDS)
 def int8_hook(state: CompressionState,
               bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a bucket over an 8-bit wire, with error feedback.
@@ -400,7 +404,7 @@ def int8_hook(state: CompressionState,
 
 
 @_hook_doc(_FLOAT_BUCKET, "A future completing with the averaged bucket.",
-           state="a :class:`CompressionState`.", needs="float32, bfloat16 or float16")
+           state="a :class:`CompressionState`.", needs=_QUANTIZED_NEEDS)
 def fp8_hook(state: CompressionState,
              bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a bucket over a float8 wire, with error feedback.

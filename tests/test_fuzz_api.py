@@ -98,17 +98,21 @@ def _call(comm: Any, c: dict[str, Any]) -> list[Any]:
     """Makes the call through the case's API; returns the outputs to compare
     across ranks."""
     a, b = _build(c["a"]), _build(c["b"])
+    m, r, n = c["method"], comm.rank, comm.world_size
+    root, opts = c["root"], {"async_op": c["async_op"]}
     if c["api"] == "c10d":
-        return _call_c10d(comm, c, a, b)
-    if c["api"] == "module":
+        _c10d_group(comm)
+        api: Any = _C10dApi()
+        # a root must be an int there: torch's own frontend compares it with
+        # the group's ranks before any backend sees it
+        root = root if isinstance(root, int) and 0 <= root < n else 0
+    elif c["api"] == "module":
         import pycomm
 
         assert pycomm.get_default() is comm
-        api: Any = pycomm  # the module-level twins, on the default communicator
+        api = pycomm  # the module-level twins, on the default communicator
     else:
         api = comm
-    m, r, n = c["method"], comm.rank, comm.world_size
-    root, opts = c["root"], {"async_op": c["async_op"]}
     n_list = n if c["n_list"] is None else c["n_list"]
     outs: list[Any] = [a]
     if m == "all_reduce":
@@ -198,46 +202,41 @@ def _c10d_group(comm: Any) -> None:
                             pg_options=pycomm.backend.Options(transport=comm.transport))
 
 
-def _call_c10d(comm: Any, c: dict[str, Any], a: Any, b: Any) -> list[Any]:
-    """The case as a torch.distributed op on the pycomm process group. algo
-    has no c10d twin; a root must be an int there (torch's own frontend
-    compares it with the group's ranks before any backend sees it)."""
-    _c10d_group(comm)
-    m, r, n = c["method"], comm.rank, comm.world_size
-    root = c["root"] if isinstance(c["root"], int) and 0 <= c["root"] < n else 0
-    op = _c10d_op(c["op"])
-    opts = {"async_op": c["async_op"]}
-    n_list = n if c["n_list"] is None else c["n_list"]
-    outs: list[Any] = [a]
-    if m == "all_reduce":
-        work = dist.all_reduce(a, op=op, **opts)
-    elif m == "reduce_scatter":
-        work = dist.reduce_scatter_tensor(a, b, op=op, **opts)
-    elif m == "all_gather":
-        work = dist.all_gather_into_tensor(a, b, **opts)
-    elif m == "broadcast":
-        work = dist.broadcast(a, src=root, **opts)
-    elif m == "reduce":
-        work = dist.reduce(a, dst=root, op=op, **opts)
-        outs = [a] if root == r else []
-    elif m in ("gather", "scatter"):
-        like = b if m == "gather" else a
-        lst = _like(like, n) if root == r else None
-        if m == "gather":
-            work = dist.gather(b, gather_list=lst, dst=root, **opts)
-            outs = lst if isinstance(lst, list) else []
-        else:
-            work = dist.scatter(a, scatter_list=lst, src=root, **opts)
-    elif m == "all_to_all":
-        outs = _like(a, n_list)
-        work = dist.all_to_all(outs, _like(b, n_list), **opts)
-    elif m == "all_to_all_single":
-        work = dist.all_to_all_single(a, b, c["splits"], c["splits"], **opts)
-    else:
-        return _ring_p2p(dist, a, b, r, n, c["tag"])
-    if work is not None:
-        work.wait()
-    return outs if isinstance(outs, list) else []
+class _C10dApi:
+    """The torch.distributed ops on the default (pycomm) process group,
+    called as Communicator's methods are (``algo`` has no c10d twin)."""
+
+    isend, irecv, all_to_all, all_to_all_single = (
+        staticmethod(dist.isend), staticmethod(dist.irecv), staticmethod(dist.all_to_all),
+        staticmethod(dist.all_to_all_single))
+
+    @staticmethod
+    def all_reduce(t: Any, op: Any, algo: Any, async_op: bool) -> Any:
+        return dist.all_reduce(t, op=_c10d_op(op), async_op=async_op)
+
+    @staticmethod
+    def reduce_scatter(out: Any, inp: Any, op: Any, algo: Any, async_op: bool) -> Any:
+        return dist.reduce_scatter_tensor(out, inp, op=_c10d_op(op), async_op=async_op)
+
+    @staticmethod
+    def all_gather(out: Any, inp: Any, algo: Any, async_op: bool) -> Any:
+        return dist.all_gather_into_tensor(out, inp, async_op=async_op)
+
+    @staticmethod
+    def broadcast(t: Any, src: int, algo: Any, async_op: bool) -> Any:
+        return dist.broadcast(t, src=src, async_op=async_op)
+
+    @staticmethod
+    def reduce(t: Any, dst: int, op: Any, async_op: bool) -> Any:
+        return dist.reduce(t, dst=dst, op=_c10d_op(op), async_op=async_op)
+
+    @staticmethod
+    def gather(lst: Any, t: Any, dst: int, async_op: bool) -> Any:
+        return dist.gather(t, gather_list=lst, dst=dst, async_op=async_op)
+
+    @staticmethod
+    def scatter(t: Any, lst: Any, src: int, async_op: bool) -> Any:
+        return dist.scatter(t, scatter_list=lst, src=src, async_op=async_op)
 
 
 def _raised_by_torch_frontend(e: BaseException) -> bool:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import pycomm
-from pycomm import _powersgd, hooks
+from pycomm import _hook_common, _powersgd, hooks
 from tests._dist import client_store, run_ranks, spawn_ranks
 from tests.reference import digest, ring_chunks
 
@@ -594,7 +594,7 @@ def test_powerSGD_chain_futures_name_the_cuda_device(monkeypatch, device):
 
     monkeypatch.setattr(torch.futures, "Future", recording)
     first, inner = plain(), plain()
-    out = _powersgd._then_async(first, lambda done: inner, torch.device(device))
+    out = _hook_common.then_async(first, lambda done: inner, torch.device(device))
     assert made == [[torch.device(device)] if device != "cpu" else None]
     first.set_result(1)
     inner.set_result([torch.ones(2)])

@@ -57,6 +57,8 @@ void quantized_all_reduce(const Context& ctx, void* data, DType dtype, size_t co
   }
   // float16 / bfloat16: reduced in float32 like float32 tensors (the same
   // wire, the same bits on every rank), widened before and rounded after.
+  // Across hosts the composed op widens the whole tensor first instead
+  // (Comm::all_reduce_across_hosts), so its steps inside a host sum in float32.
   const size_t n = static_cast<size_t>(ctx.transport.world_size());
   float* wide = reinterpret_cast<float*>(
       static_cast<char*>(work) + quantized_all_reduce_work_bytes(count, block, int(n), dtype) -

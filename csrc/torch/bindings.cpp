@@ -1,6 +1,7 @@
 // The Python module pycomm._C: a short table, GIL released around every call
 // that can block. One Comm class for CPU and GPU (comm.h: the executor
-// differs); argument checks live in comm.cpp; algorithms in csrc/core;
+// differs); argument checks live in the comm*.cpp files and checks.cpp;
+// algorithms in csrc/core;
 // C++ exceptions become Python ones in the translator below, nowhere else.
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -19,7 +20,8 @@ void bind_backend(py::module_& m);  // the torch.distributed backend (backend_bi
 }
 #ifdef PYCOMM_WITH_CUDA
 namespace pycomm {
-void bind_cuda(py::module_& m);  // make_nccl_comm, CudaWork, the raw kernels (cuda_comm.cpp)
+void bind_cuda(py::module_& m);  // make_nccl_comm, CudaWork (cuda_comm.cpp), the raw kernels
+                                 // (cuda_kernels_bind.cpp)
 }
 #endif
 using pycomm::Comm;

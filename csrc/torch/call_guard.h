@@ -1,4 +1,4 @@
-// Comm::CallGuard (comm.h), shared by comm.cpp and comm_hosts.cpp.
+// Comm::CallGuard (comm.h), shared by the comm*.cpp files that run ops.
 #pragma once
 
 #include <stdexcept>

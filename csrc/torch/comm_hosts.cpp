@@ -56,7 +56,8 @@ c10::intrusive_ptr<Work> Comm::all_reduce_across_hosts(const at::Tensor& t, int 
       [h, t, op, algo, to_register, wire] {
         if (wire && t.scalar_type() != at::kFloat) {
           // A 16-bit tensor over a quantized wire is summed in float32 from
-          // end to end, as on one host: the steps inside a host too.
+          // end to end, as on one host (where core's quantized_all_reduce
+          // widens it, quantized.cc): the steps inside a host too.
           at::Tensor wide = t.to(at::kFloat);
           h->all_reduce(wide, op, algo, /*to_register=*/false, wire);
           t.copy_(wide);

@@ -24,7 +24,7 @@ class Worker;
 // tensors.
 //
 // CPU: the future completes when the op has (on the worker thread).
-// GPU (CudaWork, cuda_comm.cpp): the future is CUDA-aware, like
+// GPU (CudaWork, cuda_work.h): the future is CUDA-aware, like
 // ProcessGroupNCCL's: it is completed as soon as the op is enqueued, carrying
 // events on the communicator's stream, so value(), wait() and then()
 // callbacks are ordered on the caller's current stream without blocking the

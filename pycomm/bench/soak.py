@@ -329,13 +329,13 @@ class Soak:
     def _callback_chain(self, step: Step, mine: torch.Tensor, works: list[Any]) -> Check:
         """PowerSGD's pattern: the second all-reduce is issued from the first's
         Future callback, and the chain's future is what the caller waits."""
-        from pycomm._powersgd import _then_async
+        from pycomm._hook_common import then_async
 
         c = self.comm
         t1, t2 = mine.clone(), mine.clone()
         op = "sum" if step.op == "avg" else step.op
         first = c.all_reduce(t1, op=op, async_op=True).get_future()
-        works.append(_then_async(first, lambda _: c.all_reduce(t2, op=op, async_op=True).get_future(),
+        works.append(then_async(first, lambda _: c.all_reduce(t2, op=op, async_op=True).get_future(),
                                  torch.device("cpu")))
 
         def check() -> None:
