@@ -86,6 +86,9 @@ def test_parse_args_defaults():
     ["allgather", "--wire", "int8"],
     ["allreduce", "--wire", "int8", "-o", "max"],
     ["allreduce", "--wire", "int8", "-d", "bf16"],
+    ["allreduce", "--link-rate", "1gbit"],  # needs --hosts
+    ["allreduce", "--hosts", "2", "--link-rate", "1gbps"],
+    ["allreduce", "--hosts", "2", "--link-rate", "0bit"],
 ])
 def test_parse_args_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:

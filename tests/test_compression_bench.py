@@ -71,11 +71,12 @@ def test_hosts_ddp_runs(tmp_path):
         pytest.skip(str(why))
     out = tmp_path / "h.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compression" / "hosts_ddp.py"),
-                           "--width", "64", "--rounds", "1", "--steps", "1", "--json", str(out)],
+                           "--width", "64", "--rounds", "1", "--steps", "1", "--link-rate",
+                           "1gbit", "--json", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
-    assert data["transport"] == "shm+gloo"
+    assert data["transport"] == "shm+gloo" and data["args"]["link_rate"] == "1gbit"
     assert set(data["step_ms"]) == {"torch-gloo", "hook-allreduce", "hook-bf16", "hook-ring-bf16",
                                     "hook-int8", "hook-fp8"}
     assert data["speedup_over_torch-gloo"]["torch-gloo"] == 1.0

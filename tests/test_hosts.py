@@ -51,6 +51,18 @@ def test_hosts_are_separate_and_torn_down():
     assert not any(os.path.exists(f"/etc/netns/{n}") for n in names)
 
 
+def test_link_rate_caps_each_host_link():
+    """link_rate puts a token bucket of that rate on every host's eth0 (what
+    a host sends: both ways between two hosts) and tells the ranks."""
+    with simhosts.SimulatedHosts(2, "200mbit") as hosts:
+        for h in range(2):
+            shown = subprocess.run(hosts.command(h, ["tc", "qdisc", "show", "dev", "eth0"]),
+                                   capture_output=True, text=True, check=True).stdout
+            assert "tbf" in shown and "rate 200Mbit" in shown, shown
+        seen = hosts.launch([1, 1], ["sh", "-c", 'echo "$PYCOMM_SIM_LINK_RATE"'], timeout=60)
+    assert [r.stdout.strip() for r in seen] == ["200mbit", "200mbit"]
+
+
 # transport="auto" runs the flat ring on 3+1 and 2x1 too: those are slow variants here.
 @pytest.mark.parametrize("layout", [[2, 2], pytest.param([3, 1], marks=pytest.mark.slow),
                                     pytest.param([1, 1], marks=pytest.mark.slow)],

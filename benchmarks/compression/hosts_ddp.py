@@ -6,6 +6,7 @@ allreduce (fp32), bf16_compress_hook, ring_bf16_hook, int8_hook and fp8_hook
 and each variant's speedup over the baseline and over bf16_compress_hook.
 
     python benchmarks/compression/hosts_ddp.py --json benchmarks/compression/hosts_ddp_run1.json
+    python benchmarks/compression/hosts_ddp.py --link-rate 1gbit --json ...  # a 1 Gbit/s network
 
 The model is an MLP of ``--width`` (4096: 25.2 M parameters, 101 MB of
 float32 gradients a step) with a small batch, so that the step is mostly
@@ -34,6 +35,9 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--link-rate", default=None, metavar="RATE",
+                    help="cap each host's link at RATE (tc's units, e.g. 1gbit): "
+                         "pycomm/bench/simhosts.py")
     ap.add_argument("--json", default=None)
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -42,11 +46,10 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS)}")
     if not args.rank:
-        from pycomm.bench import simhosts
+        from pycomm.bench.cli import check_hosts
 
-        why = simhosts.unavailable_reason()
-        if why is not None:
-            ap.error(f"needs simulated hosts: {why}")
+        args.hosts = 2
+        check_hosts(ap, args)
     return args
 
 
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
            "--variants", ",".join(args.variants)]
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
-    with SimulatedHosts(2) as hosts:
+    with SimulatedHosts(2, args.link_rate) as hosts:
         res = hosts.launch([2, 2], cmd, env=env, timeout=1800)
     for x in res:
         if x.returncode != 0:
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     data["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                     cwd=repo).stdout.strip()
     data["loadavg"] = os.getloadavg()
-    data["args"] = {k: v for k, v in vars(args).items() if k not in ("json", "rank")}
+    data["args"] = {k: v for k, v in vars(args).items() if k not in ("json", "rank", "hosts")}
     for k, v in ms.items():
         print(f"{k:>16}: {v:9.1f} ms/step  " + "  ".join(
             f"{data[f'speedup_over_{b}'][k]:.2f}x {b}" for b in ("torch-gloo", "hook-bf16")

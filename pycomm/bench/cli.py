@@ -187,10 +187,31 @@ _positive_int = _int_at_least(1)
 
 
 def add_hosts_argument(p: argparse.ArgumentParser) -> None:
-    """``--hosts H``, the same for the study and the soak."""
+    """``--hosts H`` and ``--link-rate``, the same for the study and the soak."""
     p.add_argument("--hosts", type=_positive_int, default=None,
                    help="run on this many simulated hosts (network namespaces, root only; "
                         "pycomm/bench/simhosts.py), --nproc ranks on each")
+    p.add_argument("--link-rate", default=None, metavar="RATE",
+                   help="with --hosts: cap each simulated host's link at RATE (tc's units, "
+                        "e.g. 1gbit), so bytes between hosts cost wire time as on a network")
+
+
+def check_hosts(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses, at parsing, --link-rate without --hosts or not a rate, and
+    --hosts where simulated hosts cannot be made (saying why)."""
+    from .simhosts import parse_link_rate, unavailable_reason
+
+    if args.link_rate is not None:
+        if args.hosts is None:
+            p.error("--link-rate needs --hosts (it shapes the simulated hosts' links)")
+        try:
+            parse_link_rate(args.link_rate)
+        except ValueError as e:
+            p.error(f"--link-rate: {e}")
+    if args.hosts is not None:
+        why = unavailable_reason(args.link_rate)
+        if why:
+            p.error(f"--hosts: {why}")
 _nonneg_int = _int_at_least(0)
 
 
@@ -242,7 +263,8 @@ def _add_series_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wire", type=_wire_list, default=[], metavar="LIST",
                    help=f"allreduce of float32 (sum, avg) also over a quantized wire, one series "
                         f"per name ({', '.join(C.WIRES)}): all_reduce(wire_dtype=..., "
-                        f"wire_block={C.WIRE_BLOCK}), checked within its rounding bound; the "
+                        f"wire_block={C.WIRE_BLOCK}), bf16: a bfloat16 copy all-reduced (the "
+                        "bf16 hook's way); each checked within its rounding bound; the "
                         "JSON and the summary give the bytes each rank sends per call")
     p.add_argument("--peers", type=_peer_list, default=[], metavar="LIST",
                    help=f"comma-separated list of {', '.join(P.PEERS)}: another library's all-reduce "
@@ -350,6 +372,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--wire needs allreduce of float32 with -o sum or avg, got "
                     f"{args.collective} of {dt} with -o {op}")
         args.algo += [f"wire_{w}" for w in args.wire if f"wire_{w}" not in args.algo]
+    check_hosts(p, args)
     if not SPECS[args.collective].reduces:
         args.op = "none"  # no reduction; printed as nccl-tests does
     if args.plot:

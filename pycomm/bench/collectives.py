@@ -106,8 +106,9 @@ def count_wrong(result: torch.Tensor, expected: torch.Tensor, atol: float = 0.0)
 #: ``--wire`` series: all_reduce(wire_dtype=...) of float32, one name per
 #: wire, with the largest rounding of one quantization relative to its
 #: block's largest magnitude (int8: half a step of absmax / 127; fp8: half
-#: an ulp of the largest binade, 3 and 2 mantissa bits).
-WIRES = {"int8": 1 / 254, "fp8_e4m3": 2.0 ** -4, "fp8_e5m2": 2.0 ** -3}
+#: an ulp of the largest binade, 3 and 2 mantissa bits). ``bf16``: the bf16
+#: hook's way (a bfloat16 copy all-reduced, every partial sum rounded too).
+WIRES = {"int8": 1 / 254, "fp8_e4m3": 2.0 ** -4, "fp8_e5m2": 2.0 ** -3, "bf16": 2.0 ** -9}
 #: The elements per scale of the ``--wire`` series (all_reduce's default).
 WIRE_BLOCK = 256
 
@@ -127,8 +128,10 @@ def wire_atol(wire: str, inputs: Sequence[torch.Tensor], expected: torch.Tensor)
     """How far a quantized all-reduce may land from the exact result: each
     contribution is rounded once (at most its largest magnitude times the
     wire's relative step) and the sum once more; 1 % over, for float32's own
-    rounding of the scales."""
+    rounding of the scales; bf16 rounds the n - 1 partial sums too."""
     most = sum(float(t.abs().max()) for t in inputs if t.numel())
+    if wire == "bf16":
+        most *= len(inputs)
     most += float(expected.abs().max()) if expected.numel() else 0.0
     return 1.01 * WIRES[wire] * most
 
@@ -144,7 +147,7 @@ def sent_bytes(algo: str, count: int, elem_size: int, world_size: int) -> int | 
         return 0
     if algo == "ring":
         return 2 * (n - 1) * ceil_div(count, n) * elem_size
-    if wire_of(algo) is None:
+    if wire_of(algo) in (None, "bf16"):  # bf16: auto's choice, not only the ring
         return None
     per = ceil_div(ceil_div(count, WIRE_BLOCK), n) * WIRE_BLOCK
 
@@ -340,6 +343,8 @@ class AllReduce(_InPlace):
         if algo == "symmetric":
             return SymmetricRun(comm, t["tensor"], c.op)
         wire = wire_of(algo)
+        if wire == "bf16":
+            return lambda: _bf16_all_reduce(comm, t["tensor"], c.op)
         if wire is not None:
             return lambda: comm.all_reduce(t["tensor"], op=c.op, wire_dtype=wire,
                                            wire_block=WIRE_BLOCK)
@@ -348,6 +353,13 @@ class AllReduce(_InPlace):
     def torch_runner(self, t: Tensors, c: Call) -> Run:
         op = c.torch_op()
         return lambda: dist.all_reduce(t["tensor"], op=op)
+
+
+def _bf16_all_reduce(comm: Any, tensor: torch.Tensor, op: str) -> None:
+    """The ``bf16`` series: what hooks.bf16_compress_hook does with a bucket."""
+    half = tensor.to(torch.bfloat16)
+    comm.all_reduce(half, op=op)
+    tensor.copy_(half)
 
 
 class SymmetricRun:

@@ -170,14 +170,16 @@ def _spawn(args: Any, nproc: int) -> int:
 
 
 def _without_launch_flags(argv: list[str]) -> list[str]:
-    """``argv`` less --hosts and --nproc (and their values): a rank's argv."""
+    """``argv`` less --hosts, --link-rate and --nproc (and their values): a
+    rank's argv."""
     out, skip = [], False
+    flags = ("--hosts", "--link-rate", "--nproc")
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--hosts", "--nproc"):
+        elif a in flags:
             skip = True
-        elif not a.startswith(("--hosts=", "--nproc=")):
+        elif not a.startswith(tuple(f + "=" for f in flags)):
             out.append(a)
     return out
 
@@ -195,7 +197,7 @@ def _spawn_hosts(args: Any) -> int:
     layout = [args.nproc or 1] * args.hosts
     # args.command: the subcommand (["soak"]) when args.argv is its argv alone
     command = [sys.executable, "-m", "pycomm.bench", *getattr(args, "command", []), *argv]
-    with SimulatedHosts(args.hosts) as hosts:
+    with SimulatedHosts(args.hosts, getattr(args, "link_rate", None)) as hosts:
         results = hosts.launch(layout, command,
                                env={"OMP_NUM_THREADS": "1"}, timeout=args.timeout)
     print(results[0].stdout, end="", flush=True)

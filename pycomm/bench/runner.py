@@ -331,6 +331,8 @@ def _sent_bytes(s: _Session, algo: str, count: int, size: int) -> int | None:
     es, n = size // max(count, 1), s.call.world_size
     if s.transport_of(algo) == "shm+gloo":  # even hosts: torchrun's LOCAL_WORLD_SIZE ranks each
         per_host = int(os.environ.get("LOCAL_WORLD_SIZE", n))
+        if algo == "wire_bf16":  # auto's inter-host ring on bfloat16 (2 bytes an element)
+            algo, es = "auto", 2
         return C.sent_bytes("ring" if algo == "auto" else algo, C.ceil_div(count, per_host), es,
                             n // per_host)
     return C.sent_bytes("ring" if algo == "flat" else algo, count, es, n)
@@ -435,6 +437,7 @@ def _meta(s: _Session, active: list[str], skipped: dict[str, str]) -> dict[str, 
         "check": a.check, "algos": active, "skipped": skipped,
         # torchrun's (and --hosts') layout: ranks a host, hosts (1: one host)
         "ranks_per_host": _ranks_per_host(s), "hosts": s.call.world_size // _ranks_per_host(s),
+        "link_rate": os.environ.get("PYCOMM_SIM_LINK_RATE") or None,  # --link-rate (simhosts)
         "transport": s.pycomm_transport, "torch_backend": s.torch_backend,
         "peers": {name: peer.version for name, peer in s.peers.items()},
         "bounds": _BOUNDS_NOTE,

@@ -18,8 +18,15 @@ that died. Ranks are started as torchrun would start them (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR = host 0's address,
 MASTER_PORT), so ``pycomm.init()`` and ``init_process_group`` work unchanged.
 
-Needs root and iproute2 (``ip netns``) and util-linux (``unshare``);
-``unavailable_reason()`` says why not where they are missing.
+With ``link_rate`` (e.g. ``"1gbit"``) each host's link sends at most that
+many bits per second (``tc qdisc ... tbf`` on its ``eth0``, both ways being
+two hosts' egress), so the bytes between hosts cost wire time as on a real
+network, not only the CPU time of the kernel's veth; the ranks see the rate
+in ``PYCOMM_SIM_LINK_RATE`` (the study records it).
+
+Needs root and iproute2 (``ip netns``, ``tc`` for ``link_rate``) and
+util-linux (``unshare``); ``unavailable_reason()`` says why not where they
+are missing.
 """
 
 from __future__ import annotations
@@ -36,24 +43,38 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-__all__ = ["RankResult", "SimulatedHosts", "unavailable_reason"]
+__all__ = ["RankResult", "SimulatedHosts", "parse_link_rate", "unavailable_reason"]
 
 _PREFIX = "pycomm"
 _SUBNET = "10.77.0"
 _PORT = 29500  # free: host 0's namespace is new
+_RATE = re.compile(r"(\d+(?:\.\d+)?)([kmgt]?)bit", re.IGNORECASE)
+_RATE_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
-def unavailable_reason() -> str | None:
-    """None when simulated hosts can be made here, else why not."""
+def parse_link_rate(text: str) -> int:
+    """Bits per second of a rate as ``tc`` writes it ("1gbit", "500mbit",
+    "2.5Gbit"); raises ValueError for anything else or a rate under 1 kbit."""
+    m = _RATE.fullmatch(text.strip())
+    bits = float(m.group(1)) * _RATE_SCALE[m.group(2).lower()] if m else 0.0
+    if bits < 1000:
+        raise ValueError(f"a link rate is a number and a unit, at least 1kbit (e.g. 1gbit, "
+                         f"500mbit), got {text!r}")
+    return int(bits)
+
+
+def unavailable_reason(link_rate: str | None = None) -> str | None:
+    """None when simulated hosts (with ``link_rate``, shaped links) can be
+    made here, else why not."""
     if sys.platform != "linux":
         return "simulated hosts need Linux network namespaces"
     if os.geteuid() != 0:
         return "simulated hosts need root (ip netns, unshare)"
-    for tool in ("ip", "unshare"):
+    for tool in ("ip", "unshare", *(("tc",) if link_rate else ())):
         if shutil.which(tool) is None:
             return f"simulated hosts need the `{tool}` command"
     probe = f"{_PREFIX}{os.getpid()}probe"
@@ -82,16 +103,20 @@ class SimulatedHosts:
 
     Args:
         n_hosts: how many hosts (1 to 250).
+        link_rate: None (the veth's own speed), or each host link's rate in
+            bits per second as ``tc`` writes it ("1gbit").
 
     Example:
         >>> with SimulatedHosts(2) as hosts:
         ...     results = hosts.launch([2, 2], [sys.executable, "train.py"])
     """
 
-    def __init__(self, n_hosts: int) -> None:
+    def __init__(self, n_hosts: int, link_rate: str | None = None) -> None:
         if not 1 <= n_hosts <= 250:
             raise ValueError(f"n_hosts must be in 1..250, got {n_hosts}")
         self.n_hosts = n_hosts
+        self.link_rate = link_rate
+        self._rate_bits = parse_link_rate(link_rate) if link_rate else 0
         tag = f"{_PREFIX}{os.getpid()}"
         self.namespaces = [f"{tag}h{i}" for i in range(n_hosts)]
         self.switch = f"{tag}sw"
@@ -109,7 +134,7 @@ class SimulatedHosts:
     def create(self) -> None:
         """Makes the namespaces, the bridge, the links and each host's
         /etc/hosts. Raises RuntimeError naming the command that failed."""
-        reason = unavailable_reason()
+        reason = unavailable_reason(self.link_rate)
         if reason:
             raise RuntimeError(reason)
         _remove_stale()
@@ -133,11 +158,22 @@ class SimulatedHosts:
                 "netns", self.switch)
             _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
+            if self.link_rate:
+                self._shape(ns)
             _ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0")
             _ip("-n", self.switch, "link", "set", f"port{i}", "up")
             os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
             with open(f"/etc/netns/{ns}/hosts", "w") as f:
                 f.write(hosts)
+
+    def _shape(self, ns: str) -> None:
+        """Caps what host ``ns`` sends at the link rate: a token bucket on its
+        eth0 holding 4 ms of traffic (at least 64 KiB, a veth's largest
+        segment), queueing up to 200 ms before it drops."""
+        burst = max(64 * 1024, self._rate_bits // 8 // 250)
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root",
+                        "tbf", "rate", f"{self._rate_bits}bit", "burst", str(burst), "latency",
+                        "200ms"], capture_output=True, text=True, check=True)
 
     def destroy(self) -> None:
         """Deletes the namespaces (their links go with them) and files."""
@@ -164,6 +200,7 @@ class SimulatedHosts:
         world = sum(layout)
         procs: list[tuple[int, int, subprocess.Popen, IO[str], IO[str]]] = []
         base = {**os.environ, **(env or {}), "WORLD_SIZE": str(world),
+                "PYCOMM_SIM_LINK_RATE": self.link_rate or "",
                 "MASTER_ADDR": self.addresses[0], "MASTER_PORT": str(_PORT),
                 "GLOO_SOCKET_IFNAME": (env or {}).get("GLOO_SOCKET_IFNAME", "eth0")}
         rank = 0

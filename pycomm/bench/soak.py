@@ -640,7 +640,7 @@ def _report(args: argparse.Namespace, rows: list[Any], elapsed: float, segments:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The soak's flags; ``rank_main`` tells the launcher what each rank runs."""
-    from .cli import add_hosts_argument, parse_size
+    from .cli import add_hosts_argument, check_hosts, parse_size
 
     p = argparse.ArgumentParser(prog="python -m pycomm.bench soak",
                                 description=__doc__.split("\n\n")[0])
@@ -668,12 +668,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--leave-out: kinds of step from {','.join(KINDS)}, leaving one at least")
     if args.nproc is not None and not 1 <= args.nproc <= MAX_WORLD:
         p.error(f"--nproc must be 1 to {MAX_WORLD} (the inputs keep every reduction exact up to it)")
-    if args.hosts is not None:
-        from .simhosts import unavailable_reason
-
-        why = unavailable_reason()
-        if why:
-            p.error(f"--hosts: {why}")
+    check_hosts(p, args)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.transport is None:  # the ranks on the hosts get the choice explicitly
         args.transport = "auto" if args.hosts else "shm"
