@@ -78,6 +78,7 @@ def test_hosts_ddp_runs(tmp_path):
     data = json.loads(out.read_text())
     assert data["transport"] == "shm+gloo" and data["args"]["link_rate"] == "1gbit"
     assert set(data["step_ms"]) == {"torch-gloo", "hook-allreduce", "hook-bf16", "hook-ring-bf16",
-                                    "hook-int8", "hook-fp8"}
+                                    "hook-int8", "hook-fp8", "compute-only"}
+    assert set(data["traffic_ms"]) == set(data["step_ms"]) - {"compute-only"}
     assert data["speedup_over_torch-gloo"]["torch-gloo"] == 1.0
     assert "hook-int8" in proc.stdout

@@ -2,8 +2,10 @@
 (issue 38 item 5): torch DDP on gloo (fp32, the baseline) and torch DDP with
 pycomm's hooks (on shm+gloo: shared memory inside a host, gloo between):
 allreduce (fp32), bf16_compress_hook, ring_bf16_hook, int8_hook and fp8_hook
-(error feedback), in interleaved rounds; the median step time of the slowest rank
-and each variant's speedup over the baseline and over bf16_compress_hook.
+(error feedback), in interleaved rounds, and the model alone without DDP
+(compute-only: the floor, so step - floor is what the gradients' traffic
+costs); the median step time of the slowest rank and each variant's speedup
+over the baseline and over bf16_compress_hook.
 
     python benchmarks/compression/hosts_ddp.py --json benchmarks/compression/hosts_ddp_run1.json
     python benchmarks/compression/hosts_ddp.py --link-rate 1gbit --json ...  # a 1 Gbit/s network
@@ -25,7 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("torch-gloo", "hook-allreduce", "hook-bf16", "hook-ring-bf16", "hook-int8", "hook-fp8")
+VARIANTS = ("torch-gloo", "hook-allreduce", "hook-bf16", "hook-ring-bf16", "hook-int8", "hook-fp8",
+            "compute-only")
 
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +70,8 @@ def _wrap(name: str, args: argparse.Namespace, comm: Any) -> Any:
 
     from pycomm import hooks
 
+    if name == "compute-only":  # no DDP, no gradient traffic: the step's floor
+        return _model(args.width)
     ddp = torch.nn.parallel.DistributedDataParallel(_model(args.width))
     hook = {"hook-allreduce": (comm, hooks.allreduce_hook),
             "hook-bf16": (comm, hooks.bf16_compress_hook),
@@ -133,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     for base in ("torch-gloo", "hook-bf16"):
         if base in ms:
             data[f"speedup_over_{base}"] = {k: ms[base] / v for k, v in ms.items()}
+    if "compute-only" in ms:  # what the gradients' traffic adds to the step
+        data["traffic_ms"] = {k: v - ms["compute-only"] for k, v in ms.items() if k != "compute-only"}
     data["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                     cwd=repo).stdout.strip()
     data["loadavg"] = os.getloadavg()
@@ -140,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in ms.items():
         print(f"{k:>16}: {v:9.1f} ms/step  " + "  ".join(
             f"{data[f'speedup_over_{b}'][k]:.2f}x {b}" for b in ("torch-gloo", "hook-bf16")
-            if f"speedup_over_{b}" in data))
+            if f"speedup_over_{b}" in data)
+              + (f"  traffic {data['traffic_ms'][k]:.1f} ms" if k in data.get("traffic_ms", {})
+                 else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(data, indent=1))
     return 0
