@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import re
 import socket
 import uuid
 import warnings
@@ -358,6 +359,73 @@ def publish_process(store: Any, rank: int) -> None:
 # ------------------------------------------------------------------ shm bootstrap
 
 _shm_count = 0  # shm communicators created here: part of each segment's name
+_SHM_DIR = "/dev/shm"
+_SEGMENT = re.compile(r"pycomm-(\d+)-(\d+)-")  # pycomm-<creator pid>-<its pid namespace>-...
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (the inode of /proc/self/ns/pid), 0
+    where it cannot be read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def orphan_segments() -> list[str]:
+    """The names in /dev/shm of shm segments whose creator, a process of
+    this pid namespace, is gone. Such a name is garbage: once every rank has
+    mapped a segment its name is unlinked, so a name outlives only a setup
+    that failed, and with its creator (rank 0) gone that setup failed for
+    good. Only SIGKILL of every rank in that window leaves one. (A symmetric
+    buffer's part, ``<name>.s<id>.<r>``, carries rank 0's pid though rank r
+    made it: no allocation completes without rank 0 either.)"""
+    ns = _pid_namespace()
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        m = _SEGMENT.match(name)
+        if ns and m and int(m.group(2)) == ns and not process_alive(int(m.group(1))):
+            out.append(name)
+    return out
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this pid namespace) still runs: a zombie
+    does not; another user's counts as running."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # an exited child its parent has not reaped yet still answers kill()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def sweep_orphan_segments() -> list[str]:
+    """Unlinks :func:`orphan_segments` (those this user may) and returns
+    their names: a job killed whole during its setup leaves nothing for
+    longer than the next setup. Says so (RuntimeWarning): it means a leak."""
+    removed = []
+    for name in orphan_segments():
+        try:
+            os.unlink(os.path.join(_SHM_DIR, name))
+            removed.append(name)
+        except OSError:
+            pass  # another user's, or unlinked meanwhile
+    if removed:
+        warnings.warn(f"pycomm: removed {len(removed)} shared-memory segment(s) left in /dev/shm "
+                      f"by processes that are gone (killed while setting up): {removed}",
+                      RuntimeWarning, stacklevel=2)
+    return removed
 
 
 def init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes: int,
@@ -377,7 +445,10 @@ def init_shm(st: Any, rank: int, world_size: int, timeout_ms: int, slice_bytes: 
     # do so unlinks it, shm_transport.h), the survivors can remove it: every
     # rank unlinks the name when init fails here, whatever the reason.
     # Unique per job (rank 0's pid + random) and per communicator.
-    name = f"/pycomm-{os.getpid()}-{_shm_count}-{uuid.uuid4().hex[:12]}" if rank == 0 else None
+    if rank == 0:
+        sweep_orphan_segments()
+    name = (f"/pycomm-{os.getpid()}-{_pid_namespace()}-{_shm_count}-{uuid.uuid4().hex[:12]}"
+            if rank == 0 else None)
     intent = broadcast(st, f"{key}/intent", rank, name, "shm setup")
     try:
         impl, errors = _map_shm(st, key, intent, rank, world_size, timeout_ms, slice_bytes)

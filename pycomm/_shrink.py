@@ -27,12 +27,14 @@ an earlier one's keys.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ._setup import ENV, host_id
+import torch.distributed as dist
+
+from ._setup import ENV, host_id, process_alive
+from ._store import ranks_text
 
 __all__ = ["agree_on_survivors", "liveness", "survivors"]
 
@@ -86,7 +88,7 @@ def survivors(store: Any, base: str, rank: int, world_size: int,
     local, unknown = _processes(store, world_size) if exclude is None else ({}, set())
 
     def dead() -> set[int]:
-        return {q for q, pid in local.items() if not _process_alive(pid)}
+        return {q for q, pid in local.items() if not process_alive(pid)}
 
     return agree_on_survivors(store, base, rank, world_size, exclude=exclude, dead=dead,
                               unknown=unknown, grace=ENV.shrink_grace(), timeout=timeout)
@@ -101,7 +103,7 @@ def liveness(store: Any, world_size: int) -> tuple[set[int], set[int]]:
     a rank on this host is dead when its process has exited (a zombie
     counts); one on another host cannot be told from a slow one."""
     local, unknown = _processes(store, world_size)
-    return {q for q, pid in local.items() if not _process_alive(pid)}, unknown
+    return {q for q, pid in local.items() if not process_alive(pid)}, unknown
 
 
 def exited(store: Any, ranks: list[int]) -> list[int]:
@@ -110,7 +112,7 @@ def exited(store: Any, ranks: list[int]) -> list[int]:
     process: a communicator made by an NCCL split has none)."""
     known = [q for q in ranks if store.check([f"process/{q}"])]
     local, _ = _processes(store, known)
-    return [q for q in known if q in local and not _process_alive(local[q])]
+    return [q for q in known if q in local and not process_alive(local[q])]
 
 
 def group_exited(store: Any, members: Sequence[int]) -> Callable[[list[int]], list[int]]:
@@ -121,6 +123,22 @@ def group_exited(store: Any, members: Sequence[int]) -> Callable[[list[int]], li
         gone = set(exited(store, [members[i] for i in missing]))
         return [i for i in missing if members[i] in gone]
     return of
+
+
+def with_exited_members(store: Any, members: Sequence[int], rank: int, why: str) -> str:
+    """``why`` a group's setup failed (on rank ``rank``, a member), led by
+    the members whose process has exited where that is the cause and ``why``
+    does not say so (a transport's own rendezvous, gloo's, only times out)."""
+    if "exited" in why:
+        return why
+    others = [i for i, m in enumerate(members) if m != rank]
+    try:
+        gone = group_exited(store, members)(others)
+    except (dist.DistError, RuntimeError):  # the store is gone too: say what is known
+        return why
+    if not gone:
+        return why
+    return f"{ranks_text(gone, members)} exited (the process is gone): {why}"
 
 
 def _processes(store: Any, ranks: int | list[int]) -> tuple[dict[int, int], set[int]]:
@@ -134,18 +152,3 @@ def _processes(store: Any, ranks: int | list[int]) -> tuple[dict[int, int], set[
         else:
             local[q] = int(pid)
     return local, unknown
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # an exited child its parent has not reaped yet still answers kill()
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return True

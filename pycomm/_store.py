@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from ._ext import CommError
 
-__all__ = ["agree_errors", "all_gather", "broadcast", "ranks_text", "wait_for", "watching_liveness"]
+__all__ = ["agree_errors", "all_gather", "bounded_by", "broadcast", "ranks_text", "wait_for",
+           "watching_liveness"]
 
 #: How often a rendezvous under :func:`watching_liveness` looks whether a
 #: rank it waits for has exited.
@@ -32,6 +33,35 @@ LIVENESS_SLICE = timedelta(seconds=0.5)
 #: watching_liveness); None: wait without looking.
 _watch: ContextVar[tuple[Callable[[list[int]], list[int]], Sequence[int] | None] | None] = \
     ContextVar("pycomm_rendezvous_watch", default=None)
+
+
+#: The longest a rendezvous under :func:`bounded_by` waits, in seconds, where
+#: it is shorter than the store's own timeout; None: the store's.
+_limit: ContextVar[float | None] = ContextVar("pycomm_rendezvous_limit", default=None)
+
+
+@contextmanager
+def bounded_by(timeout: timedelta) -> Iterator[None]:
+    """Within it, every :func:`wait_for` gives up after ``timeout`` where the
+    store would wait longer. A group's rendezvous runs under the group's
+    timeout (Communicator._create_group), as torch's new_group and gloo's own
+    rendezvous do: a member alive but absent (stopped, busy, or on another
+    host, where its process cannot be seen) is reported then, not at the
+    store's timeout. ``init()`` keeps the store's: its ranks may start far
+    apart."""
+    token = _limit.set(timeout.total_seconds())
+    try:
+        yield
+    finally:
+        _limit.reset(token)
+
+
+def _wait_limit(store: Any) -> tuple[float, str]:
+    """(seconds a rendezvous may wait, 0: no limit; the timeout that sets it)."""
+    own, bound = store.timeout.total_seconds(), _limit.get()
+    if bound and (own <= 0 or bound < own):
+        return bound, "the group's timeout"
+    return own, "the store's timeout"
 
 
 @contextmanager
@@ -76,7 +106,7 @@ def _wait_watching(store: Any, keys: dict[int, str], what: str,
     # would), its period doubling from 1 ms to 100 ms. A timeout of 0 is
     # c10d's "none".
     start = time.monotonic()
-    limit = store.timeout.total_seconds()
+    limit, _ = _wait_limit(store)
     deadline, looked, nap = start + limit if limit > 0 else float("inf"), start, 0.001
     while not store.check(list(keys.values())):
         now = time.monotonic()
@@ -95,23 +125,25 @@ def _wait_watching(store: Any, keys: dict[int, str], what: str,
 
 def wait_for(store: Any, keys: dict[int, str], what: str) -> None:
     """Waits for the store keys of the ranks in ``keys`` (rank -> key) under
-    the store's own timeout (ranks may reach a rendezvous far apart; the
-    communicator's timeout bounds its operations, not its creation). A
-    timeout is a CommError naming the ranks still missing and ``what`` was
-    being set up; so is, at once, a missing rank known to have exited
+    the store's own timeout (``init()``: its ranks may start far apart), or
+    a group's where that is shorter (:func:`bounded_by`). A timeout is a
+    CommError naming the ranks still missing and ``what`` was being set up;
+    so is, at once, a missing rank known to have exited
     (:func:`watching_liveness`)."""
     watch = _watch.get()
+    limit, which = _wait_limit(store)
     try:
-        if watch is None:
-            store.wait(list(keys.values()))
-        else:
+        if watch is not None:
             _wait_watching(store, keys, what, *watch)
+        elif limit > 0:
+            store.wait(list(keys.values()), timedelta(seconds=limit))
+        else:
+            store.wait(list(keys.values()))
     except dist.DistStoreError as e:
         missing = _missing(store, keys)
         raise CommError(
-            f"{what}: {ranks_text(missing, watch and watch[1])} did not arrive within the store's "
-            "timeout "
-            f"({store.timeout.total_seconds():g} s); every rank of a new communicator must "
+            f"{what}: {ranks_text(missing, watch and watch[1])} did not arrive within {which} "
+            f"({limit:g} s); every rank of a new communicator must "
             "create it (init(), or new_group/split on every member)") from e
 
 

@@ -8,6 +8,7 @@ algorithms (csrc/core).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -444,30 +445,28 @@ class Communicator(PointToPoint, SymmetricMemory):
         self._group_counts[members] = count = self._group_counts.get(members, 0) + 1
         ident = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:16]
         settings = replace(self._group_settings(timeout), require_check=self._settings.check)
-        try:  # a member that exited meanwhile is named at once, not at the store's timeout
-            with _store.watching_liveness(_shrink.group_exited(self._store, members), members):
-                return _build(dist.PrefixStore(f"group/{ident}/{count}", self._store),
-                              members.index(self.rank), len(members), settings)
+        st, me = dist.PrefixStore(f"group/{ident}/{count}", self._store), members.index(self.rank)
+        try:  # a member that exited meanwhile is named at once, one absent at the timeout
+            with _store.bounded_by(settings.timeout), \
+                    _store.watching_liveness(_shrink.group_exited(self._store, members), members):
+                # every member present first, whatever the transport (gloo's
+                # own rendezvous would only time out, naming a key)
+                _store.all_gather(st, "arrived", me, len(members), "", "the group's rendezvous")
+                if st.check(["abandoned"]):  # this rank came after the others gave up
+                    raise CommError(f"the other members gave up first: {st.get('abandoned').decode()}")
+                return _build(st, me, len(members), settings)
         except (CommError, dist.DistError) as e:  # setup failed, or a member never came
-            why = f"the store is unreachable ({e})" if isinstance(e, dist.DistNetworkError) \
-                else self._with_exited_members(members, str(e))
-            raise CommError(f"creating the group of ranks {list(members)} (group rank i is "
-                            f"ranks[i]) on rank {self.rank}: {why}") from e
-
-    def _with_exited_members(self, members: tuple[int, ...], why: str) -> str:
-        """``why`` a group's setup failed, led by the members whose process
-        has exited where that is the cause and ``why`` does not say so (a
-        transport's own rendezvous, gloo's, only times out)."""
-        if "exited" in why:
-            return why
-        others = [i for i, m in enumerate(members) if m != self.rank]
-        try:
-            gone = _shrink.group_exited(self._store, members)(others)
-        except (dist.DistError, RuntimeError):  # the store is gone too: say what is known
-            return why
-        if not gone:
-            return why
-        return f"{_store.ranks_text(gone, members)} exited (the process is gone): {why}"
+            if isinstance(e, dist.DistNetworkError):
+                why = f"the store is unreachable ({e})"
+            elif isinstance(e, CommError):  # pycomm's own: it says why
+                why = str(e)
+            else:  # a transport's own rendezvous (gloo's) only timed out: who is gone?
+                why = _shrink.with_exited_members(self._store, members, self.rank, str(e))
+            why = f"creating the group of ranks {list(members)} (group rank i is ranks[i]) on " \
+                  f"rank {self.rank}: {why}"
+            with contextlib.suppress(Exception):  # tells a member that comes later
+                st.set("abandoned", why)
+            raise CommError(why) from e
 
     def shrink(self, exclude: Sequence[int] | None = None, *,
                timeout: timedelta | float | None = None) -> Communicator:
@@ -521,8 +520,9 @@ class Communicator(PointToPoint, SymmetricMemory):
             self.close()
         except CommError:
             pass  # the failure that made us shrink: the caller has seen it
-        new = _build(dist.PrefixStore(f"{base}/comm", self._store), members.index(rank),
-                     len(members), settings)
+        with _store.bounded_by(settings.timeout):  # a survivor that stops now: at the timeout
+            new = _build(dist.PrefixStore(f"{base}/comm", self._store), members.index(rank),
+                         len(members), settings)
         if was_default:
             _set_default(new)
         return new

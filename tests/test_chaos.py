@@ -47,9 +47,10 @@ def test_chaos_every_survivor_raises_in_time(tmp_path, transport, nproc, faults)
 
 
 def test_the_job_lives_through_its_surroundings(tmp_path):
-    """A CPU-starved rank, /dev/shm filled mid-program: every rank finishes
-    its program verified, none raises; the store's server killed: each
-    finishes, or raises CommError (a group made after it).
+    """A CPU-starved rank: every rank finishes its program verified, none
+    raises; /dev/shm filled mid-program or the store's server killed: each
+    finishes, or raises CommError (a group made after it: which steps come
+    after the fault depends on the machine's speed)
     /dev/shm full before the start: every rank's init raises CommError
     saying so. Nothing hangs, nothing is left in /dev/shm."""
     # trial i has kind i % 3: shm_full at 0 (mid-program) and 3 (before the start)
@@ -66,6 +67,10 @@ def test_the_job_lives_through_its_surroundings(tmp_path):
                        for s in t["survivors"]), t
         elif t["fault"] == "store":  # a group made after it raises, its peers then too
             assert t["finished"] + len(t["survivors"]) == 3, t
+        elif t["fault"] == "shm_full":  # a group made after the fill raises: no space
+            assert t["finished"] + len(t["survivors"]) == 3, t
+            assert t["finished"] == 3 or any("No space left" in s["message"]
+                                             for s in t["survivors"]), t
         else:
             assert t["finished"] == 3 and t["survivors"] == [], t
     assert [t.get("when") for t in data["trials"] if t["fault"] == "shm_full"] == (

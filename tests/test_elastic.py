@@ -27,7 +27,12 @@ def _final(tmp_path, name: str) -> list[torch.Tensor]:
 
 
 def _shm_names() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("pycomm")}
+    """pycomm's segments in /dev/shm whose creator is gone: a leak once the
+    test's ranks have ended (another job's live segments, as in a second test
+    run sharing the machine, are not)."""
+    from pycomm import _setup
+
+    return set(_setup.orphan_segments())
 
 
 def _reference(world: int, steps: int, survivors: list[int] | None = None,

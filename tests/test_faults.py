@@ -518,9 +518,8 @@ def _member_exits_before_the_group(rank, world, port, transport):
 def test_a_member_that_exited_fails_the_group_at_once(transport):
     """A member that exited before a group's rendezvous is named, by its
     rank in the communicator that makes the group and its group rank, well
-    before the store's 60 s: on shm within about a second (the rendezvous
-    watches its process), on gloo at the communicator's 5 s timeout (gloo's
-    own rendezvous only times out; the error then says who is gone)."""
+    before the store's 60 s and the communicator's 5 s: within about a
+    second (the group's rendezvous watches its members' processes)."""
     results = spawn_ranks(_member_exits_before_the_group, 3, transport, timeout=150)
     assert results[2] == ("died", 0), results[2]
     for r in (0, 1):
@@ -528,6 +527,48 @@ def test_a_member_that_exited_fails_the_group_at_once(transport):
         assert status == "raised" and "rank 2 (group rank 0) exited" in msg, results[r]
         assert "creating the group of ranks [2, 0, 1]" in msg, msg
         assert elapsed < 30, f"rank {r} took {elapsed:.1f} s"  # the store's timeout is 60 s
+
+
+def _member_absent_from_the_group(rank, world, port, transport):
+    import pycomm
+    from tests._dist import client_store
+
+    store = client_store(port, world)  # its timeout: 60 s
+    comm = pycomm.init(rank=rank, world_size=world, store=store, transport=transport, timeout=30,
+                       set_default=False)
+    comm.barrier()
+    t0 = time.monotonic()
+    if rank == 2:  # alive, but busy elsewhere past the group's timeout, then late
+        time.sleep(7)
+        try:
+            comm.new_group([2, 0, 1], timeout=2)
+            out = ("late", "created", 0.0)
+        except pycomm.CommError as e:
+            out = ("late", str(e), 0.0)
+    else:
+        try:
+            comm.new_group([2, 0, 1], timeout=2)  # rank 2 is the group's rank 0
+            out = ("created", "", time.monotonic() - t0)
+        except pycomm.CommError as e:
+            out = ("raised", str(e), time.monotonic() - t0)
+    comm.abort("test over")
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_a_member_that_never_arrives_fails_the_group_at_its_timeout(transport):
+    """A member alive but absent from a group's rendezvous (stopped, busy, or
+    on another host, where no process can be watched) is named at the
+    group's timeout (2 s here), as torch's new_group does, not at the store's
+    60 s; when it comes later, it is told that the others gave up."""
+    results = spawn_ranks(_member_absent_from_the_group, 3, transport, timeout=150)
+    assert results[2][0] == "late" and "the other members gave up first" in results[2][1], results[2]
+    for r in (0, 1):
+        status, msg, elapsed = results[r]
+        assert status == "raised" and "creating the group of ranks [2, 0, 1]" in msg, results[r]
+        assert "rank 2 (group rank 0) did not arrive within the group's timeout (2 s)" in msg, msg
+        assert elapsed < 6.5, f"rank {r} took {elapsed:.1f} s"  # rank 2 comes at 7 s, the store 60
 
 
 def test_new_group_after_the_store_died_names_the_store(tmp_path):

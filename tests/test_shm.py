@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POS
 
 
 def _ours(pid: int) -> list[str]:
-    """Segments named after rank 0's pid (pycomm/comm.py: /pycomm-<pid>-...)."""
+    """Segments named after rank 0's pid (pycomm/_setup.py: /pycomm-<pid>-...)."""
     return [f for f in os.listdir("/dev/shm") if f.startswith(f"pycomm-{pid}-")]
 
 
@@ -107,6 +109,41 @@ def test_segment_unlinked_while_alive_and_auto_picks_shm():
     res = run_ranks(_segment_names, 2, "auto")
     assert res[0][1] == "shm", "transport='auto' on one host should pick shm"
     assert res[0][2] == [], f"segment still in /dev/shm: {res[0][2]}"
+
+
+def _new_shm_comm(rank, world_size, port):
+    import pycomm
+
+    pycomm.init(rank=rank, world_size=world_size, store=client_store(port, world_size),
+                transport="shm", timeout=COMM_TIMEOUT).close()
+
+
+def test_a_segment_whose_creator_is_gone_is_swept_at_the_next_setup():
+    """A job SIGKILLed whole while setting up leaves its segment's name (the
+    one window where a name exists); the next shm setup on the host removes
+    the names whose creator is gone, and only those: not a live creator's,
+    not another pid namespace's (whose pids mean other processes)."""
+    from pycomm import _setup
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    ns = _setup._pid_namespace()
+    names = {"orphan": f"pycomm-{gone.pid}-{ns}-1-0123456789ab",
+             "live": f"pycomm-{os.getpid()}-{ns}-1-0123456789ab",
+             "other_ns": f"pycomm-{gone.pid}-{ns + 1}-1-0123456789ab"}
+    for name in names.values():
+        with open(f"/dev/shm/{name}", "wb") as f:
+            f.write(b"\0" * 64)
+    try:
+        # (a second test run sharing the machine may sweep the orphan first)
+        assert not set(_setup.orphan_segments()) & {names["live"], names["other_ns"]}
+        spawn_ranks(_new_shm_comm, 2)
+        left = {k for k, n in names.items() if os.path.exists(f"/dev/shm/{n}")}
+        assert left == {"live", "other_ns"}
+    finally:
+        for name in names.values():
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")
 
 
 def _direct_on_gloo(comm):
