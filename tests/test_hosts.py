@@ -53,12 +53,14 @@ def test_hosts_are_separate_and_torn_down():
 
 def test_link_rate_caps_each_host_link():
     """link_rate puts a token bucket of that rate on every host's eth0 (what
-    a host sends: both ways between two hosts) and tells the ranks."""
+    it sends) and on its port of the switch (what it receives), and tells
+    the ranks."""
     with simhosts.SimulatedHosts(2, "200mbit") as hosts:
         for h in range(2):
-            shown = subprocess.run(hosts.command(h, ["tc", "qdisc", "show", "dev", "eth0"]),
-                                   capture_output=True, text=True, check=True).stdout
-            assert "tbf" in shown and "rate 200Mbit" in shown, shown
+            for ns, dev in ((hosts.namespaces[h], "eth0"), (hosts.switch, f"port{h}")):
+                shown = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
+                                       capture_output=True, text=True, check=True).stdout
+                assert "tbf" in shown and "rate 200Mbit" in shown, (ns, dev, shown)
         seen = hosts.launch([1, 1], ["sh", "-c", 'echo "$PYCOMM_SIM_LINK_RATE"'], timeout=60)
     assert [r.stdout.strip() for r in seen] == ["200mbit", "200mbit"]
 

@@ -51,7 +51,7 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.rank:
         from pycomm.bench.cli import check_hosts
 
-        args.hosts = 2
+        args.hosts = 2  # (an error about "--hosts" means the 2 simulated hosts)
         check_hosts(ap, args)
     return args
 

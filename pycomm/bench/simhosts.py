@@ -18,9 +18,9 @@ that died. Ranks are started as torchrun would start them (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR = host 0's address,
 MASTER_PORT), so ``pycomm.init()`` and ``init_process_group`` work unchanged.
 
-With ``link_rate`` (e.g. ``"1gbit"``) each host's link sends at most that
-many bits per second (``tc qdisc ... tbf`` on its ``eth0``, both ways being
-two hosts' egress), so the bytes between hosts cost wire time as on a real
+With ``link_rate`` (e.g. ``"1gbit"``) each host's link carries at most that
+many bits per second each way (``tc qdisc ... tbf`` on the host's ``eth0``
+and on its port of the switch), so the bytes between hosts cost wire time as on a real
 network, not only the CPU time of the kernel's veth; the ranks see the rate
 in ``PYCOMM_SIM_LINK_RATE`` (the study records it).
 
@@ -158,20 +158,21 @@ class SimulatedHosts:
                 "netns", self.switch)
             _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
-            if self.link_rate:
-                self._shape(ns)
+            if self.link_rate:  # what host i sends, and what the switch sends it
+                self._shape(ns, "eth0")
+                self._shape(self.switch, f"port{i}")
             _ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0")
             _ip("-n", self.switch, "link", "set", f"port{i}", "up")
             os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
             with open(f"/etc/netns/{ns}/hosts", "w") as f:
                 f.write(hosts)
 
-    def _shape(self, ns: str) -> None:
-        """Caps what host ``ns`` sends at the link rate: a token bucket on its
-        eth0 holding 4 ms of traffic (at least 64 KiB, a veth's largest
-        segment), queueing up to 200 ms before it drops."""
+    def _shape(self, ns: str, dev: str) -> None:
+        """Caps what ``dev`` in namespace ``ns`` sends at the link rate: a
+        token bucket holding 4 ms of traffic (at least 64 KiB, a veth's
+        largest segment), queueing up to 200 ms before it drops."""
         burst = max(64 * 1024, self._rate_bits // 8 // 250)
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root",
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
                         "tbf", "rate", f"{self._rate_bits}bit", "burst", str(burst), "latency",
                         "200ms"], capture_output=True, text=True, check=True)
 
