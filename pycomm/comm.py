@@ -455,12 +455,13 @@ class Communicator(PointToPoint, SymmetricMemory):
                 if st.check(["abandoned"]):  # this rank came after the others gave up
                     raise CommError(f"the other members gave up first: {st.get('abandoned').decode()}")
                 return _build(st, me, len(members), settings)
-        except (CommError, dist.DistError) as e:  # setup failed, or a member never came
+        except (RuntimeError, dist.DistError) as e:  # setup failed (gloo's connect raises
+            # RuntimeError), or a member never came
             if isinstance(e, dist.DistNetworkError):
                 why = f"the store is unreachable ({e})"
             elif isinstance(e, CommError):  # pycomm's own: it says why
                 why = str(e)
-            else:  # a transport's own rendezvous (gloo's) only timed out: who is gone?
+            else:  # a transport's own rendezvous or connect (gloo's) failed: who is gone?
                 why = _shrink.with_exited_members(self._store, members, self.rank, str(e))
             why = f"creating the group of ranks {list(members)} (group rank i is ranks[i]) on " \
                   f"rank {self.rank}: {why}"
