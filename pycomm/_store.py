@@ -99,14 +99,13 @@ def ranks_text(ranks: list[int], members: Sequence[int] | None = None) -> str:
     return f"{named([members[g] for g in ranks])} (group {named(ranks)})"
 
 
-def _wait_watching(store: Any, keys: dict[int, str], what: str,
+def _wait_watching(store: Any, keys: dict[int, str], what: str, limit: float,
                    exited: Callable[[list[int]], list[int]],
                    members: Sequence[int] | None) -> None:
     # Polls (check() neither blocks nor logs a timeout, as a sliced wait()
     # would), its period doubling from 1 ms to 100 ms. A timeout of 0 is
     # c10d's "none".
     start = time.monotonic()
-    limit, _ = _wait_limit(store)
     deadline, looked, nap = start + limit if limit > 0 else float("inf"), start, 0.001
     while not store.check(list(keys.values())):
         now = time.monotonic()
@@ -134,7 +133,7 @@ def wait_for(store: Any, keys: dict[int, str], what: str) -> None:
     limit, which = _wait_limit(store)
     try:
         if watch is not None:
-            _wait_watching(store, keys, what, *watch)
+            _wait_watching(store, keys, what, limit, *watch)
         elif limit > 0:
             store.wait(list(keys.values()), timedelta(seconds=limit))
         else:

@@ -212,6 +212,8 @@ def check_hosts(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         why = unavailable_reason(args.link_rate)
         if why:
             p.error(f"--hosts: {why}")
+
+
 _nonneg_int = _int_at_least(0)
 
 

@@ -172,9 +172,8 @@ class SimulatedHosts:
         token bucket holding 4 ms of traffic (at least 64 KiB, a veth's
         largest segment), queueing up to 200 ms before it drops."""
         burst = max(64 * 1024, self._rate_bits // 8 // 250)
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
-                        "tbf", "rate", f"{self._rate_bits}bit", "burst", str(burst), "latency",
-                        "200ms"], capture_output=True, text=True, check=True)
+        _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+            f"{self._rate_bits}bit", "burst", str(burst), "latency", "200ms")
 
     def destroy(self) -> None:
         """Deletes the namespaces (their links go with them) and files."""
