@@ -55,7 +55,10 @@ from typing import Any, Callable, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 RESERVE_S = 10.0  # kept for writing the summary after the last step
 MAX_TRACEBACK = 20_000  # characters of one failure's traceback in the summary
-KERNEL_TESTS = "test_kernel_bitwise_equals_cpu or test_scale_and_fused_reduce_scale_bitwise"
+KERNEL_TESTS = (
+    "test_kernel_bitwise_equals_cpu or test_scale_and_fused_reduce_scale_bitwise"
+    " or test_quantize_kernels_bitwise_equal_cpu"
+)
 
 
 class NoGPU(Exception):

@@ -17,7 +17,8 @@
 #   without it the check stops at once, exit status 2), MAX_JOBS = the CPU
 #   count, TORCH_CUDA_ARCH_LIST = this GPU's arch only (either may be set
 #   in the environment instead); (2) import pycomm with _C.WITH_CUDA; (3) the
-#   reduction kernels against the CPU, bitwise (tests/test_gpu.py, pytest);
+#   reduction and quantization kernels against the CPU, bitwise
+#   (tests/test_gpu.py, pytest);
 #   (4) the kernel benchmark (256 MiB fp32/bf16/fp16 vs torch add_ and a copy);
 #   (5) one world of 2 ranks and one of 3, sharing the GPU (a distinct
 #   NCCL_HOSTID per rank, NCCL over loopback sockets), each running many cases

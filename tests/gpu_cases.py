@@ -197,8 +197,9 @@ def nan_propagation(comm: Any, store: Any) -> None:
 
 def wire_matches_cpu(comm: Any, store: Any) -> None:
     """The wire-dtype ring on this communicator runs the CPU's arithmetic in
-    the CPU's order (same slices): bitwise the result of a gloo communicator
-    on the same data."""
+    the CPU's order (same slices), and so do the quantized wires (int8,
+    float8; quant_codec.h), residuals included: bitwise the result of a gloo
+    communicator on the same data."""
     import torch.distributed as dist
 
     import pycomm
@@ -216,12 +217,31 @@ def wire_matches_cpu(comm: Any, store: Any) -> None:
                     c = x.clone()
                     cpu.all_reduce(c, op=op, algo="ring", wire_dtype=wire)
                     assert torch.equal(g.cpu(), c), (wire, op, n)
+        _quantized_wires_match(comm, cpu)
         if comm.transport == "nccl":
             with pytest.raises(ValueError, match="nccl"):
                 comm.all_reduce(torch.ones(4, device=comm.device), algo="nccl",
                                 wire_dtype=torch.float16)
     finally:
         cpu.close()
+
+
+def _quantized_wires_match(comm: Any, cpu: Any) -> None:
+    """wire_dtype int8 / float8 on comm and on the CPU communicator `cpu`:
+    the same bits, in the tensor and in the residual (a NaN block too)."""
+    for wire in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2):
+        for dtype, op, block in [(torch.float32, "avg", 100), (torch.bfloat16, "sum", 256)]:
+            for n in COUNTS:
+                x = inputs(comm.rank, dtype, n, op, 12)
+                if n > 1000 and comm.rank == 1:
+                    x[700] = float("nan")  # that block reads back as NaN everywhere
+                r = rand(torch.float32, n, 13 + comm.rank) / 64
+                g, gr = x.to(comm.device, copy=True), r.to(comm.device, copy=True)
+                comm.all_reduce(g, op=op, wire_dtype=wire, wire_block=block, residual=gr)
+                c, cr = x.clone(), r.clone()
+                cpu.all_reduce(c, op=op, wire_dtype=wire, wire_block=block, residual=cr)
+                assert bitwise_equal(g, c), (wire, dtype, n)
+                assert bitwise_equal(gr, cr), (wire, dtype, n, "residual")
 
 
 # ---------------------------------------------------------------- broadcast, rs / ag
@@ -499,10 +519,9 @@ def argument_errors(comm: Any, store: Any) -> None:
     with pytest.raises(TypeError):
         comm.all_reduce(torch.ones(4, dtype=torch.complex64, device=dev))
     x = torch.ones(4, device=dev)
-    if dev.type == "cuda":  # the quantized wires run on CPU tensors only
-        for wire in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2):
-            with pytest.raises(ValueError, match="runs on CPU tensors so far"):
-                comm.all_reduce(x, wire_dtype=wire)
+    if dev.type == "cuda":  # a quantized wire's residual lives beside the tensor
+        with pytest.raises(ValueError, match="residual must be a contiguous float32 tensor on"):
+            comm.all_reduce(x, wire_dtype=torch.int8, residual=torch.zeros(4))
     with pytest.raises(ValueError, match="is this rank"):
         comm.send(x, comm.rank)
     with pytest.raises(ValueError, match="out of range"):

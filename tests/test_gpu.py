@@ -92,6 +92,50 @@ def test_scale_and_fused_reduce_scale_bitwise(dtype, factor):
     assert bitwise_equal(g2, ref2)
 
 
+def _quant_input(n: int, block: int) -> torch.Tensor:
+    """float32 values whose blocks span magnitudes from 1e-40 to 3e38, with
+    the special blocks of quant.h: all zero, one NaN, one infinity, one
+    so small that max / absmax overflows."""
+    x = rand(torch.float32, n, 5, lo=-1, hi=1)
+    mags = torch.tensor([1.0, 1e-40, 1e-20, 1e-3, 7.5, 1e4, 3e38 / 2], dtype=torch.float32)
+    x *= mags[(torch.arange(n) // block) % mags.numel()]
+    specials = {2: 0.0, 3: float("nan"), 4: float("inf"), 5: 1e-36}
+    for b, v in specials.items():
+        lo, hi = b * block, min(n, (b + 1) * block)
+        if lo >= n:
+            break
+        if v == 0.0:
+            x[lo:hi] = 0.0
+        elif v == 1e-36:
+            x[lo:hi] *= 1e-36
+        else:
+            x[lo + (hi - lo) // 2] = v
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "float8_e5m2"])
+def test_quantize_kernels_bitwise_equal_cpu(fmt):
+    """cuda_quantize / cuda_dequantize_ write the CPU's scales, codes,
+    errors and values, bit for bit (quant_codec.h is their arithmetic)."""
+    for n, block in [(1, 1), (255, 256), (257, 256), (1009, 7), (200_003, 256), (70_000, 5000)]:
+        x = _quant_input(n, block)
+        err = torch.empty(n)
+        q = _C.quantize(x, block, err, format=fmt)
+        gerr = torch.empty(n, device="cuda")
+        gq = _C.cuda_quantize(x.cuda(), block, gerr, format=fmt)
+        torch.cuda.synchronize()
+        assert torch.equal(gq.cpu(), q), (fmt, n, block)
+        assert bitwise_equal(gerr, err), (fmt, n, block)
+        for add in (False, True):
+            base = rand(torch.float32, n, 6)
+            ref = base.clone()
+            _C.dequantize(ref, q, block, add, format=fmt)
+            g = base.cuda()
+            _C.cuda_dequantize_(g, gq, block, add, format=fmt)
+            torch.cuda.synchronize()
+            assert bitwise_equal(g, ref), (fmt, n, block, add)
+
+
 # ---------------------------------------------------------------- multi-rank
 
 def run_ranks(world: int, fn: Callable[..., Any], init: Mapping[str, Any] | None = None,

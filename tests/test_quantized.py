@@ -331,7 +331,7 @@ def test_bad_calls_name_the_problem(wire, name):
     assert "a quantized wire cannot carry it" in got["product"]
     assert "pass algo='auto', not 'ring'" in got["ring"]
     assert "wire_block must be in [1, 1048576]" in got["block"]
-    assert "residual must be a contiguous float32 CPU tensor" in got["residual dtype"]
+    assert "residual must be a contiguous float32 tensor on tensor's cpu, got" in got["residual dtype"]
     assert "residual must have tensor's 8 elements, got 9" in got["residual size"]
     assert "must not share memory" in got["residual overlap"]
     assert "residual (error feedback) needs a quantized wire_dtype" in got["residual alone"]

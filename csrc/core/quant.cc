@@ -7,92 +7,20 @@
 #include <cstring>
 #include <type_traits>
 
+#include "quant_codec.h"
 #include "reduce.h"
 #include "x86_simd.h"
 
 namespace pycomm {
 namespace {
 
-uint32_t bits_of(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, sizeof b);
-  return b;
-}
-float float_of(uint32_t b) {
-  float x;
-  std::memcpy(&x, &b, sizeof x);
-  return x;
-}
-
-// A float8 format with kMant mantissa bits and exponent bias kBias.
-// round_fp8 maps |x| (float32 bits, finite and below the format's overflow
-// threshold) to the code of |x| rounded to nearest, ties to even:
-//   subnormal (|x| < 2^(1 - kBias)): |x| + 2^(24 - kBias - kMant), whose
-//     float32 ulp is the format's subnormal step, leaves the rounded number
-//     of steps in the low bits (the float32 addition rounds to nearest even);
-//   normal: rebias the exponent and add half an ulp of the format less one,
-//     plus the kept mantissa's lowest bit (ties to even), then truncate.
-template <int kMant, int kBias>
-struct Fp8Bits {
-  static constexpr int kDrop = 23 - kMant;  // float32 mantissa bits the format drops
-  static constexpr uint32_t kMinNormal = uint32_t(127 + 1 - kBias) << 23;
-  static constexpr uint32_t kDenorm = uint32_t(127 + 24 - kBias - kMant) << 23;
-  // the exponent's rebias and half an ulp of the format less one
-  static constexpr uint32_t kRound = (uint32_t(kBias - 127) << 23) + ((1u << (kDrop - 1)) - 1u);
-};
-
-template <int kMant, int kBias>
-uint8_t round_fp8(uint32_t abs_bits) {
-  using B = Fp8Bits<kMant, kBias>;
-  if (abs_bits < B::kMinNormal) {
-    return static_cast<uint8_t>(bits_of(float_of(abs_bits) + float_of(B::kDenorm)) - B::kDenorm);
-  }
-  const uint32_t odd = (abs_bits >> B::kDrop) & 1u;
-  return static_cast<uint8_t>((abs_bits + B::kRound + odd) >> B::kDrop);
-}
-
-// float8_e4m3fn: |x| >= 480 (the first value that rounds past 0x7e = 448)
-// and NaN give NaN (0x7f), as torch's conversion does.
-uint8_t encode_e4m3(float x) {
-  const uint32_t b = bits_of(x), sign = (b >> 24) & 0x80u, a = b & 0x7fffffffu;
-  const uint8_t code = a >= bits_of(480.0f) ? uint8_t{0x7f} : round_fp8<3, 7>(a);
-  return static_cast<uint8_t>(code | sign);
-}
-
-// float8_e5m2: |x| >= 65536 gives infinity (0x7c), NaN gives NaN (0x7f).
-uint8_t encode_e5m2(float x) {
-  const uint32_t b = bits_of(x), sign = (b >> 24) & 0x80u, a = b & 0x7fffffffu;
-  const uint8_t code = a > 0x7f800000u
-                           ? uint8_t{0x7f}
-                           : (a >= bits_of(65536.0f) ? uint8_t{0x7c} : round_fp8<2, 15>(a));
-  return static_cast<uint8_t>(code | sign);
-}
-
-// The exact float32 value of every code of a format (int8: the integer).
+// quant_value of every code of a format, looked up (the loops below run
+// it per element).
 using DecodeTable = std::array<float, 256>;
 
 DecodeTable make_table(QuantFormat f) {
   DecodeTable t{};
-  for (int c = 0; c < 256; ++c) {
-    const float sign = (c & 0x80) ? -1.0f : 1.0f;
-    switch (f) {
-      case QuantFormat::kInt8: t[c] = static_cast<float>(static_cast<int8_t>(c)); break;
-      case QuantFormat::kFp8E4M3: {
-        const int e = (c >> 3) & 15, m = c & 7;
-        t[c] = (e == 15 && m == 7) ? std::nanf("")
-               : e == 0            ? sign * std::ldexp(float(m), -9)
-                                   : sign * std::ldexp(float(8 + m), e - 10);
-        break;
-      }
-      case QuantFormat::kFp8E5M2: {
-        const int e = (c >> 2) & 31, m = c & 3;
-        t[c] = e == 31  ? (m == 0 ? sign * INFINITY : std::nanf(""))
-               : e == 0 ? sign * std::ldexp(float(m), -16)
-                        : sign * std::ldexp(float(4 + m), e - 17);
-        break;
-      }
-    }
-  }
+  for (int c = 0; c < 256; ++c) t[c] = quant_value(f, static_cast<uint8_t>(c));
   return t;
 }
 
@@ -101,44 +29,6 @@ const DecodeTable& table_of(QuantFormat f) {
                                                        make_table(QuantFormat::kFp8E4M3),
                                                        make_table(QuantFormat::kFp8E5M2)};
   return tables[static_cast<int>(f)];
-}
-
-// y = x * (M / absmax) to a code, per format (quant.h). The codes' values
-// are the decode table's.
-struct Int8Codes {
-  static constexpr float kMax = 127.0f;
-  static uint8_t encode(float y) {
-    float q = std::nearbyint(y);  // ties to even (the default rounding mode)
-    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-    return static_cast<uint8_t>(static_cast<int8_t>(q));
-  }
-};
-struct E4M3Codes {
-  static constexpr int kMant = 3, kBias = 7;
-  static constexpr float kMax = 448.0f;
-  static uint8_t encode(float y) { return encode_e4m3(y > kMax ? kMax : (y < -kMax ? -kMax : y)); }
-};
-struct E5M2Codes {
-  static constexpr int kMant = 2, kBias = 15;
-  static constexpr float kMax = 57344.0f;
-  static uint8_t encode(float y) { return encode_e5m2(y > kMax ? kMax : (y < -kMax ? -kMax : y)); }
-};
-
-// The scale of a block, and the factor that maps it onto codes.
-struct BlockScale {
-  float scale;    // value = scale * decode(code)
-  float to_code;  // code = encode(x * to_code)
-};
-
-// From the block's largest magnitude, or finite = false. A block so small
-// that max / absmax overflows (absmax < max / FLT_MAX, around 1e-34 and
-// below) counts as all zero: x * inf would give NaN codes for its zeros, and
-// its values go whole into the residual instead.
-BlockScale scale_of(float absmax, bool finite, float max) {
-  if (!finite) return {std::nanf(""), 0.0f};
-  const float to_code = max / absmax;  // +inf for absmax 0
-  if (!(to_code <= FLT_MAX)) return {0.0f, 0.0f};
-  return {absmax / max, to_code};
 }
 
 // scale_of, and for a block with a NaN or an infinity its codes and error

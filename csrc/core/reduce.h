@@ -77,12 +77,11 @@ class Reducer {
   virtual void reduce_wire(float* dst, const float* a, const void* b, size_t count, DType wire,
                            ReduceOp op);
   // The block-scaled 8-bit wire of quantized_all_reduce, in format `f`
-  // (quant.h for the contract). Defaults throw: a reducer without them (the
-  // CUDA one) never gets a quantized wire (Comm refuses it off the CPU).
+  // (quant.h for the contract; the CUDA reducer has them as kernels).
   virtual void quantize(QuantFormat f, void* dst, const float* src, size_t count, size_t block,
-                        float* err);
+                        float* err) = 0;
   virtual void dequantize(QuantFormat f, float* dst, const void* src, size_t count, size_t block,
-                          bool add);
+                          bool add) = 0;
 };
 
 class CpuReducer final : public Reducer {

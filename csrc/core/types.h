@@ -68,8 +68,9 @@ std::string cat(const Args&... args) {
 // number of pieces of `b` that hold `a`, and `a` rounded up to a multiple of
 // `b` (an alignment, a cache line, a page).
 inline int mod(int a, int n) { return ((a % n) + n) % n; }
-inline size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
-inline size_t round_up(size_t a, size_t b) { return ceil_div(a, b) * b; }
+// constexpr: the CUDA kernels call them too (--expt-relaxed-constexpr).
+constexpr size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+constexpr size_t round_up(size_t a, size_t b) { return ceil_div(a, b) * b; }
 
 // Every failure of a collective (timeout, dead peer, transport error, misuse
 // detected in the core) is a CommError. The binding maps it to

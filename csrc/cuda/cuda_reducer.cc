@@ -105,5 +105,19 @@ void CudaReducer::reduce_wire(float* dst, const float* a, const void* b, size_t 
   streams_.note_reduction();
 }
 
+void CudaReducer::quantize(QuantFormat f, void* dst, const float* src, size_t count, size_t block,
+                           float* err) {
+  if (count == 0) return;
+  launch_quantize(f, dst, src, count, block, err, streams_.reduction());
+  streams_.note_reduction();
+}
+
+void CudaReducer::dequantize(QuantFormat f, float* dst, const void* src, size_t count, size_t block,
+                             bool add) {
+  if (count == 0) return;
+  launch_dequantize(f, dst, src, count, block, add, streams_.reduction());
+  streams_.note_reduction();
+}
+
 }  // namespace cuda
 }  // namespace pycomm

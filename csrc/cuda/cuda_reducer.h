@@ -35,6 +35,10 @@ class CudaReducer final : public Reducer {
   void from_wire(float* dst, const void* src, size_t count, DType wire) override;
   void reduce_wire(float* dst, const float* a, const void* b, size_t count, DType wire,
                    ReduceOp op) override;
+  void quantize(QuantFormat f, void* dst, const float* src, size_t count, size_t block,
+                float* err) override;
+  void dequantize(QuantFormat f, float* dst, const void* src, size_t count, size_t block,
+                  bool add) override;
 
  private:
   void* staging(size_t bytes);  // pinned host memory of at least `bytes`

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 
+#include "../core/quant.h"
 #include "../core/types.h"
 
 namespace pycomm {
@@ -36,6 +37,14 @@ void launch_from_wire(float* dst, const void* src, size_t count, DType wire, cud
 // dst[i] = op(a[i], float(b[i])) in float32; dst may alias a.
 void launch_reduce_wire(float* dst, const float* a, const void* b, size_t count, DType wire,
                         ReduceOp op, cudaStream_t stream);
+
+// The block-scaled 8-bit wire of quantized_all_reduce (quant.h for the
+// layout and the contract; quant_kernels.cu): bitwise cpu_quantize and
+// cpu_dequantize, enqueued on `stream`.
+void launch_quantize(QuantFormat f, void* dst, const float* src, size_t count, size_t block,
+                     float* err, cudaStream_t stream);
+void launch_dequantize(QuantFormat f, float* dst, const void* src, size_t count, size_t block,
+                       bool add, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace pycomm

@@ -120,28 +120,15 @@ void cpu_scale_(at::Tensor dst, double factor) {
   pycomm::cpu_scale(dst.data_ptr(), dst.numel(), dt, factor);
 }
 
-// The quantized wire's kernels (quant.h) on tensors: tests against a
-// reference in Python, and the quantization benchmark. `format` names the
-// codes ("int8", "float8_e4m3fn", "float8_e5m2"). quantize returns the
-// quantized bytes (uint8, quant_bytes long) and fills `err` when given.
-pycomm::QuantFormat quant_format(const std::string& name, const char* op) {
-  for (int f = 0; f < pycomm::kNumQuantFormats; ++f) {
-    const auto q = static_cast<pycomm::QuantFormat>(f);
-    if (name == pycomm::quant_format_name(q)) return q;
-  }
-  throw pycomm::UsageError(pycomm::cat(
-      op, ": format must be 'int8', 'float8_e4m3fn' or 'float8_e5m2', got '", name, "'"));
-}
-
+// The quantized wire's kernels (quant.h) on CPU tensors: tests against a
+// reference in Python, and the quantization benchmark (on CUDA tensors:
+// cuda_quantize & co., cuda_kernels_bind.cpp). `format` names the codes
+// ("int8", "float8_e4m3fn", "float8_e5m2"). quantize returns the quantized
+// bytes (uint8, quant_bytes long) and fills `err` when given.
 at::Tensor quantize(const at::Tensor& src, int64_t block, std::optional<at::Tensor> err,
                     const std::string& format) {
-  const pycomm::QuantFormat f = quant_format(format, "quantize");
-  TORCH_CHECK_VALUE(src.is_cpu() && src.is_contiguous() && src.scalar_type() == at::kFloat,
-                    "quantize: a contiguous float32 CPU tensor");
-  TORCH_CHECK_VALUE(block >= 1, "quantize: block must be >= 1");
-  TORCH_CHECK_VALUE(!err || (err->is_cpu() && err->is_contiguous() &&
-                             err->scalar_type() == at::kFloat && err->numel() == src.numel()),
-                    "quantize: err must be a float32 CPU tensor like src");
+  const pycomm::QuantFormat f = pycomm::quant_format(format, "quantize");
+  pycomm::check_quantize_args(src, block, err, "quantize", c10::Device(c10::kCPU));
   const size_t n = src.numel(), b = static_cast<size_t>(block);
   at::Tensor out = at::empty({static_cast<int64_t>(pycomm::quant_bytes(n, b))}, at::kByte);
   py::gil_scoped_release nogil;
@@ -152,15 +139,11 @@ at::Tensor quantize(const at::Tensor& src, int64_t block, std::optional<at::Tens
 
 void dequantize(at::Tensor dst, const at::Tensor& src, int64_t block, bool add,
                 const std::string& format) {
-  const pycomm::QuantFormat f = quant_format(format, "dequantize");
-  TORCH_CHECK_VALUE(dst.is_cpu() && dst.is_contiguous() && dst.scalar_type() == at::kFloat,
-                    "dequantize: dst must be a contiguous float32 CPU tensor");
-  const size_t n = dst.numel(), b = static_cast<size_t>(block);
-  TORCH_CHECK_VALUE(block >= 1 && src.is_cpu() && src.is_contiguous() &&
-                        src.nbytes() == pycomm::quant_bytes(n, b),
-                    "dequantize: src must hold quant_bytes(dst.numel(), block) bytes");
+  const pycomm::QuantFormat f = pycomm::quant_format(format, "dequantize");
+  pycomm::check_dequantize_args(dst, src, block, "dequantize", c10::Device(c10::kCPU));
   py::gil_scoped_release nogil;
-  pycomm::cpu_dequantize(f, dst.data_ptr<float>(), src.data_ptr(), n, b, add);
+  pycomm::cpu_dequantize(f, dst.data_ptr<float>(), src.data_ptr(), dst.numel(),
+                         static_cast<size_t>(block), add);
 }
 
 // Across hosts (hierarchy.h): Comm.compose_hosts, Comm.hierarchy_parts and

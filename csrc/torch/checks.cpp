@@ -119,9 +119,6 @@ void check_quantized_wire(const at::Tensor& t, QuantFormat f, ReduceOp op, const
                           int64_t block, const std::optional<at::Tensor>& residual,
                           const char* opname) {
   const std::string what = cat(": wire_dtype=torch.", quant_format_name(f));
-  if (!t.is_cpu()) {
-    throw UsageError(cat(opname, what, " runs on CPU tensors so far, got ", t.device().str()));
-  }
   if (op != ReduceOp::kSum && op != ReduceOp::kAvg) {
     throw UsageError(cat(opname, what, " needs op SUM or AVG, got ", op_name(op),
                          ": a quantized wire cannot carry it (the ", op_name(op),
@@ -138,10 +135,10 @@ void check_quantized_wire(const at::Tensor& t, QuantFormat f, ReduceOp op, const
   }
   if (!residual) return;
   const at::Tensor& r = *residual;
-  if (r.scalar_type() != at::kFloat || !r.is_cpu() || !r.is_contiguous()) {
-    throw UsageError(cat(opname, ": residual must be a contiguous float32 CPU tensor, got ",
-                         c10::toString(r.scalar_type()), " on ", r.device().str(),
-                         r.is_contiguous() ? "" : ", not contiguous"));
+  if (r.scalar_type() != at::kFloat || r.device() != t.device() || !r.is_contiguous()) {
+    throw UsageError(cat(opname, ": residual must be a contiguous float32 tensor on tensor's ",
+                         t.device().str(), ", got ", c10::toString(r.scalar_type()), " on ",
+                         r.device().str(), r.is_contiguous() ? "" : ", not contiguous"));
   }
   if (r.numel() != t.numel()) {
     throw UsageError(
@@ -151,6 +148,51 @@ void check_quantized_wire(const at::Tensor& t, QuantFormat f, ReduceOp op, const
              *b = static_cast<const char*>(r.data_ptr());
   if (t.numel() > 0 && a < b + r.nbytes() && b < a + t.nbytes()) {
     throw UsageError(cat(opname, ": residual must not share memory with tensor"));
+  }
+}
+
+QuantFormat quant_format(const std::string& name, const char* op) {
+  for (int f = 0; f < kNumQuantFormats; ++f) {
+    const auto q = static_cast<QuantFormat>(f);
+    if (name == quant_format_name(q)) return q;
+  }
+  throw UsageError(
+      cat(op, ": format must be 'int8', 'float8_e4m3fn' or 'float8_e5m2', got '", name, "'"));
+}
+
+namespace {
+// A contiguous float32 tensor on `device`, else UsageError naming `arg`.
+void check_float_on(const at::Tensor& t, const char* arg, const char* op,
+                    const c10::Device& device) {
+  if (t.device() != device || !t.is_contiguous() || t.scalar_type() != at::kFloat) {
+    throw UsageError(cat(op, ": ", arg, " must be a contiguous float32 tensor on ", device.str(),
+                         ", got ", c10::toString(t.scalar_type()), " on ", t.device().str(),
+                         t.is_contiguous() ? "" : ", not contiguous"));
+  }
+}
+}  // namespace
+
+void check_quantize_args(const at::Tensor& src, int64_t block, const std::optional<at::Tensor>& err,
+                         const char* op, const c10::Device& device) {
+  check_float_on(src, "src", op, device);
+  if (block < 1) throw UsageError(cat(op, ": block must be >= 1, got ", block));
+  if (!err) return;
+  check_float_on(*err, "err", op, device);
+  if (err->numel() != src.numel()) {
+    throw UsageError(
+        cat(op, ": err must have src's ", src.numel(), " elements, got ", err->numel()));
+  }
+}
+
+void check_dequantize_args(const at::Tensor& dst, const at::Tensor& src, int64_t block,
+                           const char* op, const c10::Device& device) {
+  check_float_on(dst, "dst", op, device);
+  if (block < 1) throw UsageError(cat(op, ": block must be >= 1, got ", block));
+  const size_t want = quant_bytes(dst.numel(), static_cast<size_t>(block));
+  if (src.device() != device || !src.is_contiguous() || src.nbytes() != want) {
+    throw UsageError(cat(op, ": src must be ", want, " contiguous bytes on ", device.str(),
+                         " (quant_bytes(dst.numel(), block)), got ", src.nbytes(), " on ",
+                         src.device().str()));
   }
 }
 

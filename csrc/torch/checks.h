@@ -38,12 +38,21 @@ struct Wire {
 // Decodes wire_dtype for a float32 tensor, else UsageError (ValueError)
 // naming the problem.
 Wire to_wire(int wire_dtype, DType tensor_dtype, const char* opname);
-// all_reduce(wire_dtype=int8 / float8_*)'s own checks: a CPU tensor, SUM or
-// AVG, algo "auto", a block in [1, 2^20], and `residual`, when given, a
-// float32 CPU tensor of tensor's size that does not overlap it.
+// all_reduce(wire_dtype=int8 / float8_*)'s own checks: SUM or AVG, algo
+// "auto", a block in [1, 2^20], and `residual`, when given, a float32
+// tensor on tensor's device, of its size, that does not overlap it.
 void check_quantized_wire(const at::Tensor& t, QuantFormat f, ReduceOp op, const std::string& algo,
                           int64_t block, const std::optional<at::Tensor>& residual,
                           const char* opname);
+// The quantization kernels as functions (_C.quantize, _C.cuda_quantize &
+// co.): a format by its torch dtype name ("int8", "float8_e4m3fn",
+// "float8_e5m2"), and their tensors: contiguous float32 on `device` (err
+// like src; src of dequantize quant_bytes(dst.numel(), block) bytes there).
+QuantFormat quant_format(const std::string& name, const char* op);
+void check_quantize_args(const at::Tensor& src, int64_t block, const std::optional<at::Tensor>& err,
+                         const char* op, const c10::Device& device);
+void check_dequantize_args(const at::Tensor& dst, const at::Tensor& src, int64_t block,
+                           const char* op, const c10::Device& device);
 // "name[i]", the argument name of a list's item.
 std::string indexed(const char* name, size_t i);
 // A list argument of world_size tensors like `like` (same dtype and numel),

@@ -33,6 +33,8 @@ cudaStream_t current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
 
+void bind_quant_kernels(py::module_& m);
+
 }  // namespace
 
 // Called from bind_cuda (cuda_comm.cpp).
@@ -70,7 +72,43 @@ void bind_cuda_kernels(py::module_& m) {
         cuda::launch_scale(dst.data_ptr(), dst.numel(), dt, factor, current_stream(dst));
       },
       py::arg("dst"), py::arg("factor"));
+  bind_quant_kernels(m);
 }
+
+namespace {
+// _C.quantize / _C.dequantize on CUDA tensors (bitwise the CPU's).
+void bind_quant_kernels(py::module_& m) {
+  m.def(
+      "cuda_quantize",
+      [](const at::Tensor& src, int64_t block, std::optional<at::Tensor> err,
+         const std::string& format) {
+        const QuantFormat f = quant_format(format, "cuda_quantize");
+        TORCH_CHECK_VALUE(src.is_cuda(), "cuda_quantize: src must be a CUDA tensor");
+        check_quantize_args(src, block, err, "cuda_quantize", src.device());
+        const size_t n = src.numel(), b = static_cast<size_t>(block);
+        at::Tensor out =
+            at::empty({static_cast<int64_t>(quant_bytes(n, b))}, src.options().dtype(at::kByte));
+        c10::cuda::CUDAGuard g(src.device());
+        cuda::launch_quantize(f, out.data_ptr(), src.data_ptr<float>(), n, b,
+                              err ? err->data_ptr<float>() : nullptr, current_stream(src));
+        return out;
+      },
+      py::arg("src"), py::arg("block"), py::arg("err") = py::none(), py::arg("format") = "int8");
+  m.def(
+      "cuda_dequantize_",
+      [](at::Tensor dst, const at::Tensor& src, int64_t block, bool add,
+         const std::string& format) {
+        const QuantFormat f = quant_format(format, "cuda_dequantize_");
+        TORCH_CHECK_VALUE(dst.is_cuda(), "cuda_dequantize_: dst must be a CUDA tensor");
+        check_dequantize_args(dst, src, block, "cuda_dequantize_", dst.device());
+        c10::cuda::CUDAGuard g(dst.device());
+        cuda::launch_dequantize(f, dst.data_ptr<float>(), src.data_ptr(), dst.numel(),
+                                static_cast<size_t>(block), add, current_stream(dst));
+      },
+      py::arg("dst"), py::arg("src"), py::arg("block"), py::arg("add") = false,
+      py::arg("format") = "int8");
+}
+}  // namespace
 
 }  // namespace pycomm
 
