@@ -18,7 +18,10 @@ TORCH_RANGE = ((2, 11), (2, 14))
 # No -std here: torch's BuildExtension adds the standard its headers need
 # (C++17 up to torch 2.11, C++20 from 2.13 on; 2.14's headers refuse C++17).
 # csrc/core and csrc/cuda are C++17 and build under either.
-CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+# -ffp-contract=off: no FMA contraction either (GCC contracts in C++ mode
+# wherever the target has FMA: aarch64, -march=native), so that the CPU's
+# results stay bitwise the GPU's and the portable loops' (see NVCC_FLAGS).
+CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-ffp-contract=off"]
 # -fmad=false: no FMA contraction in our kernels, so GPU reductions are bitwise
 # the CPU ones (csrc/core/elementwise.h is shared).
 NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-fmad=false", "-lineinfo"]

@@ -92,24 +92,40 @@ def test_scale_and_fused_reduce_scale_bitwise(dtype, factor):
     assert bitwise_equal(g2, ref2)
 
 
-def _quant_input(n: int, block: int) -> torch.Tensor:
+# Per format: the largest code value M, and values that are exact ties
+# between two codes once a block's absmax is M (x * (M / absmax) = x):
+# round to nearest even, in the normal and in the subnormal range.
+_TIES = {
+    "int8": (127.0, [0.5, 1.5, 2.5, -0.5, -3.5, 126.5]),
+    "float8_e4m3fn": (448.0, [1.0625, 1.1875, -1.0625, 0.5 * 2**-9, 1.5 * 2**-9, -2.5 * 2**-9]),
+    "float8_e5m2": (57344.0, [1.125, 1.375, -1.125, 0.5 * 2**-16, 1.5 * 2**-16, -2.5 * 2**-16]),
+}
+
+
+def _quant_input(n: int, block: int, fmt: str) -> torch.Tensor:
     """float32 values whose blocks span magnitudes from 1e-40 to 3e38, with
     the special blocks of quant.h: all zero, one NaN, one infinity, one
-    so small that max / absmax overflows."""
+    with a subnormal scale (absmax ~1e-36), one with -0.0s, and (blocks of
+    16 or more) one of exact ties."""
     x = rand(torch.float32, n, 5, lo=-1, hi=1)
     mags = torch.tensor([1.0, 1e-40, 1e-20, 1e-3, 7.5, 1e4, 3e38 / 2], dtype=torch.float32)
     x *= mags[(torch.arange(n) // block) % mags.numel()]
-    specials = {2: 0.0, 3: float("nan"), 4: float("inf"), 5: 1e-36}
-    for b, v in specials.items():
+    for b in range(2, 8):
         lo, hi = b * block, min(n, (b + 1) * block)
         if lo >= n:
             break
-        if v == 0.0:
+        if b == 2:
             x[lo:hi] = 0.0
-        elif v == 1e-36:
-            x[lo:hi] *= 1e-36
-        else:
-            x[lo + (hi - lo) // 2] = v
+        elif b in (3, 4):
+            x[lo + (hi - lo) // 2] = float("nan") if b == 3 else float("inf")
+        elif b == 5:
+            x[lo:hi] = rand(torch.float32, hi - lo, 7, lo=-1, hi=1) * 1e-36
+        elif b == 6:
+            x[lo:hi:3] = -0.0
+        elif block >= 16:
+            top, ties = _TIES[fmt]
+            x[lo] = top
+            x[lo + 1:lo + 1 + len(ties)] = torch.tensor(ties)
     return x
 
 
@@ -117,8 +133,9 @@ def _quant_input(n: int, block: int) -> torch.Tensor:
 def test_quantize_kernels_bitwise_equal_cpu(fmt):
     """cuda_quantize / cuda_dequantize_ write the CPU's scales, codes,
     errors and values, bit for bit (quant_codec.h is their arithmetic)."""
-    for n, block in [(1, 1), (255, 256), (257, 256), (1009, 7), (200_003, 256), (70_000, 5000)]:
-        x = _quant_input(n, block)
+    for n, block in [(1, 1), (255, 256), (257, 256), (1009, 7), (4000, 16), (200_003, 256),
+                     (70_000, 5000)]:
+        x = _quant_input(n, block, fmt)
         err = torch.empty(n)
         q = _C.quantize(x, block, err, format=fmt)
         gerr = torch.empty(n, device="cuda")

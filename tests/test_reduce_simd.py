@@ -121,10 +121,12 @@ def _kernel_results() -> dict[str, torch.Tensor]:
             _C.scale_(t, 1.0 / 3)
             out[f"scale {dtype}"] = t
     # the quantized wire (quant.cc), every format: blocks of 256
-    # and of 13 (vector bodies and tails), a NaN block and an inf block, the
-    # error and dequantize(add)
+    # and of 13 (vector bodies and tails), a NaN block and an inf block, -0.0
+    # (its error is x - value: -0.0 - +0.0 = -0.0), the error and
+    # dequantize(add)
     x = torch.randn(4099, generator=g) * torch.logspace(-4, 4, 4099)
     x[300], x[700] = float("nan"), float("inf")
+    x[1000:1020] = -0.0
     for fmt in ("int8", "float8_e4m3fn", "float8_e5m2"):
         for block in (256, 13):
             err = torch.empty_like(x)

@@ -106,7 +106,10 @@ PYCOMM_AVX2 float block_absmax_avx2(const float* x, size_t n, bool* finite) {
 
 // quantize_block<Int8Codes> on 8 lanes (the same single-precision
 // operations: |x|, max, x * to_code, round to nearest even, clamp,
-// x - scale * q; no FMA), the last n % 8 elements by the portable loop.
+// x - scale * value; no FMA), the last n % 8 elements by the portable loop.
+// The error takes the code's value, the integer converted back, not the
+// rounded float: that one is -0.0 for small negative x, and -0.0 - (scale
+// * -0.0) is +0.0 where the portable loop's -0.0 - 0.0 is -0.0.
 PYCOMM_AVX2 BlockScale quantize_int8_block_avx2(const float* x, size_t n, int8_t* codes,
                                                 float* err) {
   bool finite;
@@ -125,7 +128,10 @@ PYCOMM_AVX2 BlockScale quantize_int8_block_avx2(const float* x, size_t n, int8_t
     const __m128i q16 =
         _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packs_epi16(q16, q16));
-    if (err) _mm256_storeu_ps(err + i, _mm256_sub_ps(v, _mm256_mul_ps(scale, q)));
+    if (err) {
+      const __m256 value = _mm256_cvtepi32_ps(q32);
+      _mm256_storeu_ps(err + i, _mm256_sub_ps(v, _mm256_mul_ps(scale, value)));
+    }
   }
   quantize_elements<Int8Codes>(x + i, n - i, s, reinterpret_cast<uint8_t*>(codes) + i,
                                err ? err + i : nullptr, table_of(QuantFormat::kInt8));

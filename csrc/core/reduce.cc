@@ -255,6 +255,13 @@ bool cpu_uses_avx2() {
 #endif
 }
 
+void Reducer::quantize(QuantFormat f, void*, const float*, size_t, size_t, float*) {
+  throw UsageError(cat("this reducer has no ", quant_format_name(f), " wire"));
+}
+void Reducer::dequantize(QuantFormat f, float*, const void*, size_t, size_t, bool) {
+  throw UsageError(cat("this reducer has no ", quant_format_name(f), " wire"));
+}
+
 void Reducer::to_wire(void*, const float*, size_t, DType) {
   throw UsageError("this reducer has no wire-dtype conversions");
 }
