@@ -175,3 +175,33 @@ def broadcast(store: Any, key: str, rank: int, value: str | None, what: str,
         store.set(key, value)
     wait_for(store, {root: key}, what)
     return store.get(key).decode()
+
+
+#: The counter of a group's members that have closed it (release_keys).
+_LEFT_KEY = "left"
+#: Where groups made from a group keep their keys, under its prefix: they
+#: release their own.
+_NESTED_PREFIX = "group/"
+
+
+def release_keys(store: Any, members: int) -> None:
+    """Deletes a group's rendezvous keys once every member has closed it.
+
+    The store keeps every key for the job's life, on the store's host (rank
+    0's process under torchrun): a program that makes and closes groups
+    again and again would grow it without bound (about a dozen keys per
+    group of 4 ranks on gloo). Every member calls this as it closes the
+    group; the last of them (the one whose increment of ``left`` makes it
+    ``members``) deletes every key under the group's prefix but its nested
+    groups' (they release their own): no member reads one after it closed.
+    Best effort: a store that fails (killed, or too old to list its keys)
+    leaves the keys where they are.
+    """
+    try:
+        if store.add(_LEFT_KEY, 1) != members or not hasattr(store, "list_keys"):
+            return
+        for key in store.list_keys():
+            if not key.startswith(_NESTED_PREFIX):
+                store.delete_key(key)
+    except (RuntimeError, dist.DistError):
+        pass

@@ -89,6 +89,9 @@ class Communicator(PointToPoint, SymmetricMemory):
         self._group_counts: dict[tuple[int, ...], int] = {}
         self._nccl_splits = 0  # split() calls over NCCL (all ranks make them)
         self._shrinks = 0  # shrink() calls (every survivor makes them)
+        # A group's member count: its store keys go once every member has
+        # closed it (_store.release_keys); None for other communicators.
+        self._members_to_release: int | None = None
 
     # -- properties ------------------------------------------------------
     @property
@@ -454,7 +457,9 @@ class Communicator(PointToPoint, SymmetricMemory):
                 _store.all_gather(st, "arrived", me, len(members), "", "the group's rendezvous")
                 if st.check(["abandoned"]):  # this rank came after the others gave up
                     raise CommError(f"the other members gave up first: {st.get('abandoned').decode()}")
-                return _build(st, me, len(members), settings)
+                group = _build(st, me, len(members), settings)
+                group._members_to_release = len(members)
+                return group
         except (RuntimeError, dist.DistError) as e:  # setup failed (gloo's connect raises
             # RuntimeError), or a member never came
             if isinstance(e, dist.DistNetworkError):
@@ -573,6 +578,9 @@ class Communicator(PointToPoint, SymmetricMemory):
                     # Gloo process group) own the parent's threads and sockets;
                     # destroying them here could hang. Keep them until exit.
                     _forked_leaks.extend(self._keepalive)
+                elif self._members_to_release is not None:
+                    _store.release_keys(self._store, self._members_to_release)
+                self._members_to_release = None
                 self._keepalive.clear()
                 _set_default(None, if_current=self)
 

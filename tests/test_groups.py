@@ -247,6 +247,32 @@ def test_group_created_by_some_ranks_does_not_desynchronise_later_groups(transpo
     assert run_ranks(_partial_creation, 4, transport) == [0, 1, 2, 3]
 
 
+def _group_churn_keys(comm):
+    r, n = comm.rank, comm.world_size
+    comm.barrier()
+    before = sorted(comm._store.list_keys())
+    comm.barrier()  # nobody makes a group before every rank has listed the keys
+    for i in range(4):
+        g = comm.new_group(list(range(n)))
+        _check_group(g, list(range(n)), r, f"churn {i}")
+        nested = g.new_group([0, 1])  # its keys under g's prefix: it outlives g
+        g.close()
+        if nested is not None:
+            _check_group(nested, [0, 1], r, f"nested {i}")
+            nested.close()
+        comm.split(r % 2).close()
+    comm.barrier()  # every member has closed every group
+    return before, sorted(comm._store.list_keys())
+
+
+def test_closed_groups_leave_no_store_keys(transport):
+    # The store keeps keys for the job's life on its host: a program that
+    # makes groups again and again would grow it (12 keys per 4-rank gloo
+    # group before _store.release_keys).
+    for before, after in run_ranks(_group_churn_keys, 4, transport):
+        assert after == before
+
+
 # ---------------------------------------------------------------- bad input
 
 def _bad_ranks(comm):
