@@ -179,9 +179,10 @@ def broadcast(store: Any, key: str, rank: int, value: str | None, what: str,
 
 #: The counter of a group's members that have closed it (release_keys).
 _LEFT_KEY = "left"
-#: Where groups made from a group keep their keys, under its prefix: they
-#: release their own.
-_NESTED_PREFIX = "group/"
+#: Where the communicators made from a group keep their keys, under its
+#: prefix (Communicator._create_group, shrink, an NCCL split): they outlive
+#: it, and a group among them releases its own.
+_NESTED_PREFIXES = ("group/", "shrink/", "nccl-split/")
 
 
 def release_keys(store: Any, members: int) -> None:
@@ -191,17 +192,17 @@ def release_keys(store: Any, members: int) -> None:
     0's process under torchrun): a program that makes and closes groups
     again and again would grow it without bound (about a dozen keys per
     group of 4 ranks on gloo). Every member calls this as it closes the
-    group; the last of them (the one whose increment of ``left`` makes it
-    ``members``) deletes every key under the group's prefix but its nested
-    groups' (they release their own): no member reads one after it closed.
-    Best effort: a store that fails (killed, or too old to list its keys)
-    leaves the keys where they are.
+    group, healthy (Communicator.close: not after an abort); the last of
+    them (the one whose increment of ``left`` makes it ``members``) deletes
+    every key under the group's prefix but those of the communicators made
+    from it: no member reads one after it closed. Best effort: a store that
+    fails leaves the keys where they are.
     """
     try:
-        if store.add(_LEFT_KEY, 1) != members or not hasattr(store, "list_keys"):
+        if store.add(_LEFT_KEY, 1) != members:
             return
         for key in store.list_keys():
-            if not key.startswith(_NESTED_PREFIX):
+            if not key.startswith(_NESTED_PREFIXES):
                 store.delete_key(key)
-    except (RuntimeError, dist.DistError):
+    except (RuntimeError, dist.DistError):  # NotImplementedError: a store without list_keys
         pass

@@ -569,18 +569,28 @@ class Communicator(PointToPoint, SymmetricMemory):
                 a Future callback), where it would wait for itself; the
                 communicator stays open, and the default if it was.
         """
+        # A group counts its close once (taken before anything can raise),
+        # and only a healthy one releases its keys: an aborted group (a failed
+        # op, shrink()) leaves them, and so close() makes no store call where
+        # the store may be what failed.
+        release, self._members_to_release = self._members_to_release, None
+        healthy = not self._impl.aborted
         try:
             self._impl.close()
+        except BaseException:
+            healthy = False
+            raise
         finally:
-            if self._impl.closed:  # not when refused on the worker thread: still open
+            if not self._impl.closed:  # refused on the worker thread: still open
+                self._members_to_release = release
+            else:
                 if os.getpid() != self._pid:
                     # A forked child's copy: the transport objects (e.g. the
                     # Gloo process group) own the parent's threads and sockets;
                     # destroying them here could hang. Keep them until exit.
                     _forked_leaks.extend(self._keepalive)
-                elif self._members_to_release is not None:
-                    _store.release_keys(self._store, self._members_to_release)
-                self._members_to_release = None
+                elif release is not None and healthy:
+                    _store.release_keys(self._store, release)
                 self._keepalive.clear()
                 _set_default(None, if_current=self)
 

@@ -265,6 +265,18 @@ def _group_churn_keys(comm):
     return before, sorted(comm._store.list_keys())
 
 
+def _shrink_a_group(comm):
+    g = comm.new_group(list(range(comm.world_size)))
+    s = g.shrink(exclude=[])  # closes g on every member: its keys must outlive it
+    _check_group(s, list(range(comm.world_size)), comm.rank, "shrunk group")
+    s.close()
+    return comm.rank
+
+
+def test_shrinking_a_group_keeps_the_new_communicators_keys(transport):
+    assert run_ranks(_shrink_a_group, 3, transport) == [0, 1, 2]
+
+
 def test_closed_groups_leave_no_store_keys(transport):
     # The store keeps keys for the job's life on its host: a program that
     # makes groups again and again would grow it (12 keys per 4-rank gloo
