@@ -33,6 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ._ext import CommError
 from ._setup import ENV, host_id, process_alive
 from ._store import ranks_text
 
@@ -139,6 +140,21 @@ def with_exited_members(store: Any, members: Sequence[int], rank: int, why: str)
     if not gone:
         return why
     return f"{ranks_text(gone, members)} exited (the process is gone): {why}"
+
+
+def group_setup_failure(store: Any, members: Sequence[int], rank: int,
+                        error: BaseException) -> str:
+    """The message of the CommError a member raises when making the group
+    ``members`` failed with ``error``: pycomm's own says why; the store
+    unreachable, or a transport's own rendezvous or connect failing (gloo's
+    raises RuntimeError), is led by the members known to have exited."""
+    if isinstance(error, dist.DistNetworkError):
+        why = f"the store is unreachable ({error})"
+    elif isinstance(error, CommError):
+        why = str(error)
+    else:
+        why = with_exited_members(store, members, rank, str(error))
+    return f"creating the group of ranks {list(members)} (group rank i is ranks[i]) on rank {rank}: {why}"
 
 
 def _processes(store: Any, ranks: int | list[int]) -> tuple[dict[int, int], set[int]]:

@@ -460,16 +460,8 @@ class Communicator(PointToPoint, SymmetricMemory):
                 group = _build(st, me, len(members), settings)
                 group._members_to_release = len(members)
                 return group
-        except (RuntimeError, dist.DistError) as e:  # setup failed (gloo's connect raises
-            # RuntimeError), or a member never came
-            if isinstance(e, dist.DistNetworkError):
-                why = f"the store is unreachable ({e})"
-            elif isinstance(e, CommError):  # pycomm's own: it says why
-                why = str(e)
-            else:  # a transport's own rendezvous or connect (gloo's) failed: who is gone?
-                why = _shrink.with_exited_members(self._store, members, self.rank, str(e))
-            why = f"creating the group of ranks {list(members)} (group rank i is ranks[i]) on " \
-                  f"rank {self.rank}: {why}"
+        except (RuntimeError, dist.DistError) as e:  # setup failed, or a member never came
+            why = _shrink.group_setup_failure(self._store, members, self.rank, e)
             with contextlib.suppress(Exception):  # tells a member that comes later
                 st.set("abandoned", why)
             raise CommError(why) from e
