@@ -320,7 +320,7 @@ def _names_the_call(c: dict[str, Any], detail: str) -> bool:
                              or "datatype" in detail)
 
 
-_fast = settings(max_examples=25, deadline=None, derandomize=True, database=None,
+_fast = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 _slow = settings(max_examples=2000, deadline=None, database=None,
                  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
