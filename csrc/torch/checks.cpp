@@ -115,6 +115,30 @@ Wire to_wire(int wire_dtype, DType tensor_dtype, const char* opname) {
   return w;
 }
 
+namespace {
+// A contiguous float32 tensor on `device` (`whose`: "" or the tensor whose
+// device it must share, as "src's "), else UsageError naming `arg`.
+void check_float_on(const at::Tensor& t, const char* arg, const char* op, const c10::Device& device,
+                    const std::string& whose = "") {
+  if (t.device() != device || !t.is_contiguous() || t.scalar_type() != at::kFloat) {
+    throw UsageError(cat(op, ": ", arg, " must be a contiguous float32 tensor on ", whose,
+                         device.str(), ", got ", c10::toString(t.scalar_type()), " on ",
+                         t.device().str(), t.is_contiguous() ? "" : ", not contiguous"));
+  }
+}
+
+// `arg` a float32 companion of `like` (named `like_name`): contiguous, on
+// its device, of its size (a residual, an error buffer).
+void check_float_like(const at::Tensor& t, const char* arg, const at::Tensor& like,
+                      const char* like_name, const char* op) {
+  check_float_on(t, arg, op, like.device(), cat(like_name, "'s "));
+  if (t.numel() != like.numel()) {
+    throw UsageError(cat(op, ": ", arg, " must have ", like_name, "'s ", like.numel(),
+                         " elements, got ", t.numel()));
+  }
+}
+}  // namespace
+
 void check_quantized_wire(const at::Tensor& t, QuantFormat f, ReduceOp op, const std::string& algo,
                           int64_t block, const std::optional<at::Tensor>& residual,
                           const char* opname) {
@@ -135,15 +159,7 @@ void check_quantized_wire(const at::Tensor& t, QuantFormat f, ReduceOp op, const
   }
   if (!residual) return;
   const at::Tensor& r = *residual;
-  if (r.scalar_type() != at::kFloat || r.device() != t.device() || !r.is_contiguous()) {
-    throw UsageError(cat(opname, ": residual must be a contiguous float32 tensor on tensor's ",
-                         t.device().str(), ", got ", c10::toString(r.scalar_type()), " on ",
-                         r.device().str(), r.is_contiguous() ? "" : ", not contiguous"));
-  }
-  if (r.numel() != t.numel()) {
-    throw UsageError(
-        cat(opname, ": residual must have tensor's ", t.numel(), " elements, got ", r.numel()));
-  }
+  check_float_like(r, "residual", t, "tensor", opname);
   const char *a = static_cast<const char*>(t.data_ptr()),
              *b = static_cast<const char*>(r.data_ptr());
   if (t.numel() > 0 && a < b + r.nbytes() && b < a + t.nbytes()) {
@@ -160,28 +176,11 @@ QuantFormat quant_format(const std::string& name, const char* op) {
       cat(op, ": format must be 'int8', 'float8_e4m3fn' or 'float8_e5m2', got '", name, "'"));
 }
 
-namespace {
-// A contiguous float32 tensor on `device`, else UsageError naming `arg`.
-void check_float_on(const at::Tensor& t, const char* arg, const char* op,
-                    const c10::Device& device) {
-  if (t.device() != device || !t.is_contiguous() || t.scalar_type() != at::kFloat) {
-    throw UsageError(cat(op, ": ", arg, " must be a contiguous float32 tensor on ", device.str(),
-                         ", got ", c10::toString(t.scalar_type()), " on ", t.device().str(),
-                         t.is_contiguous() ? "" : ", not contiguous"));
-  }
-}
-}  // namespace
-
 void check_quantize_args(const at::Tensor& src, int64_t block, const std::optional<at::Tensor>& err,
                          const char* op, const c10::Device& device) {
   check_float_on(src, "src", op, device);
   if (block < 1) throw UsageError(cat(op, ": block must be >= 1, got ", block));
-  if (!err) return;
-  check_float_on(*err, "err", op, device);
-  if (err->numel() != src.numel()) {
-    throw UsageError(
-        cat(op, ": err must have src's ", src.numel(), " elements, got ", err->numel()));
-  }
+  if (err) check_float_like(*err, "err", src, "src", op);
 }
 
 void check_dequantize_args(const at::Tensor& dst, const at::Tensor& src, int64_t block,
