@@ -59,8 +59,9 @@ class Rank {
   Rank() : deferred(transfers, kTimeout) {}
 
   // Posts op `name` (one message) whose callback, run as it completes, is `then`.
+  // `ahead`: posted ahead of its turn by a wait (rule 7).
   void post(const std::string& name, P2POp::Kind kind, int peer, int tag = 0,
-            std::function<void()> then = {}) {
+            std::function<void()> then = {}, bool ahead = false) {
     Rec& rec = ops_[name];
     rec.handle = next_handle_++;
     transfers.posted[rec.handle] = arrived_.count(name) > 0;
@@ -68,7 +69,7 @@ class Rank {
     DeferredP2P::Completion completion{
         [this, name, then] { ended(name, "", then); },
         [this, name, then](const std::exception& e) { ended(name, e.what(), then); }};
-    deferred.add(rec.handle, &op, 1, describe_peers(&op, 1), &rec, std::move(completion));
+    deferred.add(rec.handle, &op, 1, describe_peers(&op, 1), &rec, std::move(completion), ahead);
   }
   // The message of op `name` arrived (before or after it was posted).
   void arrive(const std::string& name) {
@@ -264,6 +265,58 @@ void waits_then_sends(bool same_poll) {
 void callback_waits_then_sends_same_poll() { waits_then_sends(true); }
 void callback_waits_then_sends_later_poll() { waits_then_sends(false); }
 
+// Rule 7 (test_p2p_callback_waits_then_sends[late]): as above, but the
+// caller issues `second` only while the first callback waits for x (its
+// wait posts it ahead: on gloo the peer sends x only after second's message
+// was received). second, of first's key, must neither be tested inside the
+// callback nor hold back `third`, which the callback posts with that key;
+// it completes after the callback, and its own callback waits for y.
+void posted_ahead_while_a_callback_waits() {
+  Rank r;
+  r.post("first", kRecv, 1, 0, [&r] {
+    r.post("x", kRecv, 1, 1);
+    // the wait for x begins by posting second (Worker::run_posts_ahead)
+    r.post(
+        "second", kRecv, 1, 0,
+        [&r] {
+          r.post("y", kRecv, 1, 3);
+          CHECK(r.wait("y"));
+        },
+        /*ahead=*/true);
+    r.arrive("second");
+    r.arrive("x");  // the peer sent x once second received its message
+    CHECK(r.wait("x") && r.error("x").empty());
+    r.post("third", kRecv, 1, 0);
+    r.arrive("third");
+    CHECK(r.wait("third") && r.error("third").empty());
+    CHECK(!r.tested("second"));
+    r.post("x_plus_1", kSend, 1, 2);
+    r.arrive("x_plus_1");
+    r.arrive("y");
+  });
+  r.arrive("first");
+  while (r.deferred.poll()) r.transfers.clock += milliseconds(1);
+  CHECK_LOG(r, "begin first", "begin x", "end x", "begin third", "end third", "end first",
+            "begin second", "begin y", "end y", "end second", "begin x_plus_1", "end x_plus_1");
+  CHECK(r.deferred.size() == 0);
+}
+
+// Rule 7 (test_p2p_callback_of_a_collective_waits_then_sends): a wait in
+// a callback that no deferred op opened (a collective's, floor 0) posts
+// `second` ahead; only the idle poll, after it, tests and completes it.
+void posted_ahead_waits_for_the_idle_poll() {
+  Rank r;
+  r.post("x", kRecv, 1, 1);
+  r.post("second", kRecv, 1, 0, {}, /*ahead=*/true);
+  r.arrive("second");
+  r.arrive("x");
+  CHECK(r.wait("x") && r.error("x").empty());
+  CHECK(!r.tested("second"));
+  CHECK_LOG(r, "begin x", "end x");
+  CHECK(!r.deferred.poll());
+  CHECK_LOG(r, "begin x", "end x", "begin second", "end second");
+}
+
 // Rule 4 (test_p2p_callback_waits_for_older_op): a callback waits for an op
 // posted before it began: set aside in the same poll (`same_poll`), the
 // wait completes it at once and the outer poll skips it; still posted, the
@@ -406,6 +459,8 @@ const std::map<std::string, void (*)()> kScenarios = {
     {"callbacks_post_and_wait", callbacks_post_and_wait},
     {"callback_waits_then_sends_same_poll", callback_waits_then_sends_same_poll},
     {"callback_waits_then_sends_later_poll", callback_waits_then_sends_later_poll},
+    {"posted_ahead_while_a_callback_waits", posted_ahead_while_a_callback_waits},
+    {"posted_ahead_waits_for_the_idle_poll", posted_ahead_waits_for_the_idle_poll},
     {"callback_waits_for_older_op_set_aside", callback_waits_for_older_op_set_aside},
     {"callback_waits_for_older_op_posted", callback_waits_for_older_op_posted},
     {"set_aside_older_op_holds_nothing_back", set_aside_older_op_holds_nothing_back},

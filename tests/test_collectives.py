@@ -4,6 +4,8 @@ references, for every CPU transport (the `transport` fixture) and world sizes
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -372,42 +374,94 @@ def test_p2p_posted_and_waited_in_p2p_callbacks(transport, world_size):
     run_ranks(_p2p_from_p2p_callbacks, world_size, transport, 30)
 
 
-def _callback_waits_then_sends(comm, rounds):
+def _waiting_callbacks(comm, x, y):
+    """Rank 0's two callbacks: the first waits for x (tag 1) and sends x + 1
+    (tag 2); the second waits for y (tag 3), which rank 1 sends only once
+    it has x + 1 (_answer_waiting_callbacks)."""
+    def wait_then_send(f):
+        comm.irecv(x, 1, tag=1).wait()
+        comm.isend(x + 1, 1, tag=2)
+        return x
+
+    def wait(f):
+        comm.irecv(y, 1, tag=3).wait()
+        return y
+
+    return wait_then_send, wait
+
+
+def _answer_waiting_callbacks(comm):
+    """Rank 1's side of _waiting_callbacks: x = 10, then y = x + 2."""
+    comm.send(torch.full((1,), 10.0), 0, tag=1)
+    z = torch.zeros(1)
+    comm.recv(z, 0, tag=2)
+    comm.send(z + 1, 0, tag=3)
+
+
+def _callback_waits_then_sends(comm, rounds, late):
     """Rank 0's first callback waits for a message and then sends the one
     rank 1 waits for before it sends what the second callback waits for: the
     second callback must not run (and wait) inside the first one's wait,
-    though its irecv may have ended in the same poll."""
+    though its irecv may have ended in the same poll. ``late``: rank 0 issues
+    the second irecv only once the first callback waits (the caller's thread
+    was slow): it must reach the transport all the same, since on gloo rank 1's
+    second send waits for it before rank 1 sends what that callback waits for.
+    Rank 1 sends a moment late: then() on a future already complete runs its
+    callback at once on the caller's thread (torch's Future), which would
+    hold the second irecv back on any backend."""
     for _ in range(rounds):
         if comm.rank == 0:
             first, second = torch.zeros(1), torch.zeros(1)
             x, y = torch.zeros(1), torch.zeros(1)
 
-            def wait_then_send(f):
-                comm.irecv(x, 1, tag=1).wait()
-                comm.isend(x + 1, 1, tag=2)
-                return x
-
-            def wait(f):
-                comm.irecv(y, 1, tag=3).wait()
-                return y
-
-            futs = [comm.irecv(first, 1).get_future().then(wait_then_send),
-                    comm.irecv(second, 1).get_future().then(wait)]
+            wait_then_send, wait = _waiting_callbacks(comm, x, y)
+            futs = [comm.irecv(first, 1).get_future().then(wait_then_send)]
+            if late:
+                time.sleep(0.05)
+            futs.append(comm.irecv(second, 1).get_future().then(wait))
             for f in futs:
                 f.wait()
             assert [first.item(), second.item(), x.item(), y.item()] == [1.0, 2.0, 10.0, 12.0]
         else:
+            time.sleep(0.02)
             comm.send(torch.ones(1), 0)
             comm.send(torch.full((1,), 2.0), 0)
-            comm.send(torch.full((1,), 10.0), 0, tag=1)
-            z = torch.zeros(1)
-            comm.recv(z, 0, tag=2)
-            comm.send(z + 1, 0, tag=3)
+            _answer_waiting_callbacks(comm)
     comm.barrier()
 
 
-def test_p2p_callback_waits_then_sends(transport):
-    run_ranks(_callback_waits_then_sends, 2, transport, 20)
+@pytest.mark.parametrize("late", [False, True], ids=["prompt", "late"])
+def test_p2p_callback_waits_then_sends(transport, late):
+    run_ranks(_callback_waits_then_sends, 2, transport, 20 if not late else 5, late)
+
+
+def _collective_callback_waits_then_sends(comm, rounds):
+    """As above, with the first callback a collective's (no p2p op opened
+    its scope): the second irecv, posted ahead by the callback's wait, must
+    still complete only after it, since its callback waits for what rank 1
+    sends once the first callback's isend arrived."""
+    for _ in range(rounds):
+        t = torch.ones(1)
+        if comm.rank == 0:
+            second, x, y = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+
+            wait_then_send, wait = _waiting_callbacks(comm, x, y)
+            futs = [comm.all_reduce(t, async_op=True).get_future().then(wait_then_send)]
+            time.sleep(0.05)  # the caller is slow: the callback waits already
+            futs.append(comm.irecv(second, 1).get_future().then(wait))
+            for f in futs:
+                f.wait()
+            assert [t.item(), second.item(), x.item(), y.item()] == [2.0, 2.0, 10.0, 12.0]
+        else:
+            time.sleep(0.02)  # then() is attached before the all-reduce ends
+            comm.all_reduce(t)
+            comm.send(torch.full((1,), 2.0), 0)
+            _answer_waiting_callbacks(comm)
+    comm.barrier()
+
+
+def test_p2p_callback_of_a_collective_waits_then_sends(transport):
+    run_ranks(_collective_callback_waits_then_sends, 2, transport, 5)
 
 
 def _callback_waits_for_older_op(comm):

@@ -26,6 +26,8 @@ SCENARIOS = [
     "completes_posted_ops",
     "deadline_fails_an_op_naming_its_peers",
     "failed_op_opens_no_scope",
+    "posted_ahead_waits_for_the_idle_poll",
+    "posted_ahead_while_a_callback_waits",
     "same_key_ends_in_posting_order",
     "scope_ends_when_a_callback_throws",
     "set_aside_older_op_holds_nothing_back",

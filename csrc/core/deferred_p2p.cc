@@ -28,11 +28,11 @@ std::string describe_peers(const P2POp* ops, size_t n) {
 }
 
 void DeferredP2P::add(Handle h, const P2POp* ops, size_t n, std::string peers, const void* id,
-                      Completion completion) {
+                      Completion completion, bool ahead) {
   std::vector<MatchKey> keys;
   for (size_t i = 0; i < n; ++i) keys.push_back({ops[i].kind, ops[i].peer, ops[i].tag});
   ops_.push_back({h, std::move(keys), std::move(peers), id, std::move(completion),
-                  transfers_.now() + timeout_, next_seq_++, State::kPosted, nullptr});
+                  transfers_.now() + timeout_, next_seq_++, ahead, State::kPosted, nullptr});
 }
 
 bool DeferredP2P::poll(const void* waited) {

@@ -38,6 +38,14 @@
 //     (in its scope, or the waited one) is still posted. A wait for any other
 //     op (one queued behind the running callback) must stop polling and
 //     raise rather than spin.
+//  7. Posted ahead. An op another thread issued and a wait inside a callback
+//     posted ahead of its turn (Worker::run_posts_ahead: a peer whose send
+//     waits for its receive, gloo's, may need it before it sends what the
+//     callback waits for) is tested only by the idle poll (`waited` null),
+//     where no callback runs: its callbacks never run inside one, and it
+//     holds none of their ops back under rule 1 (it is not tested there).
+//     Only posts at the head of the caller's queue go ahead: one queued
+//     behind a collective, or a synchronous send/recv, keeps its turn.
 //
 // Single-threaded: only the executing thread (the worker) touches it. No
 // torch: an op's completion is a pair of functions, a wait names its op by
@@ -103,9 +111,10 @@ class DeferredP2P {
 
   // Takes group `h`, posted from ops[0..n) (`peers`: describe_peers of
   // them), until it ends; its deadline is the timeout from now. `id` names
-  // it for a wait (poll's `waited`).
+  // it for a wait (poll's `waited`). `ahead`: posted ahead of its turn,
+  // inside a wait (rule 7).
   void add(Handle h, const P2POp* ops, size_t n, std::string peers, const void* id,
-           Completion completion);
+           Completion completion, bool ahead = false);
 
   // Tests the posted ops and completes those that ended (rules 1-5).
   // `waited`: the id of the op a wait drives (rule 4), nullptr for the idle
@@ -129,6 +138,7 @@ class DeferredP2P {
     Completion completion;
     Clock::time_point deadline;
     uint64_t seq;  // posting order
+    bool ahead;    // rule 7: posted ahead of its turn, inside a wait
     State state = State::kPosted;
     std::exception_ptr error;  // why it failed (rule 5), once ended
   };
@@ -148,7 +158,9 @@ class DeferredP2P {
   };
 
   bool in_scope(const Op& op, const void* waited) const {
-    return op.seq >= floor_ || (waited != nullptr && op.id == waited);  // rules 3, 4
+    if (waited != nullptr && op.id == waited) return true;  // rule 4
+    if (op.ahead) return waited == nullptr;                 // rule 7: the idle poll
+    return op.seq >= floor_;                                // rule 3
   }
   std::vector<MatchKey> set_aside_keys() const;
   bool ended(Op& op, const std::vector<MatchKey>& unfinished);

@@ -22,15 +22,34 @@ Worker::~Worker() {
   thread_.join();
 }
 
-void Worker::submit(std::function<void()> task) {
+void Worker::submit(std::function<void()> task, bool post_only) {
   bool waiting;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    (is_current() ? urgent_ : queue_).push_back(std::move(task));
+    (is_current() ? urgent_ : queue_).push_back({std::move(task), post_only});
     waiting = in_idle_wait_;
   }
   cv_.notify_all();
   if (waiting) wake_();
+}
+
+void Worker::run_posts_ahead() {
+  if (!is_current()) throw std::logic_error("Worker::run_posts_ahead() off the worker thread");
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!urgent_.empty() || queue_.empty() || !queue_.front().post_only) return;
+      task = std::move(queue_.front().run);
+      queue_.pop_front();
+    }
+    ++ahead_;  // the worker is busy already (it runs the waiting task or poll)
+    struct Done {
+      int& n;
+      ~Done() { --n; }
+    } done{ahead_};
+    task();
+  }
 }
 
 int Worker::add_idle_poll(std::function<bool()> poll) {
@@ -88,7 +107,7 @@ void Worker::loop() {
   for (;;) {
     if (has_task() && !busy_) {
       auto& q = urgent_.empty() ? queue_ : urgent_;
-      std::function<void()> task = std::move(q.front());
+      std::function<void()> task = std::move(q.front().run);
       q.pop_front();
       busy_ = true;
       lk.unlock();
@@ -101,11 +120,12 @@ void Worker::loop() {
     }
     if (poll_pending_ && !busy_) {
       busy_ = true;
+      poll_pending_ = false;  // a kick() during the round (a post run ahead) is kept
       lk.unlock();
       const bool more = poll_all();
       lk.lock();
       busy_ = false;
-      poll_pending_ = more;
+      poll_pending_ = poll_pending_ || more;
       cv_.notify_all();
       if (more && !has_task()) {
         // back off: a few yields, then short sleeps that a new task interrupts

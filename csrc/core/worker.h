@@ -27,7 +27,20 @@ class Worker {
   // other threads, behind earlier such tasks: an op issued by a callback then
   // runs right after the op that triggered it on every rank, however the
   // caller's own submissions interleave with completions on each rank.
-  void submit(std::function<void()> task);
+  // `post_only`: the task only hands transfers to the transport and never
+  // blocks (an async isend/irecv's post), so run_posts_ahead may run it early.
+  void submit(std::function<void()> task, bool post_only = false);
+
+  // On the worker thread, inside a task or poll that waits (a Future callback
+  // waiting for a p2p op): runs the post-only tasks at the head of the queue
+  // now, the ones other threads submitted before any that is not post-only.
+  // A peer whose send waits for its matching receive (gloo) may need one of
+  // them before it sends what the callback waits for; every other task keeps
+  // its turn, and so does anything the worker itself queued (urgent).
+  void run_posts_ahead();
+  // True on the worker while run_posts_ahead runs a task: the task then
+  // posts ahead of its turn, inside a wait (deferred_p2p.h, rule 7).
+  bool running_ahead() const { return is_current() && ahead_ > 0; }
 
   // True on the worker thread (inside a task or the idle poll).
   bool is_current() const { return std::this_thread::get_id() == thread_.get_id(); }
@@ -76,9 +89,14 @@ class Worker {
   std::condition_variable cv_;
   bool has_task() const { return !queue_.empty() || !urgent_.empty(); }
 
-  std::deque<std::function<void()>> queue_;
-  std::deque<std::function<void()>> urgent_;  // submitted on the worker thread; run first
+  struct Task {
+    std::function<void()> run;
+    bool post_only;
+  };
+  std::deque<Task> queue_;
+  std::deque<Task> urgent_;  // submitted on the worker thread; run first
   bool busy_ = false;
+  int ahead_ = 0;              // run_posts_ahead's tasks running (worker thread only)
   bool poll_pending_ = false;  // guarded by mu_
   // Runs every idle poll; true while any has work pending.
   bool poll_all();

@@ -97,8 +97,12 @@ class CpuExecutor final : public Executor, private DeferredP2P::Transfers {
     auto work = c10::make_intrusive<Work>(op, seq, std::move(outputs));
     work->set_worker(worker_.get());
     // A wait on the worker thread (in a Future callback) for a pending
-    // isend/irecv drives them itself.
-    work->set_pump([this](const Work* target) { return deferred_.poll(target); });
+    // isend/irecv drives them itself, after posting the isend/irecv other
+    // threads queued meanwhile (deferred_p2p.h, rule 7).
+    work->set_pump([this](const Work* target) {
+      if (worker_ && !aborted_) worker_->run_posts_ahead();
+      return deferred_.poll(target);
+    });
     work->set_on_interrupt([this](const std::string& why) { abort(why); });
     return work;
   }
@@ -151,26 +155,29 @@ class CpuExecutor final : public Executor, private DeferredP2P::Transfers {
       return;
     }
     std::string peers = describe_peers(ops.data(), ops.size());
-    std::function<void()> post = [this, work, ops, peers = std::move(peers),
-                                  keep = std::move(keep)] {
+    auto post = [this, work, ops, peers = std::move(peers), keep = std::move(keep)] {
       if (fail_if_aborted(work)) return;
       try {
         const Handle h = transport_->post(ops.data(), ops.size());
         DeferredP2P::Completion completion{
             [work] { work->complete(); },
             [this, work, peers](const std::exception& e) { fail_p2p(work, e, peers); }};
-        deferred_.add(h, ops.data(), ops.size(), peers, work.get(), std::move(completion));
+        // rule 7: posted ahead of its turn by a wait inside a callback
+        deferred_.add(h, ops.data(), ops.size(), peers, work.get(), std::move(completion),
+                      worker_->running_ahead());
         worker_->kick();
       } catch (const std::exception& e) {
         fail_p2p(work, e, peers);
       }
     };
     // From a Future callback (on the worker): posted now, in callback order;
-    // a wait on it there polls (Work::set_pump) instead of blocking.
+    // a wait on it there polls (Work::set_pump) instead of blocking. From
+    // another thread: queued, post-only (a wait in a callback may post it
+    // ahead of its turn, Worker::run_posts_ahead).
     if (worker_->is_current()) {
       post();
     } else {
-      worker_->submit(std::move(post));
+      worker_->submit(std::move(post), /*post_only=*/true);
     }
   }
 
