@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pycomm.bench import soak
+from pycomm.bench import resources, soak
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,12 +148,40 @@ def test_rss_trend_is_late_minus_early_median():
     """A leak shows as the last quarter's median over the second quarter's;
     a single large-step sample does not."""
     steady = [(t, 100.0) for t in range(100)]
-    assert soak.rss_trend_mb(steady, 100.0) == 0.0
+    assert resources.rss_trend_mb(steady, 100.0) == 0.0
     spike = [(t, 900.0 if t == 80 else 100.0) for t in range(100)]
-    assert soak.rss_trend_mb(spike, 100.0) == 0.0
+    assert resources.rss_trend_mb(spike, 100.0) == 0.0
     leak = [(t, 100.0 + t) for t in range(100)]
-    assert soak.rss_trend_mb(leak, 100.0) > 40.0
-    assert soak.rss_trend_mb([(1.0, 5.0)], 100.0) == 0.0  # too few samples
+    assert resources.rss_trend_mb(leak, 100.0) > 40.0
+    assert resources.rss_trend_mb([(1.0, 5.0)], 100.0) == 0.0  # too few samples
+
+
+_FREED_BUT_KEPT = """
+import ctypes, json
+from pycomm.bench import resources
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+# 64 KiB chunks stay in the heap (under glibc's mmap threshold); the last one
+# stays alive, so free() cannot give the space below it back by itself.
+chunks = [libc.malloc(64 << 10) for _ in range(1025)]
+for c in chunks:
+    ctypes.memset(c, 1, 64 << 10)
+for c in chunks[:-1]:
+    libc.free(c)
+print(json.dumps([resources.rss_mb(), resources.rss_mb(trim=True)]))
+"""
+
+
+def test_rss_after_malloc_trim_leaves_out_what_the_allocator_keeps_free():
+    """``--malloc-trim``'s sample: 64 MiB freed but kept by glibc counts in
+    the plain RSS and not after the trim (so a trend that remains is memory
+    in use, not the allocator's)."""
+    res = subprocess.run([sys.executable, "-c", _FREED_BUT_KEPT], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    plain, trimmed = json.loads(res.stdout)
+    assert plain - trimmed > 48, (plain, trimmed)
 
 
 def test_leave_out_never_draws_the_kind():

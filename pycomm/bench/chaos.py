@@ -116,7 +116,7 @@ def trial(index: int, kind: str, victim: int, delay: float, args: argparse.Names
     if kind in ENVIRONMENT:
         return environment_trial(index, kind, victim, delay, args)
     from .launch import start_script
-    from .soak import shm_segments
+    from .resources import shm_segments
 
     directory = Path(tempfile.mkdtemp(prefix="pycomm-chaos-"))
     argv = _soak_argv(index, directory, args, groups=kind != "stop" or args.transport != "gloo")
@@ -235,7 +235,7 @@ def environment_trial(index: int, kind: str, victim: int, delay: float,
     """One job running ``ENV_STEPS`` steps, one fault of its surroundings
     (``slow`` throttles rank ``victim``): the record of what every rank did."""
     from .launch import start_script
-    from .soak import shm_segments
+    from .resources import shm_segments
 
     directory = Path(tempfile.mkdtemp(prefix="pycomm-chaos-"))
     argv = _soak_argv(index, directory, args) + ["--steps", str(ENV_STEPS)]

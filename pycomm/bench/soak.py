@@ -37,11 +37,9 @@ import copy
 import json
 import os
 import random
-import resource
 import signal
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -441,54 +439,6 @@ class Soak:
             self.finish(self.in_flight.pop(0))
 
 
-# ---------------------------------------------------------------------- resources
-
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def _threads() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Threads:"):
-                return int(line.split()[1])
-    return threading.active_count()
-
-
-def _max_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _rss_mb() -> float:
-    """The resident set now (the peak hides a slow leak under a large step)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-
-
-def rss_trend_mb(samples: Sequence[tuple[float, float]], elapsed: float) -> float:
-    """How much the resident set grew over the run once warm: the median of
-    the samples (seconds, MB) in its last quarter minus the median of those
-    in its second quarter (the first fills caches and pools). Medians, since
-    one sample may catch a large step's tensors alive. 0 with too few."""
-    def median_in(lo: float, hi: float) -> float | None:
-        xs = [mb for t, mb in samples if lo * elapsed <= t < hi * elapsed]
-        return statistics.median(xs) if xs else None
-
-    early, late = median_in(0.25, 0.5), median_in(0.75, 1.01)
-    return 0.0 if early is None or late is None else late - early
-
-
-def shm_segments(pids: Sequence[int]) -> list[str]:
-    """The shared-memory segments in /dev/shm that processes ``pids`` created
-    (pycomm names them ``pycomm-<creator's pid>-...``): other jobs' are not
-    this run's leaks."""
-    prefixes = tuple(f"pycomm-{pid}-" for pid in pids)
-    try:
-        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefixes))
-    except FileNotFoundError:
-        return []
-
-
 def _percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
@@ -502,10 +452,11 @@ def run_soak(args: argparse.Namespace) -> int:
     import pycomm
 
     from .report import git_commit
+    from .resources import fds, max_rss_mb, rss_mb, rss_trend_mb, shm_segments, threads
 
     rank, world = dist.get_rank(), dist.get_world_size()
     commit = git_commit() if rank == 0 else ""  # the code that runs, read before it runs
-    before = {"fds": _fds(), "threads": _threads(), "rss_mb": _max_rss_mb()}
+    before = {"fds": fds(), "threads": threads(), "rss_mb": max_rss_mb()}
     comm = pycomm.init(group=dist.group.WORLD, transport=args.transport, set_default=False,
                        **({"timeout": args.op_timeout} if args.op_timeout else {}))
     soak = Soak(comm, args)
@@ -519,7 +470,7 @@ def run_soak(args: argparse.Namespace) -> int:
     index = 0
     while True:
         if index % 16 == 0:  # rank 0's clock decides, for every rank at once
-            rss.append((time.monotonic() - start, _rss_mb()))
+            rss.append((time.monotonic() - start, rss_mb(trim=args.malloc_trim)))
             flag.fill_(int(time.monotonic() - start >= args.duration or
                            (args.steps is not None and index >= args.steps)))
             comm.broadcast(flag, src=0)
@@ -539,7 +490,7 @@ def run_soak(args: argparse.Namespace) -> int:
     if soak.group is not None:
         soak.group.close()
     comm.close()
-    after = {"fds": _fds(), "threads": _threads(), "rss_mb": _max_rss_mb()}
+    after = {"fds": fds(), "threads": threads(), "rss_mb": max_rss_mb()}
     mine = [soak.steps, soak.ops, soak.verified, soak.wrong, after["fds"] - before["fds"],
             after["threads"] - before["threads"], after["rss_mb"] - before["rss_mb"],
             rss_trend_mb(rss, elapsed)]
@@ -612,7 +563,7 @@ def _report(args: argparse.Namespace, rows: list[Any], elapsed: float, segments:
         "latency_ms": {"p50": _percentile(lat, 0.5) * 1e3, "p99": _percentile(lat, 0.99) * 1e3,
                        "mean": statistics.fmean(lat) * 1e3 if lat else float("nan")},
         "max_rss_growth_mb": max(r["max_rss_growth_mb"] for r in per_rank),
-        "rss_trend_mb": max(r["rss_trend_mb"] for r in per_rank), **leaks,
+        "rss_trend_mb": max(r["rss_trend_mb"] for r in per_rank), "malloc_trim": args.malloc_trim, **leaks,
         "first_wrong": [w for row in rows for w in row["wrong"]][:10],
         "per_rank": per_rank,
     }
@@ -657,6 +608,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--leave-out", default="", metavar="KINDS",
                    help="kinds of step never drawn, comma-separated (e.g. new_group)")
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
+    p.add_argument("--malloc-trim", action="store_true",
+                   help="sample the RSS trend after glibc's malloc_trim(0): memory in use, not kept free")
     p.add_argument("-T", "--timeout", type=float, default=None,
                    help="overall limit (default: duration + 300 s); ranks are killed past it")
     p.add_argument("--op-timeout", type=float, default=None, metavar="SECONDS",

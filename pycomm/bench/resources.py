@@ -1,0 +1,82 @@
+"""What a process holds, sampled by the soak and chaos runs: open fds,
+threads, resident memory (peak, now, and its trend over a run) and the
+``/dev/shm`` segments pycomm left behind."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import resource
+import statistics
+import threading
+from typing import Sequence
+
+__all__ = ["fds", "threads", "max_rss_mb", "rss_mb", "rss_trend_mb", "shm_segments"]
+
+
+def fds() -> int:
+    """Open file descriptors of this process."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def threads() -> int:
+    """Threads of this process (the kernel's count: C++ threads included)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    return threading.active_count()
+
+
+def max_rss_mb() -> float:
+    """The peak resident set so far, in MB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _malloc_trim() -> bool:
+    """Hands the heap's free pages back to the kernel (glibc's
+    ``malloc_trim(0)``); False where there is no glibc."""
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        _libc = ctypes.CDLL(name) if name else ctypes.CDLL(None)
+    trim = getattr(_libc, "malloc_trim", None)
+    return bool(trim is not None and trim(0) >= 0)
+
+
+def rss_mb(trim: bool = False) -> float:
+    """The resident set now (the peak hides a slow leak under a large step).
+    With ``trim``, after ``malloc_trim(0)``: what the allocator keeps free but
+    mapped then no longer counts, so a trend that remains is memory in use."""
+    if trim:
+        _malloc_trim()
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def rss_trend_mb(samples: Sequence[tuple[float, float]], elapsed: float) -> float:
+    """How much the resident set grew over the run once warm: the median of
+    the samples (seconds, MB) in its last quarter minus the median of those
+    in its second quarter (the first fills caches and pools). Medians, since
+    one sample may catch a large step's tensors alive. 0 with too few."""
+    def median_in(lo: float, hi: float) -> float | None:
+        xs = [mb for t, mb in samples if lo * elapsed <= t < hi * elapsed]
+        return statistics.median(xs) if xs else None
+
+    early, late = median_in(0.25, 0.5), median_in(0.75, 1.01)
+    return 0.0 if early is None or late is None else late - early
+
+
+def shm_segments(pids: Sequence[int]) -> list[str]:
+    """The shared-memory segments in /dev/shm that processes ``pids`` created
+    (pycomm names them ``pycomm-<creator's pid>-...``): other jobs' are not
+    this run's leaks."""
+    prefixes = tuple(f"pycomm-{pid}-" for pid in pids)
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefixes))
+    except FileNotFoundError:
+        return []
