@@ -8,7 +8,7 @@
 #
 # Run it before landing changes to csrc/torch, pycomm/backend.py or
 # pycomm/_setup.py (the code that leans on torch's C++ and private c10d
-# APIs); scripts/test.sh runs it too. Both ends are CUDA builds of torch,
+# APIs); scripts/test.sh --full runs it too. Both ends are CUDA builds of torch,
 # which import without a GPU; the CPU extension is built against them
 # (PYCOMM_FORCE_CPU=1): the CUDA build against 2.11 is
 # scripts/cuda_build_check.sh's.

@@ -5,7 +5,13 @@ from __future__ import annotations
 import hashlib
 import zlib
 
+import pytest
 import torch
+
+# World sizes of the full op x dtype x size sweeps: 1, 2 and 3 ranks (one,
+# even, odd) in the default run; 4 ranks, the slowest on a 2-core machine,
+# in the slow one (scripts/test.sh --full), which keeps CI under 40 minutes.
+SWEEP_WORLDS = [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)]
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
           torch.int32, torch.int64, torch.uint8, torch.int8]

@@ -68,7 +68,7 @@ def _slices_of_every_algorithm(comm):
             assert_matches(t, reference(inputs, "sum"), f"{algo} count={count}")
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("world_size", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_slice_boundaries(world_size):
     run_ranks(_slices_of_every_algorithm, world_size, "shm")
 

@@ -126,6 +126,7 @@ def test_mpich_series_beside_pycomm(tmp_path):
     assert all(r["transport"] == "mpi" for r in rows)
 
 
+@pytest.mark.slow  # builds DeepSpeed's op first: about 45 s of the 40-minute CI run
 @pytest.mark.skipif(not _HAS_DEEPSPEED, reason="deepspeed missing (pip install deepspeed)")
 def test_deepspeed_series_beside_pycomm(tmp_path):
     """``--peers deepspeed``: DeepSpeed's shm all-reduce (built on first use,

@@ -1,6 +1,6 @@
 """The collective suite: every op x dtype x size on real ranks, against float64
 references, for every CPU transport (the `transport` fixture) and world sizes
-1 to 4."""
+1 to 4 (4 in the slow run: reference.SWEEP_WORLDS)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from tests._dist import run_ranks
 from tests.reference import (
+    SWEEP_WORLDS,
     DTYPES,
     FLOAT_DTYPES,
     all_reduce_cases,
@@ -19,9 +20,6 @@ from tests.reference import (
     rank_input,
     reference,
 )
-
-WORLD_SIZES = [1, 2, 3, 4]
-
 
 # ---------------------------------------------------------------- all_reduce
 
@@ -36,7 +34,7 @@ def _all_reduce_cases(comm, algo: str, large: bool):
     return digests
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", SWEEP_WORLDS)
 @pytest.mark.parametrize("algo", ["ring", "auto"])
 def test_all_reduce_every_op_dtype_size(transport, world_size, algo):
     per_rank = run_ranks(_all_reduce_cases, world_size, transport, algo, algo == "ring")
@@ -100,12 +98,12 @@ def _all_gather_cases(comm, algo="auto"):
             assert torch.equal(out, torch.cat(inputs)), f"all_gather {algo} {dtype} m={m}"
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", SWEEP_WORLDS)
 def test_reduce_scatter(transport, world_size):
     run_ranks(_reduce_scatter_cases, world_size, transport)
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", SWEEP_WORLDS)
 def test_all_gather(transport, world_size):
     run_ranks(_all_gather_cases, world_size, transport)
 
@@ -123,7 +121,7 @@ def _broadcast_cases(comm):
                 assert torch.equal(t, expect), f"broadcast src={src} count={count} {dtype}"
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", SWEEP_WORLDS)
 def test_broadcast_from_every_src(transport, world_size):
     run_ranks(_broadcast_cases, world_size, transport)
 

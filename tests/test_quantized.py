@@ -1,7 +1,7 @@
 """all_reduce(wire_dtype=torch.int8 / float8_e4m3fn / float8_e5m2): the
 block-scaled kernels against a reference written here in torch (float8
 codes by torch's own conversion, and bounds against float64), the quantized
-all-reduce bitwise equal to the same algorithm in Python on 1-4 ranks and
+all-reduce bitwise equal to the same algorithm in Python on 1-4 ranks (4 in the slow run) and
 every CPU transport, every rank identical, error feedback's telescoping,
 and the errors of bad calls."""
 
@@ -13,7 +13,7 @@ import torch
 
 from pycomm._ext import _C
 from tests._dist import run_ranks, spawn_ranks
-from tests.reference import digest
+from tests.reference import SWEEP_WORLDS, digest
 from tests.test_algorithms import all_reduce_error
 
 BLOCK = 256
@@ -229,7 +229,7 @@ def _quantized_cases(comm):
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", SWEEP_WORLDS)
 def test_quantized_all_reduce_equals_its_reference_on_every_rank(transport, world_size):
     per_rank = run_ranks(_quantized_cases, world_size, transport)
     for r in range(1, world_size):

@@ -1,7 +1,7 @@
 """reduce, gather, scatter, all_to_all and all_to_all_single (issue 24) on real
 ranks against independent references (float64 for reductions, the inputs
 themselves for data movement), every root, every CPU transport, 1 to 4
-ranks; mismatched calls across ranks; bad input."""
+ranks (4 in the slow run: reference.SWEEP_WORLDS); mismatched calls across ranks; bad input."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from tests._dist import client_store, run_ranks, spawn_ranks
 from tests.reference import (
+    SWEEP_WORLDS,
     DTYPES,
     LARGE_COUNT,
     OPS,
@@ -20,9 +21,6 @@ from tests.reference import (
     rank_input,
     reference,
 )
-
-WORLD_SIZES = [1, 2, 3, 4]
-
 
 # ---------------------------------------------------------------- reduce
 
@@ -51,7 +49,7 @@ def _reduce_cases(comm, large: bool):
                                                          f"dst={dst}")
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", SWEEP_WORLDS)
 def test_reduce_every_op_dtype_size_root(transport, world_size):
     run_ranks(_reduce_cases, world_size, transport, False)
 
@@ -98,7 +96,7 @@ def _gather_scatter_cases(comm, counts):
                 assert torch.equal(out, blocks[r]), f"scatter {what}"
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", SWEEP_WORLDS)
 def test_gather_scatter(transport, world_size):
     run_ranks(_gather_scatter_cases, world_size, transport, SMALL_COUNTS + [LARGE_COUNT // 8])
 
@@ -157,7 +155,7 @@ def _all_to_all_cases(comm, large: bool):
     assert [o.tolist() for o in outs] == [[float(10 * p + r)] * 5 for p in range(n)]
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", SWEEP_WORLDS)
 def test_all_to_all(transport, world_size):
     run_ranks(_all_to_all_cases, world_size, transport, False)
 

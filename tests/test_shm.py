@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests._dist import client_store, run_ranks, spawn_ranks, COMM_TIMEOUT
+from tests.reference import SWEEP_WORLDS
 from tests.test_collectives import _all_reduce_cases, _reduce_scatter_cases
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shm")
@@ -25,7 +26,7 @@ def _ours(pid: int) -> list[str]:
     return [f for f in os.listdir("/dev/shm") if f.startswith(f"pycomm-{pid}-")]
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", SWEEP_WORLDS[1:])
 def test_direct_all_reduce_every_op_dtype_size(world_size):
     # large=True: float64 x 1M elements spans several pieces of the shared buffers
     per_rank = run_ranks(_all_reduce_cases, world_size, "shm", "direct", True)
@@ -73,7 +74,7 @@ def _direct_reduce_scatters(comm):
     torch.testing.assert_close(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", SWEEP_WORLDS[1:])
 def test_direct_reduce_scatter(world_size):
     """Pieces of 64 KiB in 3 buffers: blocks span dozens of them."""
     spawn_ranks(_odd_geometry, world_size, _direct_reduce_scatters)
