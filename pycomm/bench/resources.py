@@ -5,7 +5,6 @@ threads, resident memory (peak, now, and its trend over a run) and the
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import resource
 import statistics
@@ -34,26 +33,16 @@ def max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-_libc: ctypes.CDLL | None = None
-
-
-def _malloc_trim() -> bool:
-    """Hands the heap's free pages back to the kernel (glibc's
-    ``malloc_trim(0)``); False where there is no glibc."""
-    global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c")
-        _libc = ctypes.CDLL(name) if name else ctypes.CDLL(None)
-    trim = getattr(_libc, "malloc_trim", None)
-    return bool(trim is not None and trim(0) >= 0)
+# glibc's malloc_trim, where there is one (the process's own libc: no lookup)
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
 def rss_mb(trim: bool = False) -> float:
     """The resident set now (the peak hides a slow leak under a large step).
     With ``trim``, after ``malloc_trim(0)``: what the allocator keeps free but
     mapped then no longer counts, so a trend that remains is memory in use."""
-    if trim:
-        _malloc_trim()
+    if trim and _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)  # hands the heap's free pages back to the kernel
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
