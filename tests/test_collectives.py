@@ -172,6 +172,51 @@ def test_p2p_both_directions(transport, world_size):
     run_ranks(_p2p_both_directions, world_size, transport)
 
 
+def _pids_allocated() -> int | None:
+    """The pid namespace's last allocated pid (a thread takes one too), or
+    None where the kernel does not say."""
+    try:
+        with open("/proc/sys/kernel/ns_last_pid") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
+def _threads_started_by_p2p(comm, rounds):
+    """How many pids (threads, on any rank of this machine) `rounds` of
+    isend/irecv pairs take, measured between barriers."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid_max = int(f.read())
+    peer = 1 - comm.rank
+    mine, got = torch.full((4,), float(comm.rank)), torch.empty(4)
+    for _ in range(3):  # warm: the transport's first waiter threads
+        comm.irecv(got, peer).wait() if comm.rank else comm.isend(mine, peer).wait()
+    comm.barrier()
+    before = _pids_allocated()
+    for _ in range(rounds):
+        wr, ws = comm.irecv(got, peer), comm.isend(mine, peer)
+        wr.wait()
+        ws.wait()
+        assert got[0].item() == peer
+    comm.barrier()
+    after = _pids_allocated()
+    return None if before is None or after is None else (after - before) % pid_max
+
+
+@pytest.mark.parametrize("transport", ["gloo"])
+def test_p2p_does_not_start_a_thread_per_message(transport):
+    """gloo's receives are waited in background threads: reused ones. A
+    thread per message also grew every rank for good (torch keeps per-thread
+    c10d state, RankLocal, for every thread that waited on a Work)."""
+    if _pids_allocated() is None:
+        pytest.skip("no /proc/sys/kernel/ns_last_pid here")
+    rounds = 100
+    started = run_ranks(_threads_started_by_p2p, 2, transport, rounds)[0]
+    # 2 ranks x 100 receives took 200 threads at least before; allow other
+    # processes on the machine a few
+    assert started < rounds // 2, f"{started} pids taken by {rounds} p2p rounds on 2 ranks"
+
+
 # ---------------------------------------------------------------- async
 
 def _async_out_of_order(comm):

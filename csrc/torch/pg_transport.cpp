@@ -187,7 +187,7 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
   if (user_recv) {
     Pending* pp = &p;
     const auto timeout = timeout_;
-    p.waiter = std::async(std::launch::async, [this, pp, timeout] { wait_all(*pp, timeout); });
+    p.waiter = waiters_.run([this, pp, timeout] { wait_all(*pp, timeout); });
   }
   return h;
 }
@@ -468,7 +468,7 @@ bool ProcessGroupTransport::test(Handle h) {
   if (!p.waiter.valid()) {
     // The Pending entry (and its works) stays in pending_ until consumed.
     const auto timeout = timeout_;
-    p.waiter = std::async(std::launch::async, [this, pp, timeout] { wait_all(*pp, timeout); });
+    p.waiter = waiters_.run([this, pp, timeout] { wait_all(*pp, timeout); });
   }
   if (p.waiter.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
   wait(h);  // consumes the handle, rethrows the waiter's error

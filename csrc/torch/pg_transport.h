@@ -47,6 +47,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "../core/thread_cache.h"
 #include "../core/transport.h"
 
 namespace pycomm {
@@ -112,7 +113,7 @@ class ProcessGroupTransport final : public Transport {
   };
   struct Pending {
     std::vector<Message> msgs;
-    // Set once test() handed the group to a background waiter: gloo's
+    // Set once the group was handed to a background waiter (waiters_): gloo's
     // send/recv works report completion only through a blocking wait().
     std::future<void> waiter;
   };
@@ -182,6 +183,9 @@ class ProcessGroupTransport final : public Transport {
   std::deque<Arrival> arrivals_;            // set aside, in arrival order
   bool pulling_ = false;                    // a thread waits for the next frame
   c10::intrusive_ptr<c10d::Work> pull_work_;
+  // The background waiters' threads (reused: thread_cache.h says why). Last,
+  // so it goes first: the destructor has waited for every waiter by then.
+  ThreadCache waiters_{"pycomm-waiter"};
 };
 
 }  // namespace pycomm
