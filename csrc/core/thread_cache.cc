@@ -19,22 +19,18 @@ std::future<void> ThreadCache::run(std::function<void()> job) {
   std::packaged_task<void()> task(std::move(job));
   std::future<void> done = task.get_future();
   std::lock_guard<std::mutex> lk(mu_);
-  jobs_.push_back(std::move(task));
   // Every queued job needs a thread of its own: a job may block until
   // another one, queued behind it, has run (two receives whose senders
   // wait on each other), so none may wait for a busy thread.
-  if (idle_ >= jobs_.size()) {
-    cv_.notify_one();
-  } else {
+  if (idle_ < jobs_.size() + 1) {
+    // Started first: where it cannot be, the job is not queued (the caller
+    // gets std::system_error, as from std::async) and takes no one's thread.
     threads_.emplace_back([this] { loop(); });
     pthread_setname_np(threads_.back().native_handle(), name_);
   }
+  jobs_.push_back(std::move(task));
+  cv_.notify_all();  // the idle ones look (a handful at most)
   return done;
-}
-
-size_t ThreadCache::threads() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return threads_.size();
 }
 
 void ThreadCache::loop() {

@@ -7,7 +7,9 @@
 // A thread per message is costly beyond its creation: torch's c10d keeps some
 // state per thread that ever waited on a Work (RankLocal, keyed by a thread
 // number that is never reused) and never frees it, so a long job that started
-// a thread per receive grew by every thread it ever started.
+// a thread per receive grew by every thread it ever started. Threads stay,
+// idle, until the cache goes: as many as jobs ever ran at once (one that
+// retired would leave that state behind, and its successor more).
 #pragma once
 
 #include <condition_variable>
@@ -31,14 +33,11 @@ class ThreadCache {
   // Starts `job` on a thread now; the future holds its exception, if any.
   std::future<void> run(std::function<void()> job);
 
-  // Threads started so far (they stay until the cache goes).
-  size_t threads() const;
-
  private:
   void loop();
 
   const char* name_;
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::packaged_task<void()>> jobs_;
   std::vector<std::thread> threads_;
