@@ -11,7 +11,7 @@ import statistics
 import threading
 from typing import Sequence
 
-__all__ = ["fds", "threads", "max_rss_mb", "rss_mb", "rss_trend_mb", "shm_segments"]
+__all__ = ["fds", "threads", "max_rss_mb", "rss_mb", "heap_mb", "rss_trend_mb", "shm_segments"]
 
 
 def fds() -> int:
@@ -33,8 +33,20 @@ def max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-# glibc's malloc_trim, where there is one (the process's own libc: no lookup)
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
+# glibc's malloc_trim and mallinfo2, where there are (the process's own libc: no lookup)
+_LIBC = ctypes.CDLL(None)
+_MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)
+_MALLINFO2 = getattr(_LIBC, "mallinfo2", None)
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+if _MALLINFO2 is not None:
+    _MALLINFO2.restype = _Mallinfo2
 
 
 def rss_mb(trim: bool = False) -> float:
@@ -45,6 +57,18 @@ def rss_mb(trim: bool = False) -> float:
         _MALLOC_TRIM(0)  # hands the heap's free pages back to the kernel
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def heap_mb() -> float | None:
+    """What malloc has handed out and not got back, in MB (glibc's mallinfo2:
+    every arena's allocated chunks plus the mmapped ones): C++, gloo and
+    torch's tensors, not Python's small objects (pymalloc maps its own
+    arenas). Beside the RSS it tells memory in use from memory the heap
+    cannot give back. None without glibc 2.33's mallinfo2."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return (info.uordblks + info.hblkhd) / 2**20
 
 
 def rss_trend_mb(samples: Sequence[tuple[float, float]], elapsed: float) -> float:

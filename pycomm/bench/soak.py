@@ -452,7 +452,7 @@ def run_soak(args: argparse.Namespace) -> int:
     import pycomm
 
     from .report import git_commit
-    from .resources import fds, max_rss_mb, rss_mb, rss_trend_mb, shm_segments, threads
+    from .resources import fds, heap_mb, max_rss_mb, rss_mb, rss_trend_mb, shm_segments, threads
 
     rank, world = dist.get_rank(), dist.get_world_size()
     commit = git_commit() if rank == 0 else ""  # the code that runs, read before it runs
@@ -466,11 +466,15 @@ def run_soak(args: argparse.Namespace) -> int:
                                         "first_wrong": soak.first_wrong[:3]})
     start = last_report = time.monotonic()
     rss: list[tuple[float, float]] = []  # (seconds into the run, current RSS in MB)
+    heap: list[tuple[float, float]] = []  # (seconds, malloc's bytes in use in MB)
     flag = torch.zeros(1, dtype=torch.int32)
     index = 0
     while True:
         if index % 16 == 0:  # rank 0's clock decides, for every rank at once
             rss.append((time.monotonic() - start, rss_mb(trim=args.malloc_trim)))
+            in_use = heap_mb()
+            if in_use is not None:
+                heap.append((rss[-1][0], in_use))
             flag.fill_(int(time.monotonic() - start >= args.duration or
                            (args.steps is not None and index >= args.steps)))
             comm.broadcast(flag, src=0)
@@ -493,7 +497,7 @@ def run_soak(args: argparse.Namespace) -> int:
     after = {"fds": fds(), "threads": threads(), "rss_mb": max_rss_mb()}
     mine = [soak.steps, soak.ops, soak.verified, soak.wrong, after["fds"] - before["fds"],
             after["threads"] - before["threads"], after["rss_mb"] - before["rss_mb"],
-            rss_trend_mb(rss, elapsed)]
+            rss_trend_mb(rss, elapsed), rss_trend_mb(heap, elapsed) if heap else None]
     rows: list[Any] = [None] * world
     dist.all_gather_object(rows, {"counts": mine, "wrong": soak.first_wrong, "transport": comm.transport,
                                   "latencies": soak.latencies[-5000:], "pid": os.getpid()})
@@ -547,7 +551,7 @@ def _report(args: argparse.Namespace, rows: list[Any], elapsed: float, segments:
             commit: str) -> int:
     """Rank 0: the summary (and the JSON); the exit code."""
     names = ("steps", "ops", "verified", "wrong", "fd_growth", "thread_growth", "max_rss_growth_mb",
-             "rss_trend_mb")
+             "rss_trend_mb", "heap_trend_mb")
     per_rank = [dict(zip(names, row["counts"])) for row in rows]
     lat = [x for row in rows for x in row["latencies"]]
     total = {k: sum(r[k] for r in per_rank) for k in ("ops", "verified", "wrong")}
@@ -563,7 +567,11 @@ def _report(args: argparse.Namespace, rows: list[Any], elapsed: float, segments:
         "latency_ms": {"p50": _percentile(lat, 0.5) * 1e3, "p99": _percentile(lat, 0.99) * 1e3,
                        "mean": statistics.fmean(lat) * 1e3 if lat else float("nan")},
         "max_rss_growth_mb": max(r["max_rss_growth_mb"] for r in per_rank),
-        "rss_trend_mb": max(r["rss_trend_mb"] for r in per_rank), "malloc_trim": args.malloc_trim, **leaks,
+        "rss_trend_mb": max(r["rss_trend_mb"] for r in per_rank), "malloc_trim": args.malloc_trim,
+        # the same trend of malloc's bytes in use (None without mallinfo2)
+        "heap_trend_mb": max((r["heap_trend_mb"] for r in per_rank if r["heap_trend_mb"] is not None),
+                             default=None),
+        **leaks,
         "first_wrong": [w for row in rows for w in row["wrong"]][:10],
         "per_rank": per_rank,
     }
@@ -573,7 +581,9 @@ def _report(args: argparse.Namespace, rows: list[Any], elapsed: float, segments:
           f"{summary['transport']} (seed {args.seed})", flush=True)
     print(f"soak: latency p50 {summary['latency_ms']['p50']:.3f} ms, p99 "
           f"{summary['latency_ms']['p99']:.3f} ms; max RSS growth {summary['max_rss_growth_mb']:.1f} MB, "
-          f"RSS trend once warm {summary['rss_trend_mb']:+.1f} MB; "
+          f"RSS trend once warm {summary['rss_trend_mb']:+.1f} MB"
+          + ("" if summary["heap_trend_mb"] is None else
+             f" (malloc's bytes in use {summary['heap_trend_mb']:+.1f} MB)") + "; "
           f"fd growth {leaks['fd_growth']}, thread growth {leaks['thread_growth']}, "
           f"/dev/shm segments left {len(segments)}", flush=True)
     for w in summary["first_wrong"]:
