@@ -190,7 +190,10 @@ def _threads_started_by_p2p(comm, rounds):
     peer = 1 - comm.rank
     mine, got = torch.full((4,), float(comm.rank)), torch.empty(4)
     for _ in range(3):  # warm: the transport's first waiter threads
-        comm.irecv(got, peer).wait() if comm.rank else comm.isend(mine, peer).wait()
+        if comm.rank:
+            comm.irecv(got, peer).wait()
+        else:
+            comm.isend(mine, peer).wait()
     comm.barrier()
     before = _pids_allocated()
     for _ in range(rounds):
