@@ -476,18 +476,24 @@ def test_end_to_end_child_traceback_reaches_user(tmp_path):
 def test_memory_patterns_builds_and_prints_every_pattern(tmp_path):
     """benchmarks/allreduce/memory_patterns.c (the 2-rank all-reduce's memory
     patterns without pycomm, beside one core's memcpy) compiles and prints a
-    row per pattern; a bad size is refused with its usage line."""
+    row per pattern, in MiB and in KiB (then calls back to back per rep); a
+    bad size is refused with its usage line."""
     src = Path(__file__).resolve().parents[1] / "benchmarks" / "allreduce" / "memory_patterns.c"
     exe = tmp_path / "memory_patterns"
     subprocess.run(["cc", "-O3", "-Wall", "-Werror", "-o", str(exe), str(src)], check=True,
                    timeout=120)
-    out = subprocess.run([str(exe), "2", "2"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    rows = [line.split()[0] for line in out.stdout.splitlines()[2:]]
-    assert rows == ["memcpy_alone", "inplace_both", "symmetric", "staged", "staged_local",
-                    "cma_alone", "cma"]
-    bad = subprocess.run([str(exe), "0"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "usage" in bad.stderr
+    for size, head in (("2", "# 2048 KiB per rank, 2 ranks, median of 2 reps of 1 calls"),
+                       ("64K", "# 64 KiB per rank, 2 ranks, median of 2 reps of 16 calls")):
+        out = subprocess.run([str(exe), size, "2"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0].startswith(head), lines[0]
+        assert [line.split()[0] for line in lines[2:]] == [
+            "handshake", "memcpy_alone", "inplace_both", "symmetric", "staged", "staged_local",
+            "cma_alone", "cma"]
+    for bad in ("0", "6K", "2X"):
+        res = subprocess.run([str(exe), bad], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and "usage" in res.stderr, bad
 
 
 def test_symmetric_bare_times_pycomm_beside_its_own_loop(tmp_path):

@@ -124,6 +124,17 @@ def _mixed(comm):
     expect = sum(range(1, n + 1)) / n
     assert torch.all(t == expect), t[:3]
     assert comm.symmetric_all_reduces == before
+    # Rank 0 passes its region (whose first arrival stages nothing), the
+    # others ask to register a plain tensor: every rank stages, nothing moves.
+    d = torch.full((300_000,), float(r + 1))
+    where = d.data_ptr()
+    a.fill_(1.0)
+    if r == 0:
+        comm.all_reduce(a, op="avg")
+    else:
+        comm.all_reduce(d, op="avg", register=True)
+    assert torch.all((a if r == 0 else d) == expect), (a if r == 0 else d)[:3]
+    assert d.data_ptr() == where and comm.symmetric_all_reduces == before
     # Two communicators over the same ranks, each with its region number 1 of
     # the same size: rank 0 passes `comm`'s, the others `other`'s. Were the
     # region not checked to be `comm`'s own, the tags would match and rank 0

@@ -2,21 +2,27 @@
 // fast this machine runs them, next to one core's memcpy (issue 27's bound).
 //
 //   cc -O3 -o /tmp/memory_patterns benchmarks/allreduce/memory_patterns.c
-//   /tmp/memory_patterns [MiB=64] [reps=15]
+//   /tmp/memory_patterns [size=64] [reps=15]      size: MiB, or KiB as 64K
 //
 // Two processes, pinned to cpus 0 and 1, share every buffer (MAP_SHARED).
 // Each rank's tensor is S bytes of float32. The patterns, timed from a
 // barrier to a barrier (the slower rank's time), interleaved rep by rep, the
-// median printed:
+// median printed. A rep of a tensor under 1 MiB is 1 MiB / S calls back to
+// back (as the study times small sizes), its time per call printed; the
+// patterns that wait for nobody (memcpy_alone, inplace_both, cma_alone)
+// then repeat in cache.
+//   handshake      a barrier alone: the round trip between the two cores
+//                  that every 2-rank all-reduce pays at least once
 //   memcpy_alone   rank 0 copies its tensor to private memory, rank 1 waits
 //   inplace_both   both ranks x += x over their tensors at once: each rank
 //                  reads and writes its tensor once, the least any
 //                  in-place all-reduce does per rank
-//   symmetric      pycomm's symmetric path: rank r reduces half r from both
-//                  tensors, storing each sum to both (one pass)
+//   symmetric      pycomm's symmetric path: barrier (both tensors are
+//                  ready), rank r reduces half r from both tensors, storing
+//                  each sum to both (one pass), barrier
 //   staged         pycomm's staged one-shot (csrc/core/direct.cc): per
-//                  256 KiB piece, copy it into a shared buffer (4 rotate),
-//                  barrier, x += the peer's copy
+//                  piece of up to 256 KiB, copy it into a shared buffer (4
+//                  rotate, across calls too), barrier, x += the peer's copy
 //   staged_local   the same, each rank reading its own copy: what staged
 //                  would take if reading lines another core just wrote
 //                  cost nothing more than reading one's own
@@ -45,6 +51,7 @@
 enum { kPiece = 256 * 1024, kBuffers = 4, kMaxReps = 64 };
 
 static size_t S;
+static size_t piece;  // staged's and cma's: kPiece, or S if smaller
 static int me;
 static long epoch;
 static _Atomic long* arrived;  // [2]
@@ -84,6 +91,7 @@ __attribute__((target("avx2"))) static void add_to_two(float* d0, float* d1, con
   }
 }
 
+static void handshake(void) { barrier(); }
 static void memcpy_alone(void) {
   if (me == 0) memcpy(priv, tensor[0], S);
 }
@@ -95,14 +103,17 @@ static void symmetric(void) {
   const size_t half = S / 2, off = me * half;
   float* a = (float*)(tensor[0] + off);
   float* b = (float*)(tensor[1] + off);
+  barrier();
   add_to_two(a, b, a, b, half / 4);
+  barrier();
 }
 static void staged_from(int peer_of_me) {
-  for (size_t o = 0, w = 0; o < S; o += kPiece, w = (w + 1) % kBuffers) {
-    memcpy(stage[me] + w * kPiece, tensor[me] + o, kPiece);
+  static size_t w;  // the buffer to stage in next: rotates across calls as in pycomm
+  for (size_t o = 0; o < S; o += piece, w = (w + 1) % kBuffers) {
+    memcpy(stage[me] + w * kPiece, tensor[me] + o, piece);
     barrier();
     float* x = (float*)(tensor[me] + o);
-    add(x, x, (const float*)(stage[peer_of_me] + w * kPiece), kPiece / 4);
+    add(x, x, (const float*)(stage[peer_of_me] + w * kPiece), piece / 4);
   }
 }
 static void staged(void) { staged_from(1 - me); }
@@ -120,10 +131,11 @@ static void cma_alone(void) {
 }
 static void cma(void) {
   const size_t half = S / 2, mine = me * half, theirs = (1 - me) * half;
-  for (size_t o = 0; o < half; o += kPiece) {
-    read_peer(priv, tensor[1 - me] + mine + o, kPiece);
+  for (size_t o = 0; o < half; o += piece) {
+    const size_t n = half - o < piece ? half - o : piece;
+    read_peer(priv, tensor[1 - me] + mine + o, n);
     float* x = (float*)(tensor[me] + mine + o);
-    add(x, x, (const float*)priv, kPiece / 4);
+    add(x, x, (const float*)priv, n / 4);
   }
   barrier();
   read_peer(tensor[me] + theirs, tensor[1 - me] + theirs, half);
@@ -132,7 +144,8 @@ static void cma(void) {
 static const struct {
   const char* name;
   void (*run)(void);
-} kPatterns[] = {{"memcpy_alone", memcpy_alone}, {"inplace_both", inplace_both},
+} kPatterns[] = {{"handshake", handshake},       {"memcpy_alone", memcpy_alone},
+                 {"inplace_both", inplace_both},
                  {"symmetric", symmetric},       {"staged", staged},
                  {"staged_local", staged_local}, {"cma_alone", cma_alone},
                  {"cma", cma}};
@@ -150,13 +163,17 @@ static double now(void) {
 }
 
 int main(int argc, char** argv) {
-  const size_t mib = argc > 1 ? strtoul(argv[1], NULL, 10) : 64;
+  char* unit = "";
+  const size_t n = argc > 1 ? strtoul(argv[1], &unit, 10) : 64;
   const int reps = argc > 2 ? atoi(argv[2]) : 15;
-  S = mib << 20;
-  if (mib == 0 || reps < 1 || reps > kMaxReps) {
-    fprintf(stderr, "usage: %s [MiB >= 1] [reps <= %d]\n", argv[0], kMaxReps);
+  S = strcmp(unit, "K") == 0 ? n << 10 : n << 20;
+  if (n == 0 || (*unit && strcmp(unit, "K") != 0) || S % 4096 || reps < 1 || reps > kMaxReps) {
+    fprintf(stderr, "usage: %s [MiB >= 1, or KiB as 4K, 8K, ...] [reps <= %d]\n", argv[0],
+            kMaxReps);
     return 2;
   }
+  piece = S < kPiece ? S : kPiece;
+  const int calls = S < (1 << 20) ? (1 << 20) / S : 1;  // per rep
   arrived = shared(2 * sizeof(long));
   times = shared(2 * sizeof(*times));
   for (int r = 0; r < 2; ++r) {
@@ -176,25 +193,29 @@ int main(int argc, char** argv) {
     for (int p = 0; p < kNumPatterns; ++p) {
       barrier();
       const double t0 = now();
-      kPatterns[p].run();
+      for (int c = 0; c < calls; ++c) kPatterns[p].run();
       barrier();
-      times[me][p][it] = now() - t0;
+      times[me][p][it] = (now() - t0) / calls;
     }
   }
   if (me == 1) return 0;
   waitpid(child, NULL, 0);
-  double base = 0;
-  printf("# %zu MiB per rank, 2 ranks, median of %d reps (slower rank)\n", mib, reps);
-  printf("%-14s %10s %10s %14s\n", "pattern", "us", "GB/s", "memcpy_alone/t");
+  double med[kNumPatterns], base = 0;
   for (int p = 0; p < kNumPatterns; ++p) {
     double t[kMaxReps];
     for (int it = 0; it < reps; ++it) {
       t[it] = times[0][p][it] > times[1][p][it] ? times[0][p][it] : times[1][p][it];
     }
     qsort(t, reps, sizeof(double), by_value);
-    const double med = t[reps / 2];
-    if (p == 0) base = med;
-    printf("%-14s %10.0f %10.2f %14.2f\n", kPatterns[p].name, med * 1e6, S / med / 1e9, base / med);
+    med[p] = t[reps / 2];
+    if (kPatterns[p].run == memcpy_alone) base = med[p];
+  }
+  printf("# %zu KiB per rank, 2 ranks, median of %d reps of %d calls (slower rank)\n", S >> 10,
+         reps, calls);
+  printf("%-14s %10s %10s %14s\n", "pattern", "us", "GB/s", "memcpy_alone/t");
+  for (int p = 0; p < kNumPatterns; ++p) {
+    printf("%-14s %10.2f %10.2f %14.2f\n", kPatterns[p].name, med[p] * 1e6, S / med[p] / 1e9,
+           base / med[p]);
   }
   return 0;
 }

@@ -19,6 +19,14 @@ constexpr size_t kTwoShotMinBytes = 64 * 1024;
 // gets this high.
 constexpr uint64_t kRegisterTag = ~uint64_t{0};
 
+// Marks a region's first-arrival tag (region id | kUnstaged): that rank did
+// not stage piece 0. When every rank passes the region nobody reads a staged
+// copy (symmetric_all_reduce reads the tensors), and at small sizes the copy
+// (and the lines of the peer's half it pulls across cores) was most of the
+// call. Bit 62 (kAddressTag) is clear in such a tag, set in kRegisterTag.
+constexpr uint64_t kUnstaged = uint64_t{1} << 61;
+bool is_unstaged(uint64_t tag) { return (tag & (kAddressTag | kUnstaged)) == kUnstaged; }
+
 // With PYCOMM_SHM_CMA=1, plain (not registered) tensors of at least this
 // many bytes are reduced by reading the peers' copies
 // (cross_memory_all_reduce) where the ranks can; smaller ones stage, which
@@ -57,7 +65,7 @@ void reduce_all(Reducer& red, char* out, Src src, int n, size_t m, DType dtype, 
 // staged one-shot, and in one pass (reduce_to_all). Nobody reads a chunk's
 // inputs but its owner, so the owner may overwrite them as it goes.
 void symmetric_all_reduce(SharedBuffers& sb, Reducer& red, const SymmetricRegion& sym, int which,
-                          int n, int me, size_t count, DType dtype, ReduceOp op) {
+                          uint64_t tag, int n, int me, size_t count, DType dtype, ReduceOp op) {
   const size_t es = dtype_size(dtype);
   // Pieces keep the partial results in cache; 2 ranks have none.
   const size_t per = n == 2 ? count : std::max<size_t>(1, sb.capacity() / es);
@@ -74,24 +82,38 @@ void symmetric_all_reduce(SharedBuffers& sb, Reducer& red, const SymmetricRegion
   }
   // The same buffer and tag as the first arrival: a slower peer may not have
   // read this rank's tag yet.
-  sb.arrive_and_wait(sb.next_epoch(), which, sym.id());
+  sb.arrive_and_wait(sb.next_epoch(), which, tag);
 }
 
-// The first arrival of an all-reduce that negotiates (a region or a registration):
-// stages piece 0 (`bytes` of `data`) in a buffer of its own and arrives with
-// `tag` (a region's id, equal on every rank that allocated it together, or
-// kRegisterTag). All ranks read the same n tags, so they all decide alike.
+// Piece 0's first arrival of every all-reduce, which carries the
+// negotiation (a region, a registration, reading the peers' copies, or
+// neither): stages piece 0 (`bytes` of `data`) in a buffer of its own, unless
+// `tag` is a region's unstaged tag, and arrives with `tag` (a region's is
+// equal on every rank that allocated it together). All ranks read the same n
+// tags, so they all decide alike. If some rank arrived unstaged while not
+// every rank passed its region, every rank will stage: the unstaged ones copy
+// piece 0 now and all arrive again, at the same buffer with the same tags
+// (transport.h allows it), before anyone reads a staged piece.
 struct FirstArrival {
-  int which;      // the buffer piece 0 is staged in
+  int which;      // the buffer piece 0 is staged in (if not `everyone`)
   bool everyone;  // every rank's tag is `tag`
 };
 FirstArrival arrive_first(SharedBuffers& sb, Reducer& red, int n, const void* data, size_t bytes,
                           uint64_t tag) {
   const int which = sb.next_buffer();
-  red.copy(sb.local(which), data, bytes);
+  const bool staged = !is_unstaged(tag);
+  if (staged) red.copy(sb.local(which), data, bytes);
   sb.arrive_and_wait(sb.next_epoch(), which, tag);
-  bool all = true;
-  for (int r = 0; r < n && all; ++r) all = sb.tag(r, which) == tag;
+  bool all = true, some_unstaged = false;
+  for (int r = 0; r < n; ++r) {
+    const uint64_t t = sb.tag(r, which);
+    all = all && t == tag;
+    some_unstaged = some_unstaged || is_unstaged(t);
+  }
+  if (!all && some_unstaged) {
+    if (!staged) red.copy(sb.local(which), data, bytes);
+    sb.arrive_and_wait(sb.next_epoch(), which, tag);
+  }
   return {which, all};
 }
 
@@ -135,7 +157,7 @@ void reduce_piece(SharedBuffers& sb, Reducer& red, int n, int me, char* dst, siz
 
 // The staged all-reduce: piece by piece, copy into a shared buffer, arrive,
 // reduce. `first`: piece 0 is staged and arrived already (by the
-// negotiation, with tag `tag`), or nullptr.
+// negotiation, with tag `tag`), or nullptr: piece 0 arrives here, with `tag`.
 void staged_all_reduce(SharedBuffers& sb, Reducer& red, int n, int me, char* base, size_t count,
                        DType dtype, ReduceOp op, const FirstArrival* first, uint64_t tag) {
   const size_t es = dtype_size(dtype);
@@ -143,8 +165,11 @@ void staged_all_reduce(SharedBuffers& sb, Reducer& red, int n, int me, char* bas
   for (size_t begin = 0; begin < count; begin += per) {
     const size_t m = std::min(per, count - begin);
     char* dst = base + begin * es;
-    if (begin == 0 && first != nullptr) {
-      reduce_piece(sb, red, n, me, dst, m, dtype, op, first->which, tag);
+    if (begin == 0) {
+      // A plain all-reduce's piece 0 negotiates too (tag 0): a peer may pass
+      // a region and not have staged it (arrive_first).
+      const FirstArrival a = first ? *first : arrive_first(sb, red, n, dst, m * es, tag);
+      reduce_piece(sb, red, n, me, dst, m, dtype, op, a.which, tag);
       continue;
     }
     const int which = sb.next_buffer();
@@ -247,12 +272,13 @@ DirectPath from_region(SharedBuffers& sb, Reducer& red, int n, int me,
                        ReduceOp op) {
   const size_t es = dtype_size(dtype);
   const size_t first_bytes = std::min(std::max<size_t>(1, sb.capacity() / es), count) * es;
-  const FirstArrival a = arrive_first(sb, red, n, data, first_bytes, region.id());
+  const uint64_t tag = region.id() | kUnstaged;
+  const FirstArrival a = arrive_first(sb, red, n, data, first_bytes, tag);
   if (a.everyone) {
-    symmetric_all_reduce(sb, red, region, a.which, n, me, count, dtype, op);
+    symmetric_all_reduce(sb, red, region, a.which, tag, n, me, count, dtype, op);
     return DirectPath::kSymmetric;
   }
-  staged_all_reduce(sb, red, n, me, static_cast<char*>(data), count, dtype, op, &a, region.id());
+  staged_all_reduce(sb, red, n, me, static_cast<char*>(data), count, dtype, op, &a, tag);
   return DirectPath::kStaged;
 }
 
