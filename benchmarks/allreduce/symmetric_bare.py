@@ -20,7 +20,8 @@ Why: on a shared VM the memory bandwidth that two busy cores get moves
 between states that last seconds to minutes, so figures taken minutes apart,
 or in another program, compare the states rather than the code. Timed in
 the same rounds, ``pycomm / bare`` is what pycomm adds to its own loop (the
-handshake, the staging of the first piece, the binding), whatever the state.
+handshake and the binding; before 2cf37be also the staging of the first
+piece), whatever the state.
 Each series is checked once for the right sum before timing.
 """
 
