@@ -135,6 +135,15 @@ def _mixed(comm):
         comm.all_reduce(d, op="avg", register=True)
     assert torch.all((a if r == 0 else d) == expect), (a if r == 0 else d)[:3]
     assert d.data_ptr() == where and comm.symmetric_all_reduces == before
+    # Two regions of this communicator, rank 0 passing one and the others the
+    # other: both arrive unstaged with different tags, so all stage.
+    e = torch.zeros(300_000)
+    assert comm.register_tensor(e)
+    a.fill_(float(r + 1))
+    e.fill_(float(r + 1))
+    comm.all_reduce(a if r == 0 else e, op="avg")
+    assert torch.all((a if r == 0 else e) == expect), (a if r == 0 else e)[:3]
+    assert comm.symmetric_all_reduces == before
     # Two communicators over the same ranks, each with its region number 1 of
     # the same size: rank 0 passes `comm`'s, the others `other`'s. Were the
     # region not checked to be `comm`'s own, the tags would match and rank 0

@@ -15,8 +15,8 @@ namespace {
 constexpr size_t kTwoShotMinBytes = 64 * 1024;
 
 // First-arrival tag of a rank that asks to register its data (move it into
-// symmetric memory, `registration`); a region's tag is its id, which never
-// gets this high.
+// symmetric memory, `registration`); a region's tag is its id (| kUnstaged,
+// below), which never gets this high.
 constexpr uint64_t kRegisterTag = ~uint64_t{0};
 
 // Marks a region's first-arrival tag (region id | kUnstaged): that rank did
@@ -95,7 +95,7 @@ void symmetric_all_reduce(SharedBuffers& sb, Reducer& red, const SymmetricRegion
 // piece 0 now and all arrive again, at the same buffer with the same tags
 // (transport.h allows it), before anyone reads a staged piece.
 struct FirstArrival {
-  int which;      // the buffer piece 0 is staged in (if not `everyone`)
+  int which;      // piece 0's buffer (staged unless every tag is unstaged)
   bool everyone;  // every rank's tag is `tag`
 };
 FirstArrival arrive_first(SharedBuffers& sb, Reducer& red, int n, const void* data, size_t bytes,
@@ -166,8 +166,9 @@ void staged_all_reduce(SharedBuffers& sb, Reducer& red, int n, int me, char* bas
     const size_t m = std::min(per, count - begin);
     char* dst = base + begin * es;
     if (begin == 0) {
-      // A plain all-reduce's piece 0 negotiates too (tag 0): a peer may pass
-      // a region and not have staged it (arrive_first).
+      // Piece 0 arrives through arrive_first even without a negotiation of
+      // its own (a plain all-reduce: tag 0; a start-over): a peer may pass a
+      // region and not have staged it.
       const FirstArrival a = first ? *first : arrive_first(sb, red, n, dst, m * es, tag);
       reduce_piece(sb, red, n, me, dst, m, dtype, op, a.which, tag);
       continue;
@@ -194,9 +195,10 @@ bool asks_cross_memory(const SharedBuffers& sb, size_t bytes) {
 // copies with process_vm_readv (cross_memory.h): symmetric_all_reduce's
 // pattern, with the kernel's single copy where that one maps peers' memory.
 //   1. Piece 0's first arrival (arrive_first) publishes each rank's address
-//      as its tag, and stages piece 0 as the staged path does: a rank that
-//      does not ask (another path, another PYCOMM_SHM_CMA) stages, and then
-//      so does every rank, from piece 0. The first time every rank asks,
+//      as its tag, and stages piece 0 as the staged path does: if a rank
+//      does not ask (another path, another PYCOMM_SHM_CMA), every rank
+//      stages from piece 0 (a region's rank after arrive_first's second
+//      arrival). The first time every rank asks,
 //      they all probe (probe_cross_memory) and, if it fails, start over
 //      staged.
 //   2. Rank r reduces chunk r of the tensor, piece by piece: it reads the

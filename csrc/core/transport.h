@@ -114,7 +114,7 @@ class SharedBuffers {
   // publishes the current op header (Transport::begin_op) next to it and
   // throws CommError, naming what differs, if a peer's op differs. `tag` is
   // published with it, for the peers to read with tag(r, which) once they
-  // have arrived too (direct_all_reduce: the symmetric region, or 0). A rank
+  // have arrived too (direct.cc: what piece 0's first arrival negotiates). A rank
   // may arrive again at `which` before a slow peer read the tag, so every
   // arrival of one piece at one buffer publishes the same tag; and a piece's
   // tags must be read before arriving for the next piece (next_buffer()),
