@@ -157,3 +157,25 @@ def test_socket_bound_runs(tmp_path):
     series = [k for k in data if k.endswith("_s")]
     assert len(series) == 9 and all(len(data[k]) == 2 for k in series), series
     assert set(data["cpu_busy"]) == set(series)
+
+
+@pytest.mark.slow
+def test_gloo_duplex_runs(tmp_path):
+    """benchmarks/hosts/gloo_duplex.py: every series measured between 2
+    shaped simulated hosts, its JSON written (a smoke run; benchmarks
+    measure, tests only check they run); a bad rate fails at parsing."""
+    script = os.path.join(_ROOT, "benchmarks", "hosts", "gloo_duplex.py")
+    out = tmp_path / "duplex.json"
+    res = subprocess.run([sys.executable, script, "--link-rate", "1gbit", "--mib", "1",
+                          "--reps", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "PYTHONPATH": _ROOT})
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+    data = json.loads(out.read_text())
+    assert set(data["median_ms"]) == {"one way", "gloo all_reduce", "both ways, 1 message(s)",
+                                      "both ways, 4 message(s)", "both ways, 16 message(s)"}
+    assert all(t > 0 for t in data["median_ms"].values()) and data["link_ms"] > 0
+    bad = subprocess.run([sys.executable, script, "--link-rate", "fast"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "link rate" in bad.stderr
