@@ -62,7 +62,10 @@ for step in range(args.steps):
 diff = max((a - b).abs().max().item() for a, b in zip(plain.parameters(), compressed.parameters()))
 flat = torch.cat([p.detach().reshape(-1) for p in compressed.parameters()])
 highest = flat.clone()
-dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+# Over pycomm, not the gloo group: torch DDP keeps that group's threads alive
+# past destroy_process_group, and one that dropped this tensor only at
+# interpreter exit would abort the process (pytorch/pytorch#190489).
+comm.all_reduce(highest, op=pycomm.ReduceOp.MAX)
 print(f"rank {rank}/{world} {args.wire} (error feedback {state.error_feedback}) [{comm.transport}] "
       f"last loss {losses[1]:.4f} (plain DDP {losses[0]:.4f}), "
       f"max |param - plain DDP's| = {diff:.2e}, ranks identical: {torch.equal(highest, flat)}",
