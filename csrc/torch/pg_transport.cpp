@@ -3,28 +3,24 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
 namespace pycomm {
 
 namespace {
-constexpr int kTagBase = 0x7c0;  // header tag = base + lane; gloo matches per (peer, tag) in order
-constexpr int kPayloadTagBase = 0x10000;  // + (index mod 2^20) * lanes + lane
+// + ((index mod 2^20) * kMaxPieces + piece) * lanes + lane: below 2^26
+constexpr int kPayloadTagBase = 0x10000;
 constexpr uint32_t kPayloadIndices = 1u << 20;
-// Lanes: kCollective, kUser (user p2p with tag 0), kTagged (other tags).
-constexpr int kTagged = 2;
-constexpr int kLanes = 3;
-constexpr uint64_t kAbortSeq = ~uint64_t{0};  // an abort header: its inline bytes are the reason
-// Every message starts with a frame of this fixed size: the header, then the
-// payload itself when it fits (one message, its receive posted in advance,
-// so small messages cost no extra round trip), else the payload follows on
-// its own tag, received once the header checked out.
-constexpr size_t kFrameBytes = 4096;
-constexpr auto kAbortNotice = std::chrono::milliseconds(200);  // broadcast_abort's patience
-constexpr auto kAbortPoll = std::chrono::milliseconds(200);    // the store watcher's period
+// A large payload travels as up to kMaxPieces gloo messages, of at least
+// kPieceMin bytes each, all posted together. One gloo message each way at
+// once between two ranks moves at about half duplex (the two directions
+// mostly one after the other), several interleave: benchmarks/hosts/README.md
+// ("One gloo message each way at once").
+constexpr uint32_t kMaxPieces = 16;
+constexpr size_t kPieceMin = size_t{256} << 10;
 constexpr auto kBlockedSlice = std::chrono::microseconds(20);  // wait_work's polling period
-const char* const kAbortKey = "abort";  // in the communicator's store: the first failure's reason
 
 at::Tensor bytes_of(void* p, size_t n) {
   return at::from_blob(p, {static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte));
@@ -36,70 +32,36 @@ std::string describe(int kind, int peer, int tag = 0) {
          (tag != 0 ? " with tag " + std::to_string(tag) : std::string());
 }
 
-at::Tensor new_frame() {
+// PYCOMM_GLOO_PIECES (1 to kMaxPieces; default kMaxPieces): the most pieces a
+// payload is sent in (1: one message, as before pieces). The receiver takes
+// the sender's count from the header, so ranks need not agree on it.
+uint32_t max_pieces_from_env() {
+  const char* v = std::getenv("PYCOMM_GLOO_PIECES");
+  if (v == nullptr || *v == '\0') return kMaxPieces;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < 1 || n > static_cast<long>(kMaxPieces)) {
+    throw UsageError(
+        cat("PYCOMM_GLOO_PIECES=", v, ": expected a whole number from 1 to ", kMaxPieces));
+  }
+  return static_cast<uint32_t>(n);
+}
+
+}  // namespace
+
+at::Tensor ProcessGroupTransport::new_frame() {
   return at::empty({static_cast<int64_t>(kFrameBytes)}, at::TensorOptions().dtype(at::kByte));
 }
-}  // namespace
 
 ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> backend,
                                              c10::intrusive_ptr<c10d::Store> store)
     : store_(std::move(store)),
       backend_(std::move(backend)),
       rank_(backend_->getRank()),
-      size_(backend_->getSize()) {
+      size_(backend_->getSize()),
+      max_pieces_(max_pieces_from_env()) {
   sent_.assign(static_cast<size_t>(size_) * kLanes, 0);
   if (store_) watch_store(store_);
-}
-
-void ProcessGroupTransport::watch_store(c10::intrusive_ptr<c10d::Store> store) {
-  watch_ = std::make_shared<AbortWatch>();
-  watch_->told = [this](const std::string& reason) { told(reason); };
-  std::thread([w = watch_, store = std::move(store)] {
-    std::unique_lock<std::mutex> lk(w->mu);
-    while (!w->cv.wait_for(lk, kAbortPoll, [&] { return w->stop; })) {
-      lk.unlock();
-      std::string reason;
-      try {
-        if (store->check({kAbortKey})) {
-          const std::vector<uint8_t> v = store->get(kAbortKey);
-          reason.assign(v.begin(), v.end());
-        }
-      } catch (const std::exception&) {
-        return;  // the store is gone: nothing more can come through it
-      }
-      lk.lock();
-      if (!reason.empty()) {
-        if (!w->stop && w->told) w->told(reason);
-        return;
-      }
-    }
-  }).detach();
-}
-
-void ProcessGroupTransport::stop_watching() {
-  if (!watch_) return;
-  std::lock_guard<std::mutex> lk(watch_->mu);  // waits for a told() under way
-  watch_->stop = true;
-  watch_->told = nullptr;
-  watch_->cv.notify_all();
-}
-
-void ProcessGroupTransport::told(const std::string& reason) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (aborted_ || rank_of_abort_ >= 0) return;  // this rank failed first, or was told
-    rank_of_abort_ = size_;  // no abort frames from here: every peer reads the store
-  }
-  {
-    std::lock_guard<std::mutex> lk(told_mu_);
-    told_reason_ = reason;
-  }
-  abort();
-}
-
-std::string ProcessGroupTransport::with_told_reason(const std::string& msg) {
-  std::lock_guard<std::mutex> lk(told_mu_);
-  return told_reason_.empty() ? msg : told_reason_ + " (on this rank: " + msg + ")";
 }
 
 ProcessGroupTransport::~ProcessGroupTransport() {
@@ -113,8 +75,31 @@ ProcessGroupTransport::~ProcessGroupTransport() {
   pending_.clear();
 }
 
-int ProcessGroupTransport::payload_tag(int lane, uint32_t index) const {
-  return kPayloadTagBase + static_cast<int>(index % kPayloadIndices) * kLanes + lane;
+int ProcessGroupTransport::payload_tag(int lane, uint32_t index, uint32_t piece) const {
+  const uint32_t slot = (index % kPayloadIndices) * kMaxPieces + piece;
+  return kPayloadTagBase + static_cast<int>(slot) * kLanes + lane;
+}
+
+uint32_t ProcessGroupTransport::pieces_for(size_t bytes) const {
+  return static_cast<uint32_t>(
+      std::clamp<size_t>(bytes / kPieceMin, 1, static_cast<size_t>(max_pieces_)));
+}
+
+std::vector<c10::intrusive_ptr<c10d::Work>> ProcessGroupTransport::post_payload(
+    int kind, void* buf, size_t bytes, int peer, int lane, uint32_t index, uint32_t pieces) {
+  // Piece k: bytes [k * bytes / pieces, (k + 1) * bytes / pieces), the same
+  // split on both sides (the receiver has bytes and pieces from the header).
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  works.reserve(pieces);
+  for (uint32_t k = 0; k < pieces; ++k) {
+    const size_t begin = bytes * k / pieces;
+    const size_t end = bytes * (k + 1) / pieces;
+    std::vector<at::Tensor> t{bytes_of(static_cast<char*>(buf) + begin, end - begin)};
+    const int tag = payload_tag(lane, index, k);
+    works.push_back(kind == P2POp::kSend ? backend_->send(t, peer, tag)
+                                         : backend_->recv(t, peer, tag));
+  }
+  return works;
 }
 
 Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
@@ -147,16 +132,17 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
       if (op.kind == P2POp::kSend) {
         m.index = sent_[static_cast<size_t>(op.peer) * kLanes + m.lane]++;
         m.wire = new_frame();
+        const uint32_t pieces = op.bytes > kInline ? pieces_for(op.bytes) : 0;
         *reinterpret_cast<Wire*>(m.wire.data_ptr()) =
-            Wire{op.bytes, m.hdr.seq, m.hdr.count, m.hdr.packed(), m.index, m.tag};
+            Wire{op.bytes, m.hdr.seq, m.hdr.count, m.hdr.packed(), m.index, m.tag, pieces};
         if (op.bytes <= kInline) {
           std::memcpy(static_cast<char*>(m.wire.data_ptr()) + sizeof(Wire), op.buf, op.bytes);
         }
         std::vector<at::Tensor> w{m.wire};
         m.header_work = backend_->send(w, op.peer, kTagBase + m.lane);
         if (op.bytes > kInline) {
-          std::vector<at::Tensor> t{bytes_of(op.buf, op.bytes)};
-          m.payload_work = backend_->send(t, op.peer, payload_tag(m.lane, m.index));
+          m.payload_works =
+              post_payload(P2POp::kSend, op.buf, op.bytes, op.peer, m.lane, m.index, pieces);
         }
       } else if (m.lane == kTagged) {
         // Matched by take_tagged, in this order among the waiting receives.
@@ -207,13 +193,20 @@ void ProcessGroupTransport::accept_header(Message& m) {
   // On a mismatch, take the payload into scratch memory first (its sender
   // then completes and learns the reason at its next receive from this
   // rank), then tell every peer and raise.
+  const auto index = static_cast<uint32_t>(w.index);
   auto reject = [&](const std::string& msg) {
-    if (w.bytes > kInline && w.bytes <= (uint64_t{1} << 32)) {
+    if (w.bytes > kInline && w.bytes <= (uint64_t{1} << 32) && w.pieces >= 1 &&
+        w.pieces <= kMaxPieces) {
       try {
-        std::vector<at::Tensor> t{
-            at::empty({static_cast<int64_t>(w.bytes)}, at::TensorOptions().dtype(at::kByte))};
-        backend_->recv(t, m.peer, payload_tag(m.lane, static_cast<uint32_t>(w.index)))
-            ->wait(kAbortNotice);
+        at::Tensor scratch =
+            at::empty({static_cast<int64_t>(w.bytes)}, at::TensorOptions().dtype(at::kByte));
+        const auto deadline = std::chrono::steady_clock::now() + kAbortNotice;
+        for (auto& work : post_payload(P2POp::kRecv, scratch.data_ptr(), w.bytes, m.peer, m.lane,
+                                       index, w.pieces)) {
+          work->wait(std::max(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                  deadline - std::chrono::steady_clock::now()),
+                              std::chrono::milliseconds(1)));
+        }
       } catch (const std::exception&) {
       }
     }
@@ -234,9 +227,13 @@ void ProcessGroupTransport::accept_header(Message& m) {
   }
   if (m.bytes <= kInline) {
     std::memcpy(m.buf, inline_bytes, m.bytes);
+  } else if (w.pieces < 1 || w.pieces > kMaxPieces) {
+    reject(cat("gloo transport: rank ", m.peer, " announced a payload in ", w.pieces,
+               " pieces (1 to ", kMaxPieces,
+               " expected): a corrupt header or another "
+               "pycomm version"));
   } else {
-    std::vector<at::Tensor> t{bytes_of(m.buf, m.bytes)};
-    m.payload_work = backend_->recv(t, m.peer, payload_tag(m.lane, static_cast<uint32_t>(w.index)));
+    m.payload_works = post_payload(P2POp::kRecv, m.buf, m.bytes, m.peer, m.lane, index, w.pieces);
   }
 }
 
@@ -311,69 +308,6 @@ void ProcessGroupTransport::take_tagged(Message& m,
   m.wire = want.frame;
 }
 
-void ProcessGroupTransport::broadcast_abort(const std::string& reason) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (rank_of_abort_ >= 0) return;  // once
-    rank_of_abort_ = rank_;
-  }
-  // Through the store, for the peers blocked where no frame reaches them (a
-  // send); the first failure's reason stays (a relayed one names its origin).
-  if (store_) {
-    try {
-      if (!store_->check({kAbortKey})) {
-        const std::string told =
-            "rank " + std::to_string(rank_) + " aborted the communicator: " + reason;
-        store_->set(kAbortKey, std::vector<uint8_t>(told.begin(), told.end()));
-      }
-    } catch (const std::exception&) {
-      // the store is gone: the frames below are all that is left
-    }
-  }
-  // Peers blocked on a header from this rank get this one instead. Headers
-  // and payload tags continue this rank's message counts, so they pair with
-  // the receives the peers posted.
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  std::vector<at::Tensor> keep;
-  std::unique_lock<std::mutex> lk(mu_);  // sent_ is shared with post()
-  for (int r = 0; r < size_; ++r) {
-    if (r == rank_) continue;
-    for (int lane = 0; lane < kLanes; ++lane) {
-      const uint32_t index = sent_[static_cast<size_t>(r) * kLanes + lane]++;
-      at::Tensor wire =
-          at::zeros({static_cast<int64_t>(kFrameBytes)}, at::TensorOptions().dtype(at::kByte));
-      const size_t n = std::min(reason.size(), kInline);
-      *reinterpret_cast<Wire*>(wire.data_ptr()) = Wire{n, kAbortSeq, 0, 0, index, 0};
-      std::memcpy(static_cast<char*>(wire.data_ptr()) + sizeof(Wire), reason.data(), n);
-      std::vector<at::Tensor> w{wire};
-      try {
-        works.push_back(backend_->send(w, r, kTagBase + lane));
-        keep.push_back(wire);
-      } catch (const std::exception&) {
-        // A send to a dead peer may throw at once (gloo: a pair in error
-        // refuses). The peers after it must still be told: one that waits
-        // for this rank would otherwise wait out the whole timeout.
-        break;  // the next lanes to this peer would fail alike
-      }
-    }
-  }
-  lk.unlock();
-  // Delivered only to peers that wait for this rank; don't wait for others.
-  const auto deadline = std::chrono::steady_clock::now() + kAbortNotice;
-  for (auto& w : works) {
-    try {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      w->wait(std::max(left, std::chrono::milliseconds(1)));
-    } catch (const std::exception&) {
-      try {
-        w->abort();
-      } catch (...) {
-      }
-    }
-  }
-}
-
 void ProcessGroupTransport::wait_work(c10d::Work& w,
                                       std::chrono::steady_clock::time_point deadline) {
   while (while_blocked_ && !w.isCompleted() && std::chrono::steady_clock::now() < deadline &&
@@ -402,9 +336,9 @@ void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeo
                    "root?)");
       }
       for (auto& o : p.msgs) {
-        for (auto* x : {&o.header_work, &o.payload_work}) {
-          if (*x && x != &w) (*x)->abort();
-        }
+        o.for_each_work([&](c10::intrusive_ptr<c10d::Work>& x) {
+          if (x && &x != &w) x->abort();
+        });
       }
       throw CommError(with_told_reason(msg));
     }
@@ -424,7 +358,7 @@ void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeo
   }
   for (auto& m : p.msgs) {
     if (m.kind == P2POp::kSend) wait_one(m, m.header_work, "header");
-    wait_one(m, m.payload_work, "payload");
+    for (auto& piece : m.payload_works) wait_one(m, piece, "payload");
   }
 }
 
@@ -473,36 +407,6 @@ bool ProcessGroupTransport::test(Handle h) {
   if (p.waiter.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
   wait(h);  // consumes the handle, rethrows the waiter's error
   return true;
-}
-
-void ProcessGroupTransport::abort_because(const std::string& why) {
-  broadcast_abort(why);
-  abort();
-}
-
-void ProcessGroupTransport::abort() {
-  // Any thread. Wakes every blocked wait (they then throw); the entries stay
-  // until their wait() or the destructor erases them.
-  std::lock_guard<std::mutex> lk(mu_);
-  aborted_ = true;
-  {
-    std::lock_guard<std::mutex> match(match_mu_);
-    try {
-      if (pull_work_) pull_work_->abort();
-    } catch (...) {
-    }
-  }
-  match_cv_.notify_all();
-  for (auto& kv : pending_) {
-    for (auto& m : kv.second.msgs) {
-      for (auto* w : {&m.header_work, &m.payload_work}) {
-        try {
-          if (*w) (*w)->abort();
-        } catch (...) {
-        }
-      }
-    }
-  }
 }
 
 }  // namespace pycomm

@@ -4,10 +4,12 @@
 //
 // Every message is a fixed 4 KiB frame on the header tag of its lane: a
 // 48-byte header {bytes, op seq, op count, op packed (op_header.h), index,
-// user tag}, then the payload itself when it fits. A larger payload follows
-// on a tag of its own (the sender's index: k-th message to that peer on that
-// lane), and the receiver posts its receive only once the header says the
-// sizes and (on the collective channel) the op match.
+// user tag, pieces}, then the payload itself when it fits. A larger payload
+// follows in pieces (up to 16 gloo messages posted together: one message
+// each way between two ranks moves at about half duplex), each on a tag of
+// its own (the sender's index: k-th message to that peer on that lane, and
+// the piece), and the receiver posts its receives only once the header says
+// the sizes and (on the collective channel) the op match.
 //
 // Lanes: collectives; user p2p with tag 0; user p2p with other tags. On the
 // first two, gloo pairs the header frames per (peer, tag) in posting order,
@@ -36,6 +38,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -72,6 +75,24 @@ class ProcessGroupTransport final : public Transport {
   void set_while_blocked(std::function<bool()> f) override { while_blocked_ = std::move(f); }
 
  private:
+  // Shared with pg_transport_failure.cpp.
+  static constexpr int kTagBase = 0x7c0;  // header tag = base + lane; gloo pairs per (peer, tag)
+  // Lanes: kCollective, kUser (user p2p with tag 0), kTagged (other tags).
+  static constexpr int kTagged = 2;
+  static constexpr int kLanes = 3;
+  static constexpr uint64_t kAbortSeq = ~uint64_t{0};  // an abort header: inline bytes = reason
+  // Every message starts with a frame of this fixed size: the header, then
+  // the payload itself when it fits (one message, its receive posted in
+  // advance, so small messages cost no extra round trip), else the payload
+  // follows on tags of its own, received once the header checked out.
+  static constexpr size_t kFrameBytes = 4096;
+  // broadcast_abort's patience, and the store watcher's period
+  static constexpr auto kAbortNotice = std::chrono::milliseconds(200);
+  static constexpr auto kAbortPoll = std::chrono::milliseconds(200);
+  // In the communicator's store: the first failure's reason.
+  static constexpr const char* kAbortKey = "abort";
+  // A frame of kFrameBytes, uninitialized.
+  static at::Tensor new_frame();
   // Waits for gloo work `w` until `deadline` (throwing its error or the
   // timeout); while while_blocked_ reports work pending elsewhere it polls
   // in short slices, driving it, instead of blocking inside gloo.
@@ -82,11 +103,12 @@ class ProcessGroupTransport final : public Transport {
     uint64_t seq;
     uint64_t count;
     uint64_t packed;
-    uint64_t index;  // the sender's message count on its lane to this peer
-    int64_t tag;     // user p2p
+    uint64_t index;   // the sender's message count on its lane to this peer
+    int64_t tag;      // user p2p
+    uint64_t pieces;  // gloo messages the payload follows in (0: inline)
   };
   // Payload bytes that travel inside the fixed-size first frame.
-  static constexpr size_t kInline = 4096 - sizeof(Wire);
+  static constexpr size_t kInline = kFrameBytes - sizeof(Wire);
   // A tagged receive waiting for its header frame (the tagged lane).
   struct Want {
     int peer;  // or kAnySource
@@ -109,7 +131,13 @@ class ProcessGroupTransport final : public Transport {
     at::Tensor wire;             // the header (sent, or received into)
     std::shared_ptr<Want> want;  // tagged receives
     c10::intrusive_ptr<c10d::Work> header_work;
-    c10::intrusive_ptr<c10d::Work> payload_work;  // receives: posted once the header checked out
+    // One per piece; receives: posted once the header checked out.
+    std::vector<c10::intrusive_ptr<c10d::Work>> payload_works;
+    template <typename F>
+    void for_each_work(F&& f) {
+      f(header_work);
+      for (auto& w : payload_works) f(w);
+    }
   };
   struct Pending {
     std::vector<Message> msgs;
@@ -134,7 +162,13 @@ class ProcessGroupTransport final : public Transport {
   // Best effort: tells every peer why this rank fails (an abort header and
   // the reason as its payload), waiting at most a moment for each.
   void broadcast_abort(const std::string& reason);
-  int payload_tag(int channel, uint32_t index) const;
+  int payload_tag(int lane, uint32_t index, uint32_t piece) const;
+  // How many pieces this rank sends a payload of `bytes` (> kInline) in.
+  uint32_t pieces_for(size_t bytes) const;
+  // Posts the sends or receives (`kind`) of a payload's `pieces`.
+  std::vector<c10::intrusive_ptr<c10d::Work>> post_payload(int kind, void* buf, size_t bytes,
+                                                           int peer, int lane, uint32_t index,
+                                                           uint32_t pieces);
   // The watcher of the store's abort key: a detached thread (a store call
   // may block up to the store's own timeout; closing must not wait for it)
   // that shares this state with the transport; `told` is cleared (under
@@ -159,6 +193,7 @@ class ProcessGroupTransport final : public Transport {
   c10::intrusive_ptr<c10d::Backend> backend_;
   int rank_;
   int size_;
+  uint32_t max_pieces_;  // PYCOMM_GLOO_PIECES
   Handle next_ = 1;
   // Thread safety: post/wait/test run on the communicator's executing thread;
   // abort() may come from any thread (Communicator.abort() to unblock a hung
