@@ -87,17 +87,24 @@ uint32_t ProcessGroupTransport::pieces_for(size_t bytes) const {
 
 std::vector<c10::intrusive_ptr<c10d::Work>> ProcessGroupTransport::post_payload(
     int kind, void* buf, size_t bytes, int peer, int lane, uint32_t index, uint32_t pieces) {
-  // Piece k: bytes [k * bytes / pieces, (k + 1) * bytes / pieces), the same
-  // split on both sides (the receiver has bytes and pieces from the header).
+  // The same split on both sides (the receiver has bytes and pieces from
+  // the header): bytes / pieces each, the first bytes % pieces one more.
+  const size_t base = bytes / pieces;
+  const size_t extra = bytes % pieces;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   works.reserve(pieces);
-  for (uint32_t k = 0; k < pieces; ++k) {
-    const size_t begin = bytes * k / pieces;
-    const size_t end = bytes * (k + 1) / pieces;
-    std::vector<at::Tensor> t{bytes_of(static_cast<char*>(buf) + begin, end - begin)};
-    const int tag = payload_tag(lane, index, k);
-    works.push_back(kind == P2POp::kSend ? backend_->send(t, peer, tag)
-                                         : backend_->recv(t, peer, tag));
+  try {
+    for (uint32_t k = 0; k < pieces; ++k) {
+      const size_t begin = base * k + std::min<size_t>(k, extra);
+      const size_t len = base + (k < extra ? 1 : 0);
+      std::vector<at::Tensor> t{bytes_of(static_cast<char*>(buf) + begin, len)};
+      const int tag = payload_tag(lane, index, k);
+      works.push_back(kind == P2POp::kSend ? backend_->send(t, peer, tag)
+                                           : backend_->recv(t, peer, tag));
+    }
+  } catch (...) {
+    for (auto& w : works) w->abort();  // no piece stays posted where nobody sees it
+    throw;
   }
   return works;
 }
@@ -233,7 +240,14 @@ void ProcessGroupTransport::accept_header(Message& m) {
                " expected): a corrupt header or another "
                "pycomm version"));
   } else {
-    m.payload_works = post_payload(P2POp::kRecv, m.buf, m.bytes, m.peer, m.lane, index, w.pieces);
+    auto works = post_payload(P2POp::kRecv, m.buf, m.bytes, m.peer, m.lane, index, w.pieces);
+    // Handed over under mu_: abort() (any thread) walks payload_works under
+    // it, and the pieces of one that ran meanwhile are aborted here.
+    std::lock_guard<std::mutex> lk(mu_);
+    m.payload_works = std::move(works);
+    if (aborted_) {
+      for (auto& piece : m.payload_works) piece->abort();
+    }
   }
 }
 

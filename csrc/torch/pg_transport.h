@@ -3,7 +3,7 @@
 // layer; the algorithms see only the core Transport interface.
 //
 // Every message is a fixed 4 KiB frame on the header tag of its lane: a
-// 48-byte header {bytes, op seq, op count, op packed (op_header.h), index,
+// 56-byte header {bytes, op seq, op count, op packed (op_header.h), index,
 // user tag, pieces}, then the payload itself when it fits. A larger payload
 // follows in pieces (up to 16 gloo messages posted together: one message
 // each way between two ranks moves at about half duplex), each on a tag of
