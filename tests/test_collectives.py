@@ -201,6 +201,21 @@ def _gloo_payload_pieces(rank, world_size, port, pieces_by_rank):
             t = inputs[rank].clone()
             comm.all_reduce(t)
             assert_matches(t, reference(inputs, "sum"), f"all_reduce count={count}")
+    # Two large exchanges between ranks 0 and 1 (their pieces wait for the
+    # receives: a background waiter posts them), waited in opposite orders.
+    if rank < 2:
+        peer, count = 1 - rank, 300_000
+        groups = []
+        for g in range(2):
+            got = torch.empty(count)
+            works = comm.batch_isend_irecv([
+                pycomm.P2POp("isend", rank_input(rank, count, torch.float32, "sum", seed=g), peer),
+                pycomm.P2POp("irecv", got, peer)])
+            groups.append((g, got, works))
+        for g, got, works in (groups if rank == 0 else groups[::-1]):
+            for w in works:
+                w.wait()
+            assert torch.equal(got, rank_input(peer, count, torch.float32, "sum", seed=g)), g
     comm.close()
     return True
 

@@ -20,6 +20,13 @@ constexpr uint32_t kPayloadIndices = 1u << 20;
 // ("One gloo message each way at once").
 constexpr uint32_t kMaxPieces = 16;
 constexpr size_t kPieceMin = size_t{256} << 10;
+// gloo sends a message only once the receiver said it posted the receive
+// (a notification on the same connection), and a notification waits behind
+// the data already queued there. So in an exchange with one peer, data this
+// rank queued first holds back its notifications to the peer, whose data
+// then waits for them: about half duplex again. From kDeferBytes up, such a
+// send's pieces are posted only after the group's receives posted theirs.
+constexpr size_t kDeferBytes = 2 * kPieceMin;
 constexpr auto kBlockedSlice = std::chrono::microseconds(20);  // wait_work's polling period
 
 at::Tensor bytes_of(void* p, size_t n) {
@@ -109,6 +116,24 @@ std::vector<c10::intrusive_ptr<c10d::Work>> ProcessGroupTransport::post_payload(
   return works;
 }
 
+void ProcessGroupTransport::post_send(Message& m, bool exchange) {
+  m.index = sent_[static_cast<size_t>(m.peer) * kLanes + m.lane]++;
+  m.wire = new_frame();
+  const uint32_t pieces = m.bytes > kInline ? pieces_for(m.bytes) : 0;
+  *reinterpret_cast<Wire*>(m.wire.data_ptr()) =
+      Wire{m.bytes, m.hdr.seq, m.hdr.count, m.hdr.packed(), m.index, m.tag, pieces};
+  if (m.bytes <= kInline) {
+    std::memcpy(static_cast<char*>(m.wire.data_ptr()) + sizeof(Wire), m.buf, m.bytes);
+  }
+  std::vector<at::Tensor> w{m.wire};
+  m.header_work = backend_->send(w, m.peer, kTagBase + m.lane);
+  if (exchange && m.bytes >= kDeferBytes) {
+    m.deferred_pieces = pieces;  // wait_all posts them
+  } else if (m.bytes > kInline) {
+    m.payload_works = post_payload(P2POp::kSend, m.buf, m.bytes, m.peer, m.lane, m.index, pieces);
+  }
+}
+
 Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
   std::lock_guard<std::mutex> lk(mu_);
   if (aborted_) {
@@ -118,6 +143,10 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
   const Handle h = next_++;
   Pending& p = pending_[h];  // references into an unordered_map stay valid
   p.msgs.reserve(n);
+  auto receives_from = [&](int peer) {
+    return std::any_of(ops, ops + n,
+                       [&](const P2POp& o) { return o.kind == P2POp::kRecv && o.peer == peer; });
+  };
   for (size_t i = 0; i < n; ++i) {
     const P2POp& op = ops[i];
     // Collectives post matching empty chunks on both sides; a user message
@@ -137,20 +166,7 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
     m.index = 0;
     try {
       if (op.kind == P2POp::kSend) {
-        m.index = sent_[static_cast<size_t>(op.peer) * kLanes + m.lane]++;
-        m.wire = new_frame();
-        const uint32_t pieces = op.bytes > kInline ? pieces_for(op.bytes) : 0;
-        *reinterpret_cast<Wire*>(m.wire.data_ptr()) =
-            Wire{op.bytes, m.hdr.seq, m.hdr.count, m.hdr.packed(), m.index, m.tag, pieces};
-        if (op.bytes <= kInline) {
-          std::memcpy(static_cast<char*>(m.wire.data_ptr()) + sizeof(Wire), op.buf, op.bytes);
-        }
-        std::vector<at::Tensor> w{m.wire};
-        m.header_work = backend_->send(w, op.peer, kTagBase + m.lane);
-        if (op.bytes > kInline) {
-          m.payload_works =
-              post_payload(P2POp::kSend, op.buf, op.bytes, op.peer, m.lane, m.index, pieces);
-        }
+        post_send(m, receives_from(op.peer));
       } else if (m.lane == kTagged) {
         // Matched by take_tagged, in this order among the waiting receives.
         m.want = std::make_shared<Want>(Want{op.peer, op.tag});
@@ -174,10 +190,12 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
   // peer joins only after its send completed (irecv; all_reduce against
   // send; all_reduce): so take the header in a background waiter at once,
   // not when someone first waits for the group.
-  const bool user_recv = std::any_of(p.msgs.begin(), p.msgs.end(), [](const Message& m) {
-    return m.kind == P2POp::kRecv && m.channel == kUser;
+  // Deferred pieces likewise: whoever waits for what, and in which order,
+  // they go out once the receives' headers are in.
+  const bool background = std::any_of(p.msgs.begin(), p.msgs.end(), [](const Message& m) {
+    return (m.kind == P2POp::kRecv && m.channel == kUser) || m.deferred_pieces > 0;
   });
-  if (user_recv) {
+  if (background) {
     Pending* pp = &p;
     const auto timeout = timeout_;
     p.waiter = waiters_.run([this, pp, timeout] { wait_all(*pp, timeout); });
@@ -240,14 +258,18 @@ void ProcessGroupTransport::accept_header(Message& m) {
                " expected): a corrupt header or another "
                "pycomm version"));
   } else {
-    auto works = post_payload(P2POp::kRecv, m.buf, m.bytes, m.peer, m.lane, index, w.pieces);
-    // Handed over under mu_: abort() (any thread) walks payload_works under
-    // it, and the pieces of one that ran meanwhile are aborted here.
-    std::lock_guard<std::mutex> lk(mu_);
-    m.payload_works = std::move(works);
-    if (aborted_) {
-      for (auto& piece : m.payload_works) piece->abort();
-    }
+    attach_payload(m, post_payload(P2POp::kRecv, m.buf, m.bytes, m.peer, m.lane, index, w.pieces));
+  }
+}
+
+void ProcessGroupTransport::attach_payload(Message& m,
+                                           std::vector<c10::intrusive_ptr<c10d::Work>> works) {
+  // Under mu_: abort() (any thread) walks payload_works under it, and the
+  // pieces of one that ran meanwhile are aborted here.
+  std::lock_guard<std::mutex> lk(mu_);
+  m.payload_works = std::move(works);
+  if (aborted_) {
+    for (auto& piece : m.payload_works) piece->abort();
   }
 }
 
@@ -369,6 +391,16 @@ void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeo
       if (m.peer == kAnySource) m.peer = m.header_work->sourceRank();
     }
     accept_header(m);
+  }
+  for (auto& m : p.msgs) {
+    if (m.deferred_pieces == 0) continue;
+    try {
+      attach_payload(m, post_payload(P2POp::kSend, m.buf, m.bytes, m.peer, m.lane, m.index,
+                                     m.deferred_pieces));
+    } catch (const std::exception& e) {
+      throw CommError(with_told_reason(cat("gloo ", describe(m.kind, m.peer, m.tag),
+                                           " failed to start its payload: ", e.what())));
+    }
   }
   for (auto& m : p.msgs) {
     if (m.kind == P2POp::kSend) wait_one(m, m.header_work, "header");

@@ -5,11 +5,15 @@
 // Every message is a fixed 4 KiB frame on the header tag of its lane: a
 // 56-byte header {bytes, op seq, op count, op packed (op_header.h), index,
 // user tag, pieces}, then the payload itself when it fits. A larger payload
-// follows in pieces (up to 16 gloo messages posted together: one message
-// each way between two ranks moves at about half duplex), each on a tag of
-// its own (the sender's index: k-th message to that peer on that lane, and
-// the piece), and the receiver posts its receives only once the header says
-// the sizes and (on the collective channel) the op match.
+// follows in pieces (up to 16 gloo messages posted together), each on a tag
+// of its own (the sender's index: k-th message to that peer on that lane,
+// and the piece), and the receiver posts its receives only once the header
+// says the sizes and (on the collective channel) the op match. In a group
+// that also receives from the peer, a large send's pieces go out only after
+// the group's receives posted theirs: gloo sends a message once the receiver
+// said it is ready, and that notice queues behind data already sent on the
+// same connection, so an exchange that sent first ran at about half duplex
+// (benchmarks/hosts/README.md, "One gloo message each way at once").
 //
 // Lanes: collectives; user p2p with tag 0; user p2p with other tags. On the
 // first two, gloo pairs the header frames per (peer, tag) in posting order,
@@ -124,12 +128,13 @@ class ProcessGroupTransport final : public Transport {
     int lane;  // kCollective, kUser (tag 0), or the tagged lane
     void* buf;
     size_t bytes;
-    uint32_t index;              // sends: k-th message to the peer on its lane
-    OpHeader hdr;                // of the op that posted it (seq 0: user p2p)
-    int tag;                     // user p2p
-    int* source;                 // P2POp::source
-    at::Tensor wire;             // the header (sent, or received into)
-    std::shared_ptr<Want> want;  // tagged receives
+    uint32_t index;                // sends: k-th message to the peer on its lane
+    OpHeader hdr;                  // of the op that posted it (seq 0: user p2p)
+    int tag;                       // user p2p
+    int* source;                   // P2POp::source
+    at::Tensor wire;               // the header (sent, or received into)
+    std::shared_ptr<Want> want;    // tagged receives
+    uint32_t deferred_pieces = 0;  // sends: pieces wait_all posts after the receives
     c10::intrusive_ptr<c10d::Work> header_work;
     // One per piece; receives: posted once the header checked out.
     std::vector<c10::intrusive_ptr<c10d::Work>> payload_works;
@@ -154,6 +159,11 @@ class ProcessGroupTransport final : public Transport {
   Pending* find(Handle h);
   // Checks a received header against the receive; posts its payload.
   void accept_header(Message& m);
+  // Posts send m's header and (unless deferred: `exchange`, the group also
+  // receives from m.peer, and m is large) its payload's pieces; mu_ held.
+  void post_send(Message& m, bool exchange);
+  // Gives m its payload's works (pieces), aborting them if abort() ran.
+  void attach_payload(Message& m, std::vector<c10::intrusive_ptr<c10d::Work>> works);
   // Blocks until the tagged receive `m` has its header frame (m.wire,
   // m.peer), taking frames from the wire meanwhile if no other thread does.
   void take_tagged(Message& m, std::chrono::steady_clock::time_point deadline);
