@@ -1,13 +1,18 @@
 """Does a gloo pair move data both ways at once? Two simulated hosts, one
 rank each, a shaped link (``--link-rate``): torch's gloo p2p sends a tensor
 one way, then exchanges it both ways at once (``batch_isend_irecv``) as one
-message and as k chunks posted together, and gloo's own all-reduce of it.
+message and as k chunks posted together, and gloo's own all-reduce of it;
+then 16 chunks with every send posted 20 ms before the receives, and with
+the receives posted first.
 
 Full duplex, the exchange takes about the one-way time. Found while looking
 for why pycomm's all-reduce across the simulated hosts takes 1.4-2x the
-link's time for its bytes (benchmarks/compression/README.md): one message
-each way takes about twice the one-way time; chunks posted together do not.
-pycomm's gloo transport sends each payload as one message.
+link's time for its bytes (benchmarks/compression/README.md). gloo sends a
+message only once the receiver said it posted the receive, and that notice
+travels on the same connection behind data already queued there: sends
+posted before the receives hold back the notices, and the exchange runs at
+about half duplex. pycomm's gloo transport therefore posts an exchange's
+large sends after its receives (csrc/torch/pg_transport.h).
 
     python benchmarks/hosts/gloo_duplex.py --link-rate 200mbit --json F
 
@@ -18,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -52,6 +56,21 @@ def _rank(nbytes: int, reps: int) -> None:
 
     series = {"one way": one_way, "gloo all_reduce": lambda: dist.all_reduce(send)}
     series.update({f"both ways, {k} message(s)": (lambda k=k: exchange(k)) for k in CHUNKS})
+
+    def ordered(sends_first: bool) -> None:
+        def sends() -> list:
+            return [dist.isend(s, peer) for s in send.chunk(16)]
+
+        def recvs() -> list:
+            return [dist.irecv(r, peer) for r in recv.chunk(16)]
+
+        first = sends() if sends_first else recvs()
+        time.sleep(0.02)  # as a receive posted once its header arrived
+        for work in first + (recvs() if sends_first else sends()):
+            work.wait()
+
+    series["16 messages, sends 20 ms first"] = lambda: ordered(True)
+    series["16 messages, receives first"] = lambda: ordered(False)
     ms = {}
     for name, fn in series.items():
         fn()  # warm-up: connections and buffers
@@ -101,7 +120,7 @@ def main() -> None:
     print(f"# {args.mib} MiB between 2 simulated hosts at {args.link_rate}: "
           f"{link_ms:.0f} ms of the link a direction; median of {args.reps}")
     for name, t in ms.items():
-        print(f"{name:26s} {t:9.1f} ms  {t / link_ms:5.2f}x the link's time")
+        print(f"{name:32s} {t:9.1f} ms  {t / link_ms:5.2f}x the link's time")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(sys.argv), "commit": git_commit(),
