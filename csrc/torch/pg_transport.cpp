@@ -13,19 +13,21 @@ namespace {
 // + ((index mod 2^20) * kMaxPieces + piece) * lanes + lane: below 2^26
 constexpr int kPayloadTagBase = 0x10000;
 constexpr uint32_t kPayloadIndices = 1u << 20;
-// A large payload travels as up to kMaxPieces gloo messages, of at least
-// kPieceMin bytes each, all posted together. One gloo message each way at
-// once between two ranks moves at about half duplex (the two directions
-// mostly one after the other), several interleave: benchmarks/hosts/README.md
-// ("One gloo message each way at once").
+// A large payload may travel as up to kMaxPieces gloo messages, of at least
+// kPieceMin bytes each, all posted together (PYCOMM_GLOO_PIECES; default one
+// message). Pieces let an exchange whose sends went first interleave the
+// two directions; with the deferral below they gained nothing, and on a
+// CPU-bound link (simulated hosts' bare veth) 16 pieces cost about 20 % at
+// 16 MiB: benchmarks/hosts/README.md ("One gloo message each way at once").
 constexpr uint32_t kMaxPieces = 16;
+constexpr uint32_t kDefaultPieces = 1;
 constexpr size_t kPieceMin = size_t{256} << 10;
 // gloo sends a message only once the receiver said it posted the receive
 // (a notification on the same connection), and a notification waits behind
 // the data already queued there. So in an exchange with one peer, data this
 // rank queued first holds back its notifications to the peer, whose data
-// then waits for them: about half duplex again. From kDeferBytes up, such a
-// send's pieces are posted only after the group's receives posted theirs.
+// then waits for them: about half duplex. From kDeferBytes up, such a
+// send's payload is posted only after the group's receives posted theirs.
 constexpr size_t kDeferBytes = 2 * kPieceMin;
 constexpr auto kBlockedSlice = std::chrono::microseconds(20);  // wait_work's polling period
 
@@ -39,12 +41,12 @@ std::string describe(int kind, int peer, int tag = 0) {
          (tag != 0 ? " with tag " + std::to_string(tag) : std::string());
 }
 
-// PYCOMM_GLOO_PIECES (1 to kMaxPieces; default kMaxPieces): the most pieces a
-// payload is sent in (1: one message, as before pieces). The receiver takes
+// PYCOMM_GLOO_PIECES (1 to kMaxPieces; default kDefaultPieces): the most
+// pieces a payload is sent in. The receiver takes
 // the sender's count from the header, so ranks need not agree on it.
 uint32_t max_pieces_from_env() {
   const char* v = std::getenv("PYCOMM_GLOO_PIECES");
-  if (v == nullptr || *v == '\0') return kMaxPieces;
+  if (v == nullptr || *v == '\0') return kDefaultPieces;
   char* end = nullptr;
   const long n = std::strtol(v, &end, 10);
   if (*end != '\0' || n < 1 || n > static_cast<long>(kMaxPieces)) {

@@ -5,14 +5,15 @@
 // Every message is a fixed 4 KiB frame on the header tag of its lane: a
 // 56-byte header {bytes, op seq, op count, op packed (op_header.h), index,
 // user tag, pieces}, then the payload itself when it fits. A larger payload
-// follows in pieces (up to 16 gloo messages posted together), each on a tag
-// of its own (the sender's index: k-th message to that peer on that lane,
-// and the piece), and the receiver posts its receives only once the header
-// says the sizes and (on the collective channel) the op match. In a group
-// that also receives from the peer, a large send's pieces go out only after
-// the group's receives posted theirs: gloo sends a message once the receiver
-// said it is ready, and that notice queues behind data already sent on the
-// same connection, so an exchange that sent first ran at about half duplex
+// follows as one gloo message (or PYCOMM_GLOO_PIECES, up to 16, posted
+// together), each on a tag of its own (the sender's index: k-th message to
+// that peer on that lane, and the piece), and the receiver posts its
+// receives only once the header says the sizes and (on the collective
+// channel) the op match. In a group that also receives from the peer, a
+// large send's payload goes out only after the group's receives posted
+// theirs: gloo sends a message once the receiver said it is ready, and that
+// notice queues behind data already sent on the same connection, so an
+// exchange that sent first ran at about half duplex
 // (benchmarks/hosts/README.md, "One gloo message each way at once").
 //
 // Lanes: collectives; user p2p with tag 0; user p2p with other tags. On the
