@@ -229,6 +229,38 @@ def test_gloo_payload_pieces_differ_across_ranks(pieces_by_rank):
         [True] * len(pieces_by_rank)
 
 
+def _batch_against_recv_then_send(rank, world_size, port):
+    """Rank 0 exchanges in one batch (a large isend and an irecv with rank 1);
+    rank 1 receives, and only then sends back. Valid under torch's gloo and
+    NCCL: rank 0's payload must go out before rank 1's send is posted."""
+    from datetime import timedelta
+
+    import pycomm
+    from tests._dist import client_store
+
+    comm = pycomm.init(rank=rank, world_size=world_size, store=client_store(port, world_size),
+                       transport="gloo", timeout=timedelta(seconds=10))
+    count = 300_000  # 1.2 MB: above any size the transport treats specially
+    mine = rank_input(rank, count, torch.float32, "sum")
+    got = torch.empty(count)
+    if rank == 0:
+        for w in comm.batch_isend_irecv([pycomm.P2POp("isend", mine, 1),
+                                         pycomm.P2POp("irecv", got, 1)]):
+            w.wait()
+    else:
+        comm.recv(got, 0)
+        comm.send(mine, 0)
+    ok = torch.equal(got, rank_input(1 - rank, count, torch.float32, "sum"))
+    comm.close()
+    return ok
+
+
+def test_gloo_batch_against_recv_then_send():
+    from tests._dist import spawn_ranks
+
+    assert spawn_ranks(_batch_against_recv_then_send, 2, timeout=120) == [True, True]
+
+
 def _gloo_pieces_refused(rank, world_size, port, value):
     import os
 

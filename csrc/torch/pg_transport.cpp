@@ -13,12 +13,10 @@ namespace {
 // + ((index mod 2^20) * kMaxPieces + piece) * lanes + lane: below 2^26
 constexpr int kPayloadTagBase = 0x10000;
 constexpr uint32_t kPayloadIndices = 1u << 20;
-// A large payload may travel as up to kMaxPieces gloo messages, of at least
-// kPieceMin bytes each, all posted together (PYCOMM_GLOO_PIECES; default one
-// message). Pieces let an exchange whose sends went first interleave the
-// two directions; with the deferral below they gained nothing, and on a
-// CPU-bound link (simulated hosts' bare veth) 16 pieces cost about 20 % at
-// 16 MiB: benchmarks/hosts/README.md ("One gloo message each way at once").
+// A large payload may go as up to kMaxPieces gloo messages of >= kPieceMin
+// bytes, posted together (PYCOMM_GLOO_PIECES; default one message): deferred
+// exchanges (below) gained nothing from pieces, and 16 cost about 20 % on a
+// CPU-bound link (benchmarks/hosts/README.md, "One gloo message each way").
 constexpr uint32_t kMaxPieces = 16;
 constexpr uint32_t kDefaultPieces = 1;
 constexpr size_t kPieceMin = size_t{256} << 10;
@@ -26,9 +24,11 @@ constexpr size_t kPieceMin = size_t{256} << 10;
 // (a notification on the same connection), and a notification waits behind
 // the data already queued there. So in an exchange with one peer, data this
 // rank queued first holds back its notifications to the peer, whose data
-// then waits for them: about half duplex. From kDeferBytes up, such a
-// send's payload is posted only after the group's receives posted theirs.
-constexpr size_t kDeferBytes = 2 * kPieceMin;
+// then waits for them: about half duplex. So in a collective's group, a
+// send of kDeferBytes or more to a peer the group also receives a payload
+// from is posted once that receive posted its own (by a background waiter;
+// below 512 KiB its hand-off would show). User p2p is not deferred (post()).
+constexpr size_t kDeferBytes = size_t{512} << 10;
 constexpr auto kBlockedSlice = std::chrono::microseconds(20);  // wait_work's polling period
 
 at::Tensor bytes_of(void* p, size_t n) {
@@ -145,9 +145,14 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
   const Handle h = next_++;
   Pending& p = pending_[h];  // references into an unordered_map stay valid
   p.msgs.reserve(n);
-  auto receives_from = [&](int peer) {
-    return std::any_of(ops, ops + n,
-                       [&](const P2POp& o) { return o.kind == P2POp::kRecv && o.peer == peer; });
+  // Only collectives defer (see kDeferBytes): there the peer posted the
+  // mirror group at the same step. A user's peer may send only after its
+  // receive of this payload completed, which a deferred payload would hang.
+  auto collective_exchange = [&](const P2POp& send) {
+    return send.channel == kCollective && std::any_of(ops, ops + n, [&](const P2POp& o) {
+             return o.kind == P2POp::kRecv && o.channel == kCollective && o.peer == send.peer &&
+                    o.bytes > kInline;
+           });
   };
   for (size_t i = 0; i < n; ++i) {
     const P2POp& op = ops[i];
@@ -168,7 +173,7 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
     m.index = 0;
     try {
       if (op.kind == P2POp::kSend) {
-        post_send(m, receives_from(op.peer));
+        post_send(m, collective_exchange(op));
       } else if (m.lane == kTagged) {
         // Matched by take_tagged, in this order among the waiting receives.
         m.want = std::make_shared<Want>(Want{op.peer, op.tag});
@@ -191,9 +196,7 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
   // group may stay pending while this rank blocks in a collective that the
   // peer joins only after its send completed (irecv; all_reduce against
   // send; all_reduce): so take the header in a background waiter at once,
-  // not when someone first waits for the group.
-  // Deferred pieces likewise: whoever waits for what, and in which order,
-  // they go out once the receives' headers are in.
+  // not when someone first waits for the group. Deferred sends likewise.
   const bool background = std::any_of(p.msgs.begin(), p.msgs.end(), [](const Message& m) {
     return (m.kind == P2POp::kRecv && m.channel == kUser) || m.deferred_pieces > 0;
   });
@@ -393,20 +396,27 @@ void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeo
       if (m.peer == kAnySource) m.peer = m.header_work->sourceRank();
     }
     accept_header(m);
+    post_deferred(p, m.peer);  // this peer's, once this rank's notice is out
   }
+  post_deferred(p, kAnySource);  // any left (none: each had its receive)
   for (auto& m : p.msgs) {
-    if (m.deferred_pieces == 0) continue;
+    if (m.kind == P2POp::kSend) wait_one(m, m.header_work, "header");
+    for (auto& piece : m.payload_works) wait_one(m, piece, "payload");
+  }
+}
+
+void ProcessGroupTransport::post_deferred(Pending& p, int peer) {
+  for (auto& m : p.msgs) {
+    if (m.deferred_pieces == 0 || (peer != kAnySource && m.peer != peer)) continue;
+    const uint32_t pieces = m.deferred_pieces;
+    m.deferred_pieces = 0;
     try {
-      attach_payload(m, post_payload(P2POp::kSend, m.buf, m.bytes, m.peer, m.lane, m.index,
-                                     m.deferred_pieces));
+      attach_payload(m,
+                     post_payload(P2POp::kSend, m.buf, m.bytes, m.peer, m.lane, m.index, pieces));
     } catch (const std::exception& e) {
       throw CommError(with_told_reason(cat("gloo ", describe(m.kind, m.peer, m.tag),
                                            " failed to start its payload: ", e.what())));
     }
-  }
-  for (auto& m : p.msgs) {
-    if (m.kind == P2POp::kSend) wait_one(m, m.header_work, "header");
-    for (auto& piece : m.payload_works) wait_one(m, piece, "payload");
   }
 }
 

@@ -9,12 +9,8 @@
 // together), each on a tag of its own (the sender's index: k-th message to
 // that peer on that lane, and the piece), and the receiver posts its
 // receives only once the header says the sizes and (on the collective
-// channel) the op match. In a group that also receives from the peer, a
-// large send's payload goes out only after the group's receives posted
-// theirs: gloo sends a message once the receiver said it is ready, and that
-// notice queues behind data already sent on the same connection, so an
-// exchange that sent first ran at about half duplex
-// (benchmarks/hosts/README.md, "One gloo message each way at once").
+// channel) the op match; a collective's exchange posts a large send only
+// after its receive (full duplex: kDeferBytes in pg_transport.cpp).
 //
 // Lanes: collectives; user p2p with tag 0; user p2p with other tags. On the
 // first two, gloo pairs the header frames per (peer, tag) in posting order,
@@ -86,18 +82,13 @@ class ProcessGroupTransport final : public Transport {
   static constexpr int kTagged = 2;
   static constexpr int kLanes = 3;
   static constexpr uint64_t kAbortSeq = ~uint64_t{0};  // an abort header: inline bytes = reason
-  // Every message starts with a frame of this fixed size: the header, then
-  // the payload itself when it fits (one message, its receive posted in
-  // advance, so small messages cost no extra round trip), else the payload
-  // follows on tags of its own, received once the header checked out.
+  // Every message starts with a frame of this size (the top comment).
   static constexpr size_t kFrameBytes = 4096;
   // broadcast_abort's patience, and the store watcher's period
   static constexpr auto kAbortNotice = std::chrono::milliseconds(200);
   static constexpr auto kAbortPoll = std::chrono::milliseconds(200);
-  // In the communicator's store: the first failure's reason.
-  static constexpr const char* kAbortKey = "abort";
-  // A frame of kFrameBytes, uninitialized.
-  static at::Tensor new_frame();
+  static constexpr const char* kAbortKey = "abort";  // in the store: the first failure's reason
+  static at::Tensor new_frame();                     // kFrameBytes, uninitialized
   // Waits for gloo work `w` until `deadline` (throwing its error or the
   // timeout); while while_blocked_ reports work pending elsewhere it polls
   // in short slices, driving it, instead of blocking inside gloo.
@@ -163,6 +154,8 @@ class ProcessGroupTransport final : public Transport {
   // Posts send m's header and (unless deferred: `exchange`, the group also
   // receives from m.peer, and m is large) its payload's pieces; mu_ held.
   void post_send(Message& m, bool exchange);
+  // Posts the deferred payloads of p's sends to `peer` (kAnySource: all).
+  void post_deferred(Pending& p, int peer);
   // Gives m its payload's works (pieces), aborting them if abort() ran.
   void attach_payload(Message& m, std::vector<c10::intrusive_ptr<c10d::Work>> works);
   // Blocks until the tagged receive `m` has its header frame (m.wire,
