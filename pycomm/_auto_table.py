@@ -9,10 +9,18 @@ One JSON format for CPU and GPU, written by ``python -m pycomm.bench tune``
        {"device": "cpu", "transport": "gloo", "world_size": 4,
         "rules": {"all_reduce": [[24576, "recursive_doubling"], [null, "ring"]]},
         "measured": {"commit": "...", "command": "..."}},
+       {"device": "cpu", "transport": "gloo", "world_size": 2, "hosts": true, ...},
        ...]}
 
-A communicator takes the entry of its device and transport whose
-``world_size`` is its own, else the one whose ``world_size`` is null (any).
+An entry with ``"hosts": true`` was measured between hosts (``tune
+--hosts``: every rank on a host of its own, over a shaped link), one without
+on one host. The choice differs: on loopback a gloo group is bound by its
+CPUs, so the pipelined tree wins at middle sizes, while on a network its
+reduce and broadcast use each direction of a link in turn, which halves
+its speed at 2 ranks (benchmarks/algorithms/README.md). A communicator
+takes the entry of its device, transport and place (one host or across
+hosts) whose ``world_size`` is its own, else the one whose ``world_size``
+is null (any); without one for its place, the other place's, the same way.
 An op's rules are read in order: the first whose max_bytes (null: no limit)
 is >= the message size names the algorithm; a rule the communicator cannot
 run is skipped. A collective without rules, or a communicator without an
@@ -55,6 +63,8 @@ def _check_entry(e: Any, where: str) -> None:
             raise ValueError(f"{where}: entry {key!r} must be a string, got {e.get(key)!r}")
     if e.get("world_size") is not None and not isinstance(e["world_size"], int):
         raise ValueError(f"{where}: world_size must be an integer or null")
+    if not isinstance(e.get("hosts", False), bool):
+        raise ValueError(f"{where}: hosts must be true (measured between hosts) or false")
     for op, rules in e["rules"].items():
         if op not in COLLECTIVES:
             raise ValueError(f"{where}: unknown collective {op!r} (expected one of "
@@ -88,23 +98,33 @@ def load(path: str | Path) -> list[dict[str, Any]]:
     return list(entries)
 
 
+def _key(e: dict[str, Any]) -> tuple[str, str, int | None, bool]:
+    """What an entry is for: (device, transport, world size, between hosts)."""
+    return e["device"], e["transport"], e.get("world_size"), bool(e.get("hosts", False))
+
+
 def rules_for(entries: Iterable[dict[str, Any]], device: str, transport: str,
-              world_size: int) -> Rules:
-    """The rules of the entry for (device, transport, world_size): its own
-    world size first, else world_size null; {} when none matches."""
+              world_size: int, hosts: bool = False) -> Rules:
+    """The rules of the entry for (device, transport, world_size) on one
+    host (``hosts`` False) or across hosts: its own place and world size
+    first, then its place with world_size null, then the same two of the
+    other place; {} when none matches."""
     mine = [e for e in entries if e["device"] == device and e["transport"] == transport]
-    for want in (world_size, None):
-        for e in mine:
-            if e.get("world_size") == want:
-                return {op: [(-1 if b is None else int(b), str(a)) for b, a in rules]
-                        for op, rules in e["rules"].items()}
+    for place in (hosts, not hosts):
+        for want in (world_size, None):
+            for e in mine:
+                if _key(e)[2:] == (want, place):
+                    return {op: [(-1 if b is None else int(b), str(a)) for b, a in rules]
+                            for op, rules in e["rules"].items()}
     return {}
 
 
-def table_for(device: str, transport: str, world_size: int, path: str | Path | None) -> Rules:
-    """The rules a communicator of this device, transport and size uses:
-    from the table at ``path`` (PYCOMM_AUTO_TABLE), else the built-in one."""
-    return rules_for(load(path or DEFAULT_PATH), device, transport, world_size)
+def table_for(device: str, transport: str, world_size: int, path: str | Path | None,
+              hosts: bool = False) -> Rules:
+    """The rules a communicator of this device, transport, size and place
+    (``hosts``: its ranks are on more than one host) uses: from the table at
+    ``path`` (PYCOMM_AUTO_TABLE), else the built-in one."""
+    return rules_for(load(path or DEFAULT_PATH), device, transport, world_size, hosts)
 
 
 def rules_from_best(best: Sequence[tuple[int, str]]) -> list[list[Any]]:
@@ -125,13 +145,13 @@ def rules_from_best(best: Sequence[tuple[int, str]]) -> list[list[Any]]:
 
 def with_entry(path: str | Path, entry: dict[str, Any]) -> dict[str, Any]:
     """The table at ``path`` (empty if the file does not exist) with
-    ``entry`` added, replacing the one of the same device, transport and
-    world size."""
+    ``entry`` added, replacing the one of the same device, transport, world
+    size and place (one host or across hosts)."""
     _check_entry(entry, "new entry")
     p = Path(path)
     entries = load(p) if p.exists() else []
-    key = (entry["device"], entry["transport"], entry.get("world_size"))
-    kept = [e for e in entries if (e["device"], e["transport"], e.get("world_size")) != key]
+    kept = [e for e in entries if _key(e) != _key(entry)]
     kept.append(entry)
-    kept.sort(key=lambda e: (e["device"], e["transport"], e.get("world_size") or 0))
+    kept.sort(key=lambda e: (e["device"], e["transport"], bool(e.get("hosts", False)),
+                             e.get("world_size") or 0))
     return {"format": FORMAT, "entries": kept}

@@ -513,11 +513,13 @@ def _map_shm(st: Any, key: str, name: str, rank: int, world_size: int, timeout_m
 
 # ------------------------------------------------------------------ nccl bootstrap
 
-def auto_table_for(device: str, transport: str, world_size: int) -> _auto_table.Rules:
-    """algo="auto"'s table for a communicator (pycomm/_auto_table.py):
-    PYCOMM_AUTO_TABLE's entry for it, else the built-in table's."""
+def auto_table_for(device: str, transport: str, world_size: int,
+                   hosts: bool = False) -> _auto_table.Rules:
+    """algo="auto"'s table for a communicator (pycomm/_auto_table.py) whose
+    ranks are on one host or (``hosts``) on several: PYCOMM_AUTO_TABLE's
+    entry for it, else the built-in table's."""
     return _auto_table.table_for(device, transport, world_size,
-                                 ENV.text("PYCOMM_AUTO_TABLE") or None)
+                                 ENV.text("PYCOMM_AUTO_TABLE") or None, hosts)
 
 
 def choose_cuda_index(requested: int | None, local_rank: str | None, device_count: int,
@@ -622,11 +624,14 @@ def _timeout_ms(asked: Settings) -> int:
 
 
 def _build_gloo(st: Any, r: int, n: int, asked: Settings, plan: Plan) -> tuple[str, Any, list[Any]]:
+    # algo="auto" takes a table measured where this group runs: on one host
+    # or across hosts (pycomm/_auto_table.py)
+    across = len(set(host_ids(st, "gloo-place", r, n))) > 1
     pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, asked.timeout)
     # the store also carries a failing rank's reason to peers blocked in a send
     impl = _C.make_gloo_comm(pg, _timeout_ms(asked), slice_bytes_for(asked.slice_bytes, "gloo"),
                              store=dist.PrefixStore("gloo-abort", st))
-    impl.auto_table = auto_table_for("cpu", "gloo", n)
+    impl.auto_table = auto_table_for("cpu", "gloo", n, hosts=across)
     return "gloo", impl, [pg]
 
 

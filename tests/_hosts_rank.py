@@ -400,6 +400,23 @@ def check_backend() -> None:
     print(f"OK {r} {socket.gethostname()} {comm.transport}", flush=True)
 
 
+def check_auto_table_place(comm: pycomm.Communicator) -> None:
+    """A gloo group across hosts takes algo="auto"'s entry measured between
+    hosts: the flat communicator and a hierarchy's inter-host part; its
+    intra-host part (shm) the one-host entry (pycomm/_auto_table.py)."""
+    from pycomm import _auto_table
+
+    entries = _auto_table.load(_auto_table.DEFAULT_PATH)
+    across = comm.transport != "shm"
+    parts = [(comm._impl, "gloo" if across else "shm", across)]
+    if comm.transport == "shm+gloo":
+        intra, inter = comm._impl.hierarchy_parts
+        parts += [(intra, "shm", False), (inter, "gloo", True)]
+    for part, transport, hosts in parts:
+        want = _auto_table.rules_for(entries, "cpu", transport, part.world_size, hosts)
+        assert part.auto_table == want, (transport, part.world_size, hosts, part.auto_table)
+
+
 def main() -> None:
     bad = os.environ.get("PYCOMM_TEST_NO_SHM_ON_HOST")
     if bad is not None and bad == os.environ.get("GROUP_RANK"):
@@ -412,6 +429,7 @@ def main() -> None:
     assert workers == 1, f"{comm.transport}: {workers} pycomm worker threads, not 1"
     check_collectives(comm)
     check_quantized_wire(comm)
+    check_auto_table_place(comm)
     print(f"OK {comm.rank} {socket.gethostname()} {comm.transport}", flush=True)
     comm.close()
 

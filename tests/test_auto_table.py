@@ -27,8 +27,9 @@ def _write(path: Path, entries: list) -> Path:
     return path
 
 
-def _entry(transport="shm", world_size=2, rules=None, device="cpu"):
+def _entry(transport="shm", world_size=2, rules=None, device="cpu", hosts=None):
     return {"device": device, "transport": transport, "world_size": world_size,
+            **({} if hosts is None else {"hosts": hosts}),
             "rules": rules or {"all_reduce": [[4096, "recursive_doubling"], [None, "ring"]]}}
 
 
@@ -49,6 +50,7 @@ def test_the_built_in_table_loads():
     ({"format": at.FORMAT, "entries": [_entry(rules={"all_reduce": [[None]]})]},
      "is not [max_bytes or null, algo]"),
     ({"format": at.FORMAT, "entries": [_entry(world_size="4")]}, "world_size must be"),
+    ({"format": at.FORMAT, "entries": [_entry(hosts="yes")]}, "hosts must be true"),
 ])
 def test_bad_tables_are_named(tmp_path, content, fragment):
     path = tmp_path / "t.json"
@@ -66,6 +68,28 @@ def test_a_communicator_takes_its_own_world_size_then_any():
     assert at.rules_for(entries, "cpu", "shm", 3) == {"all_reduce": [(-1, "tree")]}
     assert at.rules_for(entries, "cpu", "gloo", 2) == {}
     assert at.rules_for(entries, "cuda", "shm", 4) == {}
+
+
+def test_a_communicator_takes_its_place_first():
+    """Across hosts: the entries measured between hosts (own size, then
+    any), then the one-host ones; on one host the other way round."""
+    one_host = _entry(transport="gloo", world_size=2, rules={"all_reduce": [[None, "tree"]]})
+    across_2 = _entry(transport="gloo", world_size=2, hosts=True,
+                      rules={"all_reduce": [[None, "halving_doubling"]]})
+    across_any = _entry(transport="gloo", world_size=None, hosts=True,
+                        rules={"all_reduce": [[None, "ring"]]})
+    entries = [one_host, across_2, across_any]
+    assert at.rules_for(entries, "cpu", "gloo", 2, hosts=True) == {
+        "all_reduce": [(-1, "halving_doubling")]}
+    assert at.rules_for(entries, "cpu", "gloo", 3, hosts=True) == {"all_reduce": [(-1, "ring")]}
+    assert at.rules_for(entries, "cpu", "gloo", 2) == {"all_reduce": [(-1, "tree")]}
+    assert at.rules_for(entries, "cpu", "gloo", 3) == {"all_reduce": [(-1, "ring")]}
+    assert at.rules_for([one_host], "cpu", "gloo", 2, hosts=True) == {
+        "all_reduce": [(-1, "tree")]}
+    # the built-in table has both places for gloo at 2 ranks, and they differ
+    built_in = at.load(at.DEFAULT_PATH)
+    assert at.rules_for(built_in, "cpu", "gloo", 2) != at.rules_for(built_in, "cpu", "gloo", 2,
+                                                                     hosts=True)
 
 
 def test_rules_from_the_fastest_per_size():
@@ -100,11 +124,17 @@ def test_best_by_size_keeps_a_choice_within_the_tolerance():
 
 
 def test_with_entry_replaces_the_same_key(tmp_path):
-    path = _write(tmp_path / "t.json", [_entry(), _entry(transport="gloo")])
+    path = _write(tmp_path / "t.json", [_entry(), _entry(transport="gloo"),
+                                         _entry(transport="gloo", hosts=True)])
     table = at.with_entry(path, _entry(rules={"all_reduce": [[None, "tree"]]}))
-    assert len(table["entries"]) == 2
+    assert len(table["entries"]) == 3
     shm = [e for e in table["entries"] if e["transport"] == "shm"]
     assert shm[0]["rules"] == {"all_reduce": [[None, "tree"]]}
+    # the same size between hosts is another entry: replaced, the one-host one kept
+    table = at.with_entry(path, _entry(transport="gloo", hosts=True,
+                                       rules={"all_reduce": [[None, "tree"]]}))
+    gloo = {bool(e.get("hosts")): e["rules"] for e in table["entries"] if e["transport"] == "gloo"}
+    assert gloo[True] == {"all_reduce": [[None, "tree"]]} and gloo[False] != gloo[True]
 
 
 def _auto_picks(rank, world_size, port, transport, table):
@@ -180,7 +210,11 @@ def test_tune_writes_an_entry_that_auto_then_follows(tmp_path):
 def test_tune_usage_errors(tmp_path):
     for argv, fragment in [(["--nproc", "1", "--out", "x"], "at least 2"),
                            (["--nproc", "2", "--collectives", "broadcast", "--out", "x"],
-                            "has no table")]:
+                            "has no table"),
+                           (["--nproc", "1", "--hosts", "2", "--out", "x"],
+                            "give --transport gloo"),
+                           (["--nproc", "2", "--link-rate", "1gbit", "--out", "x"],
+                            "--link-rate needs --hosts")]:
         proc = subprocess.run([sys.executable, "-m", "pycomm.bench", "tune", *argv], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr

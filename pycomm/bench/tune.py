@@ -5,6 +5,11 @@ as an entry of ``algo="auto"``'s table (:mod:`pycomm._auto_table`)::
     python -m pycomm.bench tune --nproc 4 --transport gloo --out auto_table.json
     PYCOMM_AUTO_TABLE=auto_table.json python train.py
 
+``--hosts H`` (root: simulated hosts, pycomm/bench/simhosts.py, with
+``--link-rate``) measures gloo between hosts, ``--nproc`` ranks on each,
+and writes an entry marked ``"hosts": true``, the one gloo groups that span
+hosts take.
+
 Each collective is one run of the study (``python -m pycomm.bench <coll>
 --algo <its algorithms>``, interleaved in rounds like any study run); the
 entry records the commit and the command. ``--out`` is merged into: an
@@ -23,7 +28,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .. import _auto_table
-from .cli import parse_args
+from .cli import add_hosts_argument, check_hosts, parse_args
 from .collectives import SPECS
 from .launch import launch
 from .report import git_commit
@@ -74,6 +79,10 @@ def _measure(args: argparse.Namespace, coll: str, out: Path) -> dict[str, Any]:
     argv = [coll, "--nproc", str(args.nproc), "--transport", args.transport, "--device", args.device,
             "-b", args.minbytes, "-e", args.maxbytes, "-f", str(args.stepfactor),
             "--algo", ",".join(_candidates(coll, args.transport)), "--json", str(out)]
+    if args.hosts:
+        argv += ["--hosts", str(args.hosts)]
+        if args.link_rate:
+            argv += ["--link-rate", args.link_rate]
     code = launch(parse_args(argv))
     if code != 0:
         raise SystemExit(f"pycomm.bench tune: the {coll} study failed (exit {code})")
@@ -86,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m pycomm.bench tune",
         description="Measure every algorithm and write algo='auto''s table entry for this "
                     "device, transport and world size.")
-    p.add_argument("--nproc", type=int, required=True, help="ranks (world size of the entry)")
+    p.add_argument("--nproc", type=int, required=True,
+                   help="ranks (world size of the entry); with --hosts, ranks on each host")
     p.add_argument("--transport", default="auto", choices=("auto", "shm", "gloo", "nccl"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--collectives", default="allreduce,allgather",
@@ -95,14 +105,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-e", "--maxbytes", default="64M")
     p.add_argument("-f", "--stepfactor", type=int, default=4)
     p.add_argument("--out", required=True, help="table file to write (merged into if it exists)")
+    add_hosts_argument(p)
     given = list(sys.argv[2:] if argv is None else argv)
     args = p.parse_args(given)
+    if args.hosts and args.transport != "gloo":
+        p.error("--hosts measures gloo between hosts: give --transport gloo")
+    check_hosts(p, args)
+    world_size = args.nproc * (args.hosts or 1)
     colls = [c.strip() for c in args.collectives.split(",") if c.strip()]
     for c in colls:
         if c not in TABLE_NAMES:
             p.error(f"--collectives: {c!r} has no table (choose from {', '.join(TABLE_NAMES)})")
-    if args.nproc < 2:
-        p.error("--nproc must be at least 2 (one rank has nothing to choose)")
+    if world_size < 2:
+        p.error("--nproc must be at least 2, or 1 with --hosts 2 or more (one rank has "
+                "nothing to choose)")
     if Path(args.out).exists():
         _auto_table.load(args.out)  # a bad file fails now, not after the measurements
     rules: dict[str, list[list[Any]]] = {}
@@ -114,12 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             best = best_by_size(data["rows"], _candidates(coll, args.transport))
             rules[TABLE_NAMES[coll]] = _auto_table.rules_from_best(best)
             print(f"# tune {coll}: " + ", ".join(f"{s} B {a}" for s, a in best))
-    entry = {"device": args.device, "transport": transport, "world_size": args.nproc,
-             "rules": rules,
+    entry = {"device": args.device, "transport": transport, "world_size": world_size,
+             **({"hosts": True} if args.hosts else {}), "rules": rules,
              "measured": {"commit": git_commit(),
                           "command": "python -m pycomm.bench tune " + shlex.join(given)}}
     table = _auto_table.with_entry(args.out, entry)
     Path(args.out).write_text(json.dumps(table, indent=2) + "\n")
-    print(f"# wrote {args.out}: {args.device}/{transport}/{args.nproc} ranks: "
+    place = f" on {args.hosts} hosts" if args.hosts else ""
+    print(f"# wrote {args.out}: {args.device}/{transport}/{world_size} ranks{place}: "
           + json.dumps(rules))
     return 0
