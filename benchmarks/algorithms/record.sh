@@ -2,8 +2,10 @@
 # Regenerates this folder, in two steps run from the repository root on a
 # quiet machine (about 8 + 15 minutes on 2 cores):
 #   bash benchmarks/algorithms/record.sh tune    # the built-in auto table's CPU
-#                                                # entries (gloo, 2 and 4 ranks);
-#                                                # commit pycomm/auto_table.json
+#                                                # entries (gloo, 2 and 4 ranks, on
+#                                                # one host and on as many simulated
+#                                                # hosts at 1 Gbit/s, root; + 15
+#                                                # minutes); commit pycomm/auto_table.json
 #   bash benchmarks/algorithms/record.sh study   # every all-reduce algorithm on
 #                                                # 4 ranks: shm, gloo, 2 x 2 hosts,
 #                                                # and the model's crossovers
@@ -19,6 +21,8 @@ case "${1:-}" in
     tune)
         for n in 2 4; do
             python -m pycomm.bench tune --nproc "$n" --transport gloo --out pycomm/auto_table.json
+            python -m pycomm.bench tune --hosts "$n" --nproc 1 --transport gloo --link-rate 1gbit \
+                -b 1K -e 64M --out pycomm/auto_table.json | tee "$out/tune_hosts_${n}x1_1gbit.txt"
         done ;;
     study)
         study shm_4ranks --nproc 4 --transport shm --algo all,direct
