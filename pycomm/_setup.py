@@ -627,12 +627,16 @@ def _build_gloo(st: Any, r: int, n: int, asked: Settings, plan: Plan) -> tuple[s
     # algo="auto" takes a table measured where this group runs: on one host
     # or across hosts (pycomm/_auto_table.py)
     across = len(set(host_ids(st, "gloo-place", r, n))) > 1
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", st), r, n, asked.timeout)
+    # headers on one group, payloads on a group per direction (lower rank to
+    # higher, and back): full duplex (csrc/torch/pg_transport.h)
+    pgs = [dist.ProcessGroupGloo(dist.PrefixStore(name, st), r, n, asked.timeout)
+           for name in ("gloo", "gloo-up", "gloo-down")]
     # the store also carries a failing rank's reason to peers blocked in a send
-    impl = _C.make_gloo_comm(pg, _timeout_ms(asked), slice_bytes_for(asked.slice_bytes, "gloo"),
+    impl = _C.make_gloo_comm(*pgs, timeout_ms=_timeout_ms(asked),
+                             slice_bytes=slice_bytes_for(asked.slice_bytes, "gloo"),
                              store=dist.PrefixStore("gloo-abort", st))
     impl.auto_table = auto_table_for("cpu", "gloo", n, hosts=across)
-    return "gloo", impl, [pg]
+    return "gloo", impl, pgs
 
 
 def _build_shm(st: Any, r: int, n: int, asked: Settings, plan: Plan) -> tuple[str, Any, list[Any]]:

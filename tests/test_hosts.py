@@ -176,7 +176,9 @@ def test_gloo_duplex_runs(tmp_path):
     assert set(data["median_ms"]) == {"one way", "gloo all_reduce", "both ways, 1 message(s)",
                                       "both ways, 4 message(s)", "both ways, 16 message(s)",
                                       "16 messages, sends 20 ms first",
-                                      "16 messages, receives first"}
+                                      "16 messages, receives first",
+                                      "1 message, send 20 ms first",
+                                      "1 message, send 20 ms first, a group a direction"}
     assert all(t > 0 for t in data["median_ms"].values()) and data["link_ms"] > 0
     bad = subprocess.run([sys.executable, script, "--link-rate", "fast"], capture_output=True,
                          text=True, timeout=60)

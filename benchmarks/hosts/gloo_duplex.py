@@ -3,7 +3,9 @@ rank each, a shaped link (``--link-rate``): torch's gloo p2p sends a tensor
 one way, then exchanges it both ways at once (``batch_isend_irecv``) as one
 message and as k chunks posted together, and gloo's own all-reduce of it;
 then 16 chunks with every send posted 20 ms before the receives, and with
-the receives posted first.
+the receives posted first; then one message each way, the send posted
+20 ms before the receive, on one group and with a group per direction
+(each rank sends on one group and receives on the other).
 
 Full duplex, the exchange takes about the one-way time. Found while looking
 for why pycomm's all-reduce across the simulated hosts takes 1.4-2x the
@@ -11,8 +13,9 @@ link's time for its bytes (benchmarks/compression/README.md). gloo sends a
 message only once the receiver said it posted the receive, and that notice
 travels on the same connection behind data already queued there: sends
 posted before the receives hold back the notices, and the exchange runs at
-about half duplex. pycomm's gloo transport therefore posts an exchange's
-large sends after its receives (csrc/torch/pg_transport.h).
+about half duplex. With a connection per direction a rank writes only
+notices on the connection its peer's data comes over: pycomm's gloo
+transport sends its payloads so (csrc/torch/pg_transport.h).
 
     python benchmarks/hosts/gloo_duplex.py --link-rate 200mbit --json F
 
@@ -71,6 +74,20 @@ def _rank(nbytes: int, reps: int) -> None:
 
     series["16 messages, sends 20 ms first"] = lambda: ordered(True)
     series["16 messages, receives first"] = lambda: ordered(False)
+    # groups of their own (connections of their own): rank 0 sends on the
+    # first and receives on the second, rank 1 the other way round
+    groups = [dist.new_group([0, 1], backend="gloo") for _ in range(2)]
+
+    def send_first(outgoing: object, incoming: object) -> None:
+        sent = dist.isend(send, peer, group=outgoing)
+        time.sleep(0.02)  # as a receive posted once its header arrived
+        received = dist.irecv(recv, peer, group=incoming)
+        sent.wait()
+        received.wait()
+
+    series["1 message, send 20 ms first"] = lambda: send_first(None, None)
+    series["1 message, send 20 ms first, a group a direction"] = lambda: send_first(
+        groups[me], groups[peer])
     ms = {}
     for name, fn in series.items():
         fn()  # warm-up: connections and buffers

@@ -39,11 +39,14 @@ std::unique_ptr<Comm> make_cpu_comm(std::unique_ptr<pycomm::Transport> transport
   return std::make_unique<Comm>(std::move(exec), opt);
 }
 
-std::unique_ptr<Comm> make_gloo_comm(c10::intrusive_ptr<c10d::Backend> backend, int64_t timeout_ms,
+std::unique_ptr<Comm> make_gloo_comm(c10::intrusive_ptr<c10d::Backend> backend,
+                                     c10::intrusive_ptr<c10d::Backend> upward,
+                                     c10::intrusive_ptr<c10d::Backend> downward, int64_t timeout_ms,
                                      int64_t slice_bytes, bool check,
                                      c10::intrusive_ptr<c10d::Store> store) {
   return make_cpu_comm(
-      std::make_unique<pycomm::ProcessGroupTransport>(std::move(backend), std::move(store)),
+      std::make_unique<pycomm::ProcessGroupTransport>(std::move(backend), std::move(upward),
+                                                      std::move(downward), std::move(store)),
       timeout_ms, slice_bytes, check);
 }
 
@@ -308,8 +311,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   bind_comm(m);
 
-  m.def("make_gloo_comm", &make_gloo_comm, py::arg("backend"), py::arg("timeout_ms"),
-        py::arg("slice_bytes"), py::arg("check") = false, py::arg("store") = nullptr);
+  m.def("make_gloo_comm", &make_gloo_comm, py::arg("backend"), py::arg("upward"),
+        py::arg("downward"), py::arg("timeout_ms"), py::arg("slice_bytes"),
+        py::arg("check") = false, py::arg("store") = nullptr);
   m.def("make_shm_comm", &make_shm_comm, py::arg("name"), py::arg("rank"), py::arg("world_size"),
         py::arg("create"), py::arg("timeout_ms"), py::arg("slice_bytes"),
         py::call_guard<py::gil_scoped_release>());

@@ -14,21 +14,13 @@ namespace {
 constexpr int kPayloadTagBase = 0x10000;
 constexpr uint32_t kPayloadIndices = 1u << 20;
 // A large payload may go as up to kMaxPieces gloo messages of >= kPieceMin
-// bytes, posted together (PYCOMM_GLOO_PIECES; default one message): deferred
-// exchanges (below) gained nothing from pieces, and 16 cost about 20 % on a
-// CPU-bound link (benchmarks/hosts/README.md, "One gloo message each way").
+// bytes, posted together (PYCOMM_GLOO_PIECES; default one message): one
+// message each way moves at the link's rate already (a connection per
+// direction, pg_transport.h), and 16 cost about 20 % on a CPU-bound link
+// (benchmarks/hosts/README.md, "One gloo message each way").
 constexpr uint32_t kMaxPieces = 16;
 constexpr uint32_t kDefaultPieces = 1;
 constexpr size_t kPieceMin = size_t{256} << 10;
-// gloo sends a message only once the receiver said it posted the receive
-// (a notification on the same connection), and a notification waits behind
-// the data already queued there. So in an exchange with one peer, data this
-// rank queued first holds back its notifications to the peer, whose data
-// then waits for them: about half duplex. So in a collective's group, a
-// send of kDeferBytes or more to a peer the group also receives a payload
-// from is posted once that receive posted its own (by a background waiter;
-// below 512 KiB its hand-off would show). User p2p is not deferred (post()).
-constexpr size_t kDeferBytes = size_t{512} << 10;
 constexpr auto kBlockedSlice = std::chrono::microseconds(20);  // wait_work's polling period
 
 at::Tensor bytes_of(void* p, size_t n) {
@@ -63,12 +55,21 @@ at::Tensor ProcessGroupTransport::new_frame() {
 }
 
 ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> backend,
+                                             c10::intrusive_ptr<c10d::Backend> upward,
+                                             c10::intrusive_ptr<c10d::Backend> downward,
                                              c10::intrusive_ptr<c10d::Store> store)
     : store_(std::move(store)),
       backend_(std::move(backend)),
+      upward_(std::move(upward)),
+      downward_(std::move(downward)),
       rank_(backend_->getRank()),
       size_(backend_->getSize()),
       max_pieces_(max_pieces_from_env()) {
+  for (const auto* b : {&upward_, &downward_}) {
+    if (!*b || (*b)->getRank() != rank_ || (*b)->getSize() != size_) {
+      throw UsageError("gloo transport: the payload groups must be given, of this rank and size");
+    }
+  }
   sent_.assign(static_cast<size_t>(size_) * kLanes, 0);
   if (store_) watch_store(store_);
 }
@@ -108,8 +109,8 @@ std::vector<c10::intrusive_ptr<c10d::Work>> ProcessGroupTransport::post_payload(
       const size_t len = base + (k < extra ? 1 : 0);
       std::vector<at::Tensor> t{bytes_of(static_cast<char*>(buf) + begin, len)};
       const int tag = payload_tag(lane, index, k);
-      works.push_back(kind == P2POp::kSend ? backend_->send(t, peer, tag)
-                                           : backend_->recv(t, peer, tag));
+      works.push_back(kind == P2POp::kSend ? payload_group(rank_, peer).send(t, peer, tag)
+                                           : payload_group(peer, rank_).recv(t, peer, tag));
     }
   } catch (...) {
     for (auto& w : works) w->abort();  // no piece stays posted where nobody sees it
@@ -118,7 +119,11 @@ std::vector<c10::intrusive_ptr<c10d::Work>> ProcessGroupTransport::post_payload(
   return works;
 }
 
-void ProcessGroupTransport::post_send(Message& m, bool exchange) {
+c10d::Backend& ProcessGroupTransport::payload_group(int from, int to) const {
+  return from < to ? *upward_ : *downward_;
+}
+
+void ProcessGroupTransport::post_send(Message& m) {
   m.index = sent_[static_cast<size_t>(m.peer) * kLanes + m.lane]++;
   m.wire = new_frame();
   const uint32_t pieces = m.bytes > kInline ? pieces_for(m.bytes) : 0;
@@ -129,9 +134,7 @@ void ProcessGroupTransport::post_send(Message& m, bool exchange) {
   }
   std::vector<at::Tensor> w{m.wire};
   m.header_work = backend_->send(w, m.peer, kTagBase + m.lane);
-  if (exchange && m.bytes >= kDeferBytes) {
-    m.deferred_pieces = pieces;  // wait_all posts them
-  } else if (m.bytes > kInline) {
+  if (m.bytes > kInline) {
     m.payload_works = post_payload(P2POp::kSend, m.buf, m.bytes, m.peer, m.lane, m.index, pieces);
   }
 }
@@ -145,15 +148,6 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
   const Handle h = next_++;
   Pending& p = pending_[h];  // references into an unordered_map stay valid
   p.msgs.reserve(n);
-  // Only collectives defer (see kDeferBytes): there the peer posted the
-  // mirror group at the same step. A user's peer may send only after its
-  // receive of this payload completed, which a deferred payload would hang.
-  auto collective_exchange = [&](const P2POp& send) {
-    return send.channel == kCollective && std::any_of(ops, ops + n, [&](const P2POp& o) {
-             return o.kind == P2POp::kRecv && o.channel == kCollective && o.peer == send.peer &&
-                    o.bytes > kInline;
-           });
-  };
   for (size_t i = 0; i < n; ++i) {
     const P2POp& op = ops[i];
     // Collectives post matching empty chunks on both sides; a user message
@@ -173,7 +167,7 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
     m.index = 0;
     try {
       if (op.kind == P2POp::kSend) {
-        post_send(m, collective_exchange(op));
+        post_send(m);
       } else if (m.lane == kTagged) {
         // Matched by take_tagged, in this order among the waiting receives.
         m.want = std::make_shared<Want>(Want{op.peer, op.tag});
@@ -196,9 +190,9 @@ Handle ProcessGroupTransport::post(const P2POp* ops, size_t n) {
   // group may stay pending while this rank blocks in a collective that the
   // peer joins only after its send completed (irecv; all_reduce against
   // send; all_reduce): so take the header in a background waiter at once,
-  // not when someone first waits for the group. Deferred sends likewise.
+  // not when someone first waits for the group.
   const bool background = std::any_of(p.msgs.begin(), p.msgs.end(), [](const Message& m) {
-    return (m.kind == P2POp::kRecv && m.channel == kUser) || m.deferred_pieces > 0;
+    return m.kind == P2POp::kRecv && m.channel == kUser;
   });
   if (background) {
     Pending* pp = &p;
@@ -396,27 +390,10 @@ void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeo
       if (m.peer == kAnySource) m.peer = m.header_work->sourceRank();
     }
     accept_header(m);
-    post_deferred(p, m.peer);  // this peer's, once this rank's notice is out
   }
-  post_deferred(p, kAnySource);  // any left (none: each had its receive)
   for (auto& m : p.msgs) {
     if (m.kind == P2POp::kSend) wait_one(m, m.header_work, "header");
     for (auto& piece : m.payload_works) wait_one(m, piece, "payload");
-  }
-}
-
-void ProcessGroupTransport::post_deferred(Pending& p, int peer) {
-  for (auto& m : p.msgs) {
-    if (m.deferred_pieces == 0 || (peer != kAnySource && m.peer != peer)) continue;
-    const uint32_t pieces = m.deferred_pieces;
-    m.deferred_pieces = 0;
-    try {
-      attach_payload(m,
-                     post_payload(P2POp::kSend, m.buf, m.bytes, m.peer, m.lane, m.index, pieces));
-    } catch (const std::exception& e) {
-      throw CommError(with_told_reason(cat("gloo ", describe(m.kind, m.peer, m.tag),
-                                           " failed to start its payload: ", e.what())));
-    }
   }
 }
 

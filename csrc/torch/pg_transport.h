@@ -9,8 +9,19 @@
 // together), each on a tag of its own (the sender's index: k-th message to
 // that peer on that lane, and the piece), and the receiver posts its
 // receives only once the header says the sizes and (on the collective
-// channel) the op match; a collective's exchange posts a large send only
-// after its receive (full duplex: kDeferBytes in pg_transport.cpp).
+// channel) the op match.
+//
+// Payloads travel on two groups of their own, one per direction: from a
+// lower rank to a higher one on `upward`, back on `downward`. gloo sends a
+// message only once the receiver said it posted the receive, a notice on
+// the same connection, queued behind whatever data this side sent there
+// first. On one connection, an exchange's two directions would thus take
+// turns (the data a rank sent first holds back its notices to the peer);
+// with a connection per direction a rank writes only notices on the one
+// its peer's data comes over, and both directions move at once, whatever
+// the order of posting (benchmarks/hosts/gloo_duplex.py measures both).
+// Headers stay on the first group: a receive from any source must find
+// every sender's on one group.
 //
 // Lanes: collectives; user p2p with tag 0; user p2p with other tags. On the
 // first two, gloo pairs the header frames per (peer, tag) in posting order,
@@ -58,9 +69,13 @@ namespace pycomm {
 
 class ProcessGroupTransport final : public Transport {
  public:
+  // `backend` carries the headers, `upward` and `downward` (groups of the
+  // same ranks, connections of their own) the payloads of each direction.
   // `store` (may be null: no watcher): this communicator's own (prefixed)
   // store, where a failing rank leaves its reason for the others.
   ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> backend,
+                        c10::intrusive_ptr<c10d::Backend> upward,
+                        c10::intrusive_ptr<c10d::Backend> downward,
                         c10::intrusive_ptr<c10d::Store> store);
   ~ProcessGroupTransport() override;
 
@@ -120,13 +135,12 @@ class ProcessGroupTransport final : public Transport {
     int lane;  // kCollective, kUser (tag 0), or the tagged lane
     void* buf;
     size_t bytes;
-    uint32_t index;                // sends: k-th message to the peer on its lane
-    OpHeader hdr;                  // of the op that posted it (seq 0: user p2p)
-    int tag;                       // user p2p
-    int* source;                   // P2POp::source
-    at::Tensor wire;               // the header (sent, or received into)
-    std::shared_ptr<Want> want;    // tagged receives
-    uint32_t deferred_pieces = 0;  // sends: pieces wait_all posts after the receives
+    uint32_t index;              // sends: k-th message to the peer on its lane
+    OpHeader hdr;                // of the op that posted it (seq 0: user p2p)
+    int tag;                     // user p2p
+    int* source;                 // P2POp::source
+    at::Tensor wire;             // the header (sent, or received into)
+    std::shared_ptr<Want> want;  // tagged receives
     c10::intrusive_ptr<c10d::Work> header_work;
     // One per piece; receives: posted once the header checked out.
     std::vector<c10::intrusive_ptr<c10d::Work>> payload_works;
@@ -151,11 +165,10 @@ class ProcessGroupTransport final : public Transport {
   Pending* find(Handle h);
   // Checks a received header against the receive; posts its payload.
   void accept_header(Message& m);
-  // Posts send m's header and (unless deferred: `exchange`, the group also
-  // receives from m.peer, and m is large) its payload's pieces; mu_ held.
-  void post_send(Message& m, bool exchange);
-  // Posts the deferred payloads of p's sends to `peer` (kAnySource: all).
-  void post_deferred(Pending& p, int peer);
+  // Posts send m's header and its payload's pieces; mu_ held.
+  void post_send(Message& m);
+  // The group a payload from rank `from` to rank `to` travels on.
+  c10d::Backend& payload_group(int from, int to) const;
   // Gives m its payload's works (pieces), aborting them if abort() ran.
   void attach_payload(Message& m, std::vector<c10::intrusive_ptr<c10d::Work>> works);
   // Blocks until the tagged receive `m` has its header frame (m.wire,
@@ -194,7 +207,9 @@ class ProcessGroupTransport final : public Transport {
   std::string told_reason_;  // guarded by told_mu_
   std::shared_ptr<AbortWatch> watch_;
   c10::intrusive_ptr<c10d::Store> store_;
-  c10::intrusive_ptr<c10d::Backend> backend_;
+  c10::intrusive_ptr<c10d::Backend> backend_;   // headers
+  c10::intrusive_ptr<c10d::Backend> upward_;    // payloads to a higher rank
+  c10::intrusive_ptr<c10d::Backend> downward_;  // payloads to a lower rank
   int rank_;
   int size_;
   uint32_t max_pieces_;  // PYCOMM_GLOO_PIECES
