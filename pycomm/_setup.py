@@ -344,10 +344,11 @@ def host_id() -> str:
     return f"{socket.gethostname()}|{boot}"
 
 
-def host_ids(store: Any, prefix: str, rank: int, world_size: int) -> list[str]:
-    """Every rank's :func:`host_id`, exchanged through the store."""
-    return all_gather(store, f"{prefix}/host", rank, world_size, host_id(),
-                      "choosing the transport")
+def host_ids(store: Any, prefix: str, rank: int, world_size: int,
+             what: str = "choosing the transport") -> list[str]:
+    """Every rank's :func:`host_id`, exchanged through the store (``what``:
+    the step a missing rank's timeout names)."""
+    return all_gather(store, f"{prefix}/host", rank, world_size, host_id(), what)
 
 
 def publish_process(store: Any, rank: int) -> None:
@@ -626,7 +627,7 @@ def _timeout_ms(asked: Settings) -> int:
 def _build_gloo(st: Any, r: int, n: int, asked: Settings, plan: Plan) -> tuple[str, Any, list[Any]]:
     # algo="auto" takes a table measured where this group runs: on one host
     # or across hosts (pycomm/_auto_table.py)
-    across = len(set(host_ids(st, "gloo-place", r, n))) > 1
+    across = len(set(host_ids(st, "gloo-place", r, n, "building the gloo transport"))) > 1
     # headers on one group, payloads on a group per direction (lower rank to
     # higher, and back): full duplex (csrc/torch/pg_transport.h)
     pgs = [dist.ProcessGroupGloo(dist.PrefixStore(name, st), r, n, asked.timeout)

@@ -190,7 +190,7 @@ def release_keys(store: Any, members: int) -> None:
 
     The store keeps every key for the job's life, on the store's host (rank
     0's process under torchrun): a program that makes and closes groups
-    again and again would grow it without bound (about a dozen keys per
+    again and again would grow it without bound (dozens of keys per
     group of 4 ranks on gloo). Every member calls this as it closes the
     group, healthy (Communicator.close: not after an abort); the last of
     them (the one whose increment of ``left`` makes it ``members``) deletes

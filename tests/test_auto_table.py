@@ -212,7 +212,11 @@ def test_tune_usage_errors(tmp_path):
                            (["--nproc", "2", "--collectives", "broadcast", "--out", "x"],
                             "has no table"),
                            (["--nproc", "1", "--hosts", "2", "--out", "x"],
-                            "give --transport gloo"),
+                            "give --transport gloo --nproc 1"),
+                           (["--nproc", "2", "--hosts", "2", "--transport", "gloo", "--out", "x"],
+                            "a rank on each"),
+                           (["--nproc", "1", "--hosts", "1", "--transport", "gloo", "--out", "x"],
+                            "H >= 2 hosts"),
                            (["--nproc", "2", "--link-rate", "1gbit", "--out", "x"],
                             "--link-rate needs --hosts")]:
         proc = subprocess.run([sys.executable, "-m", "pycomm.bench", "tune", *argv], cwd=ROOT,

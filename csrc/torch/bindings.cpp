@@ -44,6 +44,9 @@ std::unique_ptr<Comm> make_gloo_comm(c10::intrusive_ptr<c10d::Backend> backend,
                                      c10::intrusive_ptr<c10d::Backend> downward, int64_t timeout_ms,
                                      int64_t slice_bytes, bool check,
                                      c10::intrusive_ptr<c10d::Store> store) {
+  if (!backend || !upward || !downward) {
+    throw pycomm::UsageError("make_gloo_comm: the header and both payload groups are needed");
+  }
   return make_cpu_comm(
       std::make_unique<pycomm::ProcessGroupTransport>(std::move(backend), std::move(upward),
                                                       std::move(downward), std::move(store)),

@@ -66,8 +66,8 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> b
       size_(backend_->getSize()),
       max_pieces_(max_pieces_from_env()) {
   for (const auto* b : {&upward_, &downward_}) {
-    if (!*b || (*b)->getRank() != rank_ || (*b)->getSize() != size_) {
-      throw UsageError("gloo transport: the payload groups must be given, of this rank and size");
+    if ((*b)->getRank() != rank_ || (*b)->getSize() != size_) {
+      throw UsageError("gloo transport: the payload groups must be of this rank and size");
     }
   }
   sent_.assign(static_cast<size_t>(size_) * kLanes, 0);

@@ -40,10 +40,12 @@
 // peer, so those blocked on it fail with the same reason at once.
 //
 // A peer blocked in a send never reads that header (a gloo send waits for
-// its receive, and gloo closes every pair of a rank whose wait timed out),
-// so the reason also goes through the store: the failing rank sets
+// its receive, and gloo closes every pair of a group in which a wait timed
+// out), so the reason also goes through the store: the failing rank sets
 // kAbortKey, and a watcher thread on every rank polls it (every
-// kAbortPoll) and aborts its transport with that reason.
+// kAbortPoll) and aborts its transport with that reason. An aborted
+// transport closes the payload groups' connections while a payload is in
+// flight (abort()), so that nothing lands in a buffer after its op failed.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>

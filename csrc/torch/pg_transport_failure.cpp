@@ -144,6 +144,21 @@ void ProcessGroupTransport::abort() {
     }
   }
   match_cv_.notify_all();
+  // gloo's abort of a work only wakes its waiter: the receive stays posted,
+  // and a healthy peer's payload would still land in a buffer that the
+  // failed op may have freed by then. A wait that times out makes gloo close
+  // that group's connections (its rule for any timeout), so nothing lands
+  // after this. (Headers land in frames the works own.)
+  for (auto& kv : pending_) {
+    for (auto& m : kv.second.msgs) {
+      for (auto& w : m.payload_works) {
+        try {
+          if (w && !w->isCompleted()) w->wait(std::chrono::milliseconds(1));
+        } catch (...) {
+        }
+      }
+    }
+  }
   for (auto& kv : pending_) {
     for (auto& m : kv.second.msgs) {
       m.for_each_work([](c10::intrusive_ptr<c10d::Work>& w) {

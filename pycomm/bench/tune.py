@@ -5,10 +5,10 @@ as an entry of ``algo="auto"``'s table (:mod:`pycomm._auto_table`)::
     python -m pycomm.bench tune --nproc 4 --transport gloo --out auto_table.json
     PYCOMM_AUTO_TABLE=auto_table.json python train.py
 
-``--hosts H`` (root: simulated hosts, pycomm/bench/simhosts.py, with
-``--link-rate``) measures gloo between hosts, ``--nproc`` ranks on each,
-and writes an entry marked ``"hosts": true``, the one gloo groups that span
-hosts take.
+``--hosts H --nproc 1`` (root: simulated hosts, pycomm/bench/simhosts.py,
+with ``--link-rate``) measures gloo between H hosts, a rank on each, and
+writes an entry of world size H marked ``"hosts": true``, the one gloo
+groups that span hosts take.
 
 Each collective is one run of the study (``python -m pycomm.bench <coll>
 --algo <its algorithms>``, interleaved in rounds like any study run); the
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Measure every algorithm and write algo='auto''s table entry for this "
                     "device, transport and world size.")
     p.add_argument("--nproc", type=int, required=True,
-                   help="ranks (world size of the entry); with --hosts, ranks on each host")
+                   help="ranks (world size of the entry); with --hosts, 1 (a rank a host)")
     p.add_argument("--transport", default="auto", choices=("auto", "shm", "gloo", "nccl"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--collectives", default="allreduce,allgather",
@@ -108,8 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_hosts_argument(p)
     given = list(sys.argv[2:] if argv is None else argv)
     args = p.parse_args(given)
-    if args.hosts and args.transport != "gloo":
-        p.error("--hosts measures gloo between hosts: give --transport gloo")
+    if args.hosts and (args.transport != "gloo" or args.nproc != 1 or args.hosts < 2):
+        p.error("--hosts H measures gloo between H >= 2 hosts, a rank on each: give "
+                "--transport gloo --nproc 1")
     check_hosts(p, args)
     world_size = args.nproc * (args.hosts or 1)
     colls = [c.strip() for c in args.collectives.split(",") if c.strip()]
@@ -117,8 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if c not in TABLE_NAMES:
             p.error(f"--collectives: {c!r} has no table (choose from {', '.join(TABLE_NAMES)})")
     if world_size < 2:
-        p.error("--nproc must be at least 2, or 1 with --hosts 2 or more (one rank has "
-                "nothing to choose)")
+        p.error("--nproc must be at least 2 (one rank has nothing to choose)")
     if Path(args.out).exists():
         _auto_table.load(args.out)  # a bad file fails now, not after the measurements
     rules: dict[str, list[list[Any]]] = {}
