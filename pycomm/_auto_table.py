@@ -152,6 +152,5 @@ def with_entry(path: str | Path, entry: dict[str, Any]) -> dict[str, Any]:
     entries = load(p) if p.exists() else []
     kept = [e for e in entries if _key(e) != _key(entry)]
     kept.append(entry)
-    kept.sort(key=lambda e: (e["device"], e["transport"], bool(e.get("hosts", False)),
-                             e.get("world_size") or 0))
+    kept.sort(key=lambda e: (*_key(e)[:2], _key(e)[3], _key(e)[2] or 0))
     return {"format": FORMAT, "entries": kept}

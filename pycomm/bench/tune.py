@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--hosts H measures gloo between H >= 2 hosts, a rank on each: give "
                 "--transport gloo --nproc 1")
     check_hosts(p, args)
-    world_size = args.nproc * (args.hosts or 1)
+    world_size = args.hosts or args.nproc  # --hosts: a rank on each
     colls = [c.strip() for c in args.collectives.split(",") if c.strip()]
     for c in colls:
         if c not in TABLE_NAMES:
