@@ -193,8 +193,8 @@ class Communicator(PointToPoint, SymmetricMemory):
         if not isinstance(tensor, torch.Tensor):  # the common case pays no call
             _need_tensors("all_reduce", tensor=tensor)
         wire = -1 if wire_dtype is None else _to_wire(wire_dtype)
-        return self._impl.all_reduce(tensor, _to_op(op), algo, async_op, wire, bool(register),
-                                     int(wire_block), residual)
+        return self._impl.all_reduce(tensor, op if type(op) is ReduceOp else _to_op(op), algo,
+                                     async_op, wire, register, wire_block, residual)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: OpLike = ReduceOp.SUM,

@@ -72,25 +72,20 @@ bool Worker::poll_all() {
   return more;
 }
 
-bool Worker::try_run_inline(const std::function<void()>& task) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (busy_ || has_task()) return false;
-    busy_ = true;
-  }
-  struct Release {
-    Worker* w;
-    ~Release() {
-      std::lock_guard<std::mutex> lk(w->mu_);
-      w->busy_ = false;
-      // Only when a waiter can go on now: a notify always wakes the idle
-      // worker, a context switch per synchronous op otherwise. Under the
-      // lock: a drainer that goes on may destroy the Worker right after.
-      if (w->has_task() || w->poll_pending_ || w->stop_ || w->drainers_ > 0) w->cv_.notify_all();
-    }
-  } release{this};
-  task();
+bool Worker::claim_idle() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (busy_ || has_task()) return false;
+  busy_ = true;
   return true;
+}
+
+void Worker::release_inline() {
+  std::lock_guard<std::mutex> lk(mu_);
+  busy_ = false;
+  // Only when a waiter can go on now: a notify always wakes the idle worker,
+  // a context switch per synchronous op otherwise. Under the lock: a drainer
+  // that goes on may destroy the Worker right after.
+  if (has_task() || poll_pending_ || stop_ || drainers_ > 0) cv_.notify_all();
 }
 
 void Worker::drain() {

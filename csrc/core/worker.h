@@ -47,8 +47,18 @@ class Worker {
 
   // Runs `task` on the calling thread if nothing is queued or running (the
   // common case of a synchronous collective), saving two thread hand-offs.
-  // Returns false, without running it, otherwise.
-  bool try_run_inline(const std::function<void()>& task);
+  // Returns false, without running it, otherwise. A template: the task runs
+  // as the caller wrote it, with no std::function made per call.
+  template <class Task>
+  bool try_run_inline(Task& task) {
+    if (!claim_idle()) return false;
+    struct Release {
+      Worker* w;
+      ~Release() { w->release_inline(); }
+    } release{this};
+    task();
+    return true;
+  }
 
   // Blocks until every task submitted so far has finished and the idle poll
   // (below) reports nothing pending. Not on the worker thread (it would wait
@@ -83,6 +93,9 @@ class Worker {
   }
 
  private:
+  // try_run_inline's two halves: claim the worker when it is idle; release it.
+  bool claim_idle();
+  void release_inline();
   void loop();
 
   std::mutex mu_;

@@ -16,7 +16,8 @@
 namespace pycomm {
 namespace backend_detail {
 
-inline c10::TypePtr tensor_list_type() { return c10::ListType::create(c10::TensorType::get()); }
+// torch's one List[Tensor] type: no allocation per future.
+inline c10::TypePtr tensor_list_type() { return c10::ListType::ofTensors(); }
 
 // The devices a future of an op on `device` synchronises with: none on CPU;
 // on CUDA the op's device, which makes the future CUDA-aware (its value and

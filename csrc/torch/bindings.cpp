@@ -205,11 +205,7 @@ void bind_work(py::module_& m) {
 
 // Comm's collectives; every call releases the GIL (the op may block).
 void bind_collectives(py::class_<Comm, py::smart_holder>& comm) {
-  comm.def("all_reduce", &Comm::all_reduce, py::arg("tensor"), py::arg("op"), py::arg("algo"),
-           py::arg("async_op"), py::arg("wire_dtype") = -1, py::arg("register") = false,
-           py::arg("wire_block") = 256, py::arg("residual") = py::none(),
-           py::call_guard<py::gil_scoped_release>())
-      .def("reduce_scatter", &Comm::reduce_scatter, py::arg("output"), py::arg("input"),
+  comm.def("reduce_scatter", &Comm::reduce_scatter, py::arg("output"), py::arg("input"),
            py::arg("op"), py::arg("algo"), py::arg("async_op"),
            py::call_guard<py::gil_scoped_release>())
       .def("all_gather", &Comm::all_gather, py::arg("output"), py::arg("input"), py::arg("algo"),
@@ -229,6 +225,77 @@ void bind_collectives(py::class_<Comm, py::smart_holder>& comm) {
            py::arg("output_split_sizes"), py::arg("input_split_sizes"), py::arg("async_op"),
            py::call_guard<py::gil_scoped_release>());
 }
+
+// Comm.all_reduce without pybind11's dispatcher, the Python API's most
+// frequent call: at small sizes a blocking all-reduce is mostly its call, and
+// pybind11's generic argument handling (keywords, defaults, a vector per call)
+// cost as much as the op (benchmarks/allreduce/README.md, "call_cost.py").
+// A METH_FASTCALL method descriptor: the 8 arguments of Comm::all_reduce,
+// positional, converted here; errors go through the module's translators
+// like every other binding's.
+PyObject* all_reduce_fastcall(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    if (nargs != 8) {
+      throw pycomm::UsageTypeError(
+          "Comm.all_reduce takes 8 positional arguments (tensor, op, algo, async_op, wire_dtype, "
+          "register, wire_block, residual), got " +
+          std::to_string(nargs));
+    }
+    auto tensor = [](PyObject* o, const char* name) -> const at::Tensor& {
+      if (!THPVariable_Check(o)) {
+        throw pycomm::UsageTypeError(std::string("all_reduce: ") + name +
+                                     " must be a torch.Tensor, got " + Py_TYPE(o)->tp_name);
+      }
+      return THPVariable_Unpack(o);
+    };
+    auto integer = [](PyObject* o) {
+      const long long v = PyLong_AsLongLong(o);  // int, IntEnum (ReduceOp), bool
+      if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+      return v;
+    };
+    auto boolean = [](PyObject* o) {
+      const int v = PyObject_IsTrue(o);
+      if (v < 0) throw py::error_already_set();
+      return v != 0;
+    };
+    Py_ssize_t algo_len = 0;
+    const char* algo_chars =
+        PyUnicode_Check(args[2]) ? PyUnicode_AsUTF8AndSize(args[2], &algo_len) : nullptr;
+    if (algo_chars == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      throw pycomm::UsageTypeError(std::string("all_reduce: algo must be a str, got ") +
+                                   Py_TYPE(args[2])->tp_name);
+    }
+    Comm& comm = py::cast<Comm&>(py::handle(self));
+    const at::Tensor& t = tensor(args[0], "tensor");
+    const int op = static_cast<int>(integer(args[1]));
+    const std::string algo(algo_chars, static_cast<size_t>(algo_len));
+    const bool async_op = boolean(args[3]);
+    const int wire = static_cast<int>(integer(args[4]));
+    const bool to_register = boolean(args[5]);
+    const int64_t block = integer(args[6]);
+    std::optional<at::Tensor> residual;
+    if (args[7] != Py_None) residual = tensor(args[7], "residual");
+    c10::intrusive_ptr<Work> work;
+    {
+      py::gil_scoped_release nogil;
+      work = comm.all_reduce(t, op, algo, async_op, wire, to_register, block, residual);
+    }
+    if (!work) Py_RETURN_NONE;
+    return py::cast(std::move(work)).release().ptr();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+  }
+  return nullptr;
+}
+
+PyMethodDef all_reduce_def = {
+    "all_reduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_reduce_fastcall)),
+    METH_FASTCALL,
+    "all_reduce(tensor, op, algo, async_op, wire_dtype, register, wire_block, residual): "
+    "positional only (pycomm/comm.py passes them)"};
 
 // Comm's point-to-point calls, barrier, split and life (close, abort).
 void bind_p2p_and_life(py::class_<Comm, py::smart_holder>& comm) {
@@ -279,6 +346,10 @@ void bind_comm(py::module_& m) {
       .def_property_readonly("symmetric_all_reduces", &Comm::symmetric_all_reduces)
       .def_property_readonly("cross_memory_all_reduces", &Comm::cross_memory_all_reduces);
   bind_collectives(comm);
+  PyObject* all_reduce =
+      PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(comm.ptr()), &all_reduce_def);
+  if (all_reduce == nullptr) throw py::error_already_set();
+  comm.attr("all_reduce") = py::reinterpret_steal<py::object>(all_reduce);
   bind_p2p_and_life(comm);
   bind_hierarchy(m, comm);
 }

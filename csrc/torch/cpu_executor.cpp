@@ -109,7 +109,7 @@ class CpuExecutor final : public Executor, private DeferredP2P::Transfers {
 
   void run(const c10::intrusive_ptr<Work>& work, Body body, Wait wait,
            std::vector<at::Tensor> keep) override {
-    std::function<void()> task = [this, work, body = std::move(body), keep = std::move(keep)]() {
+    auto task = [this, work, body = std::move(body), keep = std::move(keep)]() {
       if (fail_if_aborted(work)) return;
       try {
         Context ctx{*transport_, reducer_, scratch_.data(), scratch_.size(), slice_bytes_};

@@ -40,8 +40,8 @@ Work::Work(std::string op, uint64_t seq, std::vector<at::Tensor> outputs,
     : op_(std::move(op)),
       seq_(seq),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()), std::move(devices))) {}
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(),
+                                                       std::move(devices))) {}
 
 void Work::wait() {
   if (worker_ && worker_->is_current() && !future_->completed()) {
