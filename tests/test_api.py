@@ -199,3 +199,34 @@ def test_module_twins_forward_every_argument(monkeypatch):
         got = calls.pop(name)
         assert got.keys() == sent.keys() and all(got[k] is sent[k] for k in sent), \
             f"pycomm.{name} passed {sorted(got)} for {sorted(sent)}"
+
+
+def test_all_reduce_arguments_as_the_binding_reads_them():
+    """Communicator.all_reduce hands its arguments to a METH_FASTCALL binding
+    (bindings.cpp, all_reduce_fastcall) that converts them itself: every
+    spelling still works, and a wrong type is a TypeError naming the argument."""
+    import torch.distributed as dist
+
+    import pycomm
+
+    with pycomm.init(rank=0, world_size=1, store=dist.HashStore()) as c:
+        t = torch.arange(4.0)
+        for op in ("sum", dist.ReduceOp.MAX, pycomm.ReduceOp.MIN, 3, "avg"):
+            assert c.all_reduce(t, op=op) is None
+        work = c.all_reduce(t, async_op=1)  # any truth value, as before
+        assert isinstance(work, pycomm.Work)
+        work.wait()
+        assert torch.equal(t, torch.arange(4.0))
+        residual = torch.zeros(4)
+        c.all_reduce(t, wire_dtype=torch.int8, wire_block=2, residual=residual)
+        assert torch.allclose(t, torch.arange(4.0), atol=0.02)
+        with pytest.raises(TypeError, match="algo must be a str, got int"):
+            c.all_reduce(t, algo=3)
+        with pytest.raises(TypeError, match="residual must be a torch.Tensor, got list"):
+            c.all_reduce(t, wire_dtype=torch.int8, residual=[0.0] * 4)
+        with pytest.raises(TypeError):
+            c.all_reduce(t, wire_dtype=torch.int8, wire_block="256")
+        with pytest.raises(ValueError, match="op"):
+            c.all_reduce(t, op=9)
+        with pytest.raises(TypeError, match=r"8 positional arguments \(tensor, .*\), got 1"):
+            c._impl.all_reduce(t)
