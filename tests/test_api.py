@@ -213,19 +213,22 @@ def test_all_reduce_arguments_as_the_binding_reads_them():
         t = torch.arange(4.0)
         for op in ("sum", dist.ReduceOp.MAX, pycomm.ReduceOp.MIN, 3, "avg"):
             assert c.all_reduce(t, op=op) is None
-        work = c.all_reduce(t, async_op=1)  # any truth value, as before
+        work = c.all_reduce(t, async_op=1)  # a number or None, as pybind11 read it
         assert isinstance(work, pycomm.Work)
         work.wait()
         assert torch.equal(t, torch.arange(4.0))
         residual = torch.zeros(4)
-        c.all_reduce(t, wire_dtype=torch.int8, wire_block=2, residual=residual)
+        c.all_reduce(t, wire_dtype=torch.int8, wire_block=2.0, residual=residual)  # int() of it
         assert torch.allclose(t, torch.arange(4.0), atol=0.02)
+        assert c.all_reduce(t, async_op=None) is None
+        with pytest.raises(TypeError, match="async_op must be a bool, got str"):
+            c.all_reduce(t, async_op="no")
         with pytest.raises(TypeError, match="algo must be a str, got int"):
             c.all_reduce(t, algo=3)
         with pytest.raises(TypeError, match="residual must be a torch.Tensor, got list"):
             c.all_reduce(t, wire_dtype=torch.int8, residual=[0.0] * 4)
         with pytest.raises(TypeError):
-            c.all_reduce(t, wire_dtype=torch.int8, wire_block="256")
+            c.all_reduce(t, wire_dtype=torch.int8, wire_block=[256])
         with pytest.raises(ValueError, match="op"):
             c.all_reduce(t, op=9)
         with pytest.raises(TypeError, match=r"8 positional arguments \(tensor, .*\), got 1"):

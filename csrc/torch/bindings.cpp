@@ -226,6 +226,59 @@ void bind_collectives(py::class_<Comm, py::smart_holder>& comm) {
            py::call_guard<py::gil_scoped_release>());
 }
 
+// all_reduce_fastcall's arguments, read as pybind11 and comm.py read them
+// before it. A tensor, or a TypeError naming the argument:
+const at::Tensor& tensor_arg(PyObject* o, const char* name) {
+  if (!THPVariable_Check(o)) {
+    throw pycomm::UsageTypeError(std::string("all_reduce: ") + name +
+                                 " must be a torch.Tensor, got " + Py_TYPE(o)->tp_name);
+  }
+  return THPVariable_Unpack(o);
+}
+
+// int() of it: an int or IntEnum (ReduceOp) as is.
+int64_t int_arg(PyObject* o) {
+  py::object number = py::reinterpret_borrow<py::object>(o);
+  if (!PyLong_Check(o)) number = py::reinterpret_steal<py::object>(PyNumber_Long(o));
+  if (!number) throw py::error_already_set();
+  const long long v = PyLong_AsLongLong(number.ptr());
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+// A flag as pybind11 read async_op: True/False, None, or a number.
+bool flag_arg(PyObject* o, const char* name) {
+  if (o == Py_True) return true;
+  if (o == Py_False || o == Py_None) return false;
+  const PyNumberMethods* nb = Py_TYPE(o)->tp_as_number;
+  if (nb == nullptr || nb->nb_bool == nullptr) {
+    throw pycomm::UsageTypeError(std::string("all_reduce: ") + name + " must be a bool, got " +
+                                 Py_TYPE(o)->tp_name);
+  }
+  const int v = nb->nb_bool(o);
+  if (v < 0) throw py::error_already_set();
+  return v != 0;
+}
+
+// bool() of it.
+bool truth_arg(PyObject* o) {
+  const int v = PyObject_IsTrue(o);
+  if (v < 0) throw py::error_already_set();
+  return v != 0;
+}
+
+// A str, or a TypeError naming the argument.
+std::string str_arg(PyObject* o, const char* name) {
+  Py_ssize_t len = 0;
+  const char* chars = PyUnicode_Check(o) ? PyUnicode_AsUTF8AndSize(o, &len) : nullptr;
+  if (chars == nullptr) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    throw pycomm::UsageTypeError(std::string("all_reduce: ") + name + " must be a str, got " +
+                                 Py_TYPE(o)->tp_name);
+  }
+  return std::string(chars, static_cast<size_t>(len));
+}
+
 // Comm.all_reduce without pybind11's dispatcher, the Python API's most
 // frequent call: at small sizes a blocking all-reduce is mostly its call, and
 // pybind11's generic argument handling (keywords, defaults, a vector per call)
@@ -241,41 +294,16 @@ PyObject* all_reduce_fastcall(PyObject* self, PyObject* const* args, Py_ssize_t 
           "register, wire_block, residual), got " +
           std::to_string(nargs));
     }
-    auto tensor = [](PyObject* o, const char* name) -> const at::Tensor& {
-      if (!THPVariable_Check(o)) {
-        throw pycomm::UsageTypeError(std::string("all_reduce: ") + name +
-                                     " must be a torch.Tensor, got " + Py_TYPE(o)->tp_name);
-      }
-      return THPVariable_Unpack(o);
-    };
-    auto integer = [](PyObject* o) {
-      const long long v = PyLong_AsLongLong(o);  // int, IntEnum (ReduceOp), bool
-      if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-      return v;
-    };
-    auto boolean = [](PyObject* o) {
-      const int v = PyObject_IsTrue(o);
-      if (v < 0) throw py::error_already_set();
-      return v != 0;
-    };
-    Py_ssize_t algo_len = 0;
-    const char* algo_chars =
-        PyUnicode_Check(args[2]) ? PyUnicode_AsUTF8AndSize(args[2], &algo_len) : nullptr;
-    if (algo_chars == nullptr) {
-      if (PyErr_Occurred()) throw py::error_already_set();
-      throw pycomm::UsageTypeError(std::string("all_reduce: algo must be a str, got ") +
-                                   Py_TYPE(args[2])->tp_name);
-    }
     Comm& comm = py::cast<Comm&>(py::handle(self));
-    const at::Tensor& t = tensor(args[0], "tensor");
-    const int op = static_cast<int>(integer(args[1]));
-    const std::string algo(algo_chars, static_cast<size_t>(algo_len));
-    const bool async_op = boolean(args[3]);
-    const int wire = static_cast<int>(integer(args[4]));
-    const bool to_register = boolean(args[5]);
-    const int64_t block = integer(args[6]);
+    const at::Tensor& t = tensor_arg(args[0], "tensor");
+    const int op = static_cast<int>(int_arg(args[1]));
+    const std::string algo = str_arg(args[2], "algo");
+    const bool async_op = flag_arg(args[3], "async_op");
+    const int wire = static_cast<int>(int_arg(args[4]));
+    const bool to_register = truth_arg(args[5]);
+    const int64_t block = int_arg(args[6]);
     std::optional<at::Tensor> residual;
-    if (args[7] != Py_None) residual = tensor(args[7], "residual");
+    if (args[7] != Py_None) residual = tensor_arg(args[7], "residual");
     c10::intrusive_ptr<Work> work;
     {
       py::gil_scoped_release nogil;
@@ -285,6 +313,10 @@ PyObject* all_reduce_fastcall(PyObject* self, PyObject* const* args, Py_ssize_t 
     return py::cast(std::move(work)).release().ptr();
   } catch (py::error_already_set& e) {
     e.restore();
+#ifdef __GLIBCXX__
+  } catch (abi::__forced_unwind&) {
+    throw;  // a cancelled thread unwinds, as in pybind11's own dispatcher
+#endif
   } catch (...) {
     py::detail::try_translate_exceptions();
   }
