@@ -204,7 +204,8 @@ def test_module_twins_forward_every_argument(monkeypatch):
 def test_all_reduce_arguments_as_the_binding_reads_them():
     """Communicator.all_reduce hands its arguments to a METH_FASTCALL binding
     (bindings.cpp, all_reduce_fastcall) that converts them itself: every
-    spelling still works, and a wrong type is a TypeError naming the argument."""
+    spelling still works, and a wrong type is a TypeError (naming the argument
+    where the binding checks the type itself; wire_block gets int()'s)."""
     import torch.distributed as dist
 
     import pycomm
