@@ -3,8 +3,8 @@
 Two ways to run code on N ranks:
 
 * ``run_ranks(fn, world_size, transport, *args)``: ranks come from a cached pool
-  of spawned processes that already hold a communicator (spawning and
-  importing torch costs ~2 s a process, so pools are reused across tests).
+  of processes that already hold a communicator (pools are reused across
+  tests: a rank's start and its communicator's cost tenths of a second).
   ``fn(comm, *args)`` runs on every rank; its return values come back as a
   list indexed by rank. A failure or timeout kills the pool (its
   communicator may be aborted) and raises with every child's traceback.
@@ -27,7 +27,41 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-_CTX = mp.get_context("spawn")
+# Ranks are forked from a server process that has imported torch already:
+# importing it costs ~2 s of CPU a process, the larger part of a short
+# multi-rank test on 2 cores. pycomm itself is imported by each rank, after
+# the test's setup (a test may set variables first). The server starts once
+# per test session, so each rank is handed what a spawned one would inherit
+# at its start: the test process's environment and its stdout / stderr
+# (pytest's capture of the current test).
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed"])
+
+
+class _Inherited:
+    """The test process's environment and stdio at a rank's start, pickled
+    into the rank: unpickling makes the stdio the rank's own and gives back
+    the environment (_inheriting installs it)."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+
+    def __reduce__(self) -> tuple:
+        # DupFd hands the descriptors to the forkserver's child (as
+        # multiprocessing does for a Connection); only while pickling for it.
+        from multiprocessing import reduction
+
+        return _Inherited._received, (self.environ, reduction.DupFd(1), reduction.DupFd(2))
+
+    @staticmethod
+    def _received(environ: dict[str, str], out: Any, err: Any) -> dict[str, str]:
+        for fd, dup in ((1, out), (2, err)):
+            got = dup.detach()
+            os.dup2(got, fd)
+            os.close(got)
+        return environ
+
+
 DEFAULT_TIMEOUT = float(os.environ.get("PYCOMM_TEST_TIMEOUT", "120"))
 # The communicator's own timeout in tests: a wedged collective errors out
 # well before the harness gives up.
@@ -47,6 +81,21 @@ def master_store(world_size: int) -> dist.TCPStore:
 
 def client_store(port: int, world_size: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timedelta(seconds=60))
+
+
+def _inheriting(environ: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+    """A rank's body: ``target(*args)`` with ``environ`` as the environment
+    (unpickling _Inherited installed the test's stdio already)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
+def _start(target: Callable[..., None], *args: Any) -> Any:
+    """Starts a daemon rank running ``target(*args)``; returns the process."""
+    p = _CTX.Process(target=_inheriting, args=(_Inherited(), target, *args), daemon=True)
+    p.start()
+    return p
 
 
 def _pool_child(rank: int, world_size: int, port: int, transport: str, conn: Any) -> None:
@@ -87,9 +136,7 @@ class RankPool:
         self._procs = []
         for r in range(world_size):
             parent, child = _CTX.Pipe()
-            p = _CTX.Process(target=_pool_child,
-                             args=(r, world_size, self._store.port, transport, child), daemon=True)
-            p.start()
+            p = _start(_pool_child, r, world_size, self._store.port, transport, child)
             child.close()
             self._conns.append(parent)
             self._procs.append(p)
@@ -197,9 +244,7 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     conns, procs = [], []
     for r in range(world_size):
         parent, child = _CTX.Pipe()
-        p = _CTX.Process(target=_spawn_child, args=(fn, r, world_size, store.port, args, child),
-                         daemon=True)
-        p.start()
+        p = _start(_spawn_child, fn, r, world_size, store.port, args, child)
         child.close()
         conns.append(parent)
         procs.append(p)

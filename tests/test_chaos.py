@@ -1,7 +1,7 @@
 """python -m pycomm.bench chaos: faults injected into soak traffic; every
 survivor raises within the timeout + 5 s, nothing hangs, nothing is left in
-/dev/shm. The default run injects 20 faults (16 signals, each kind several
-times, and 4 of the surroundings); the longer runs (shm and gloo) are slow."""
+/dev/shm. The default run injects 16 faults (12 signals, each kind 3 times,
+and 4 of the surroundings); the longer runs (shm and gloo) are slow."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _chaos(tmp_path, *args: str, timeout: float = 900) -> tuple[subprocess.Compl
 
 
 @pytest.mark.parametrize("transport, nproc, faults", [
-    ("shm", 3, 16),  # with the 4 of test_the_job_lives_through_its_surroundings: 20 by default
+    ("shm", 3, 12),  # with the 4 of test_the_job_lives_through_its_surroundings: 16 by default
     pytest.param("shm", 3, 40, marks=pytest.mark.slow),
     pytest.param("gloo", 3, 8, marks=pytest.mark.slow),
 ])
