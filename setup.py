@@ -15,6 +15,8 @@ Environment:
                         The build prints the list it chose and why.
   MAX_JOBS              parallel compile jobs (ninja); defaults to the CPU count
   PYCOMM_FORCE_CPU=1    build the CPU-only extension even with a CUDA torch
+  PYCOMM_DEBUG_INFO=1   keep debug information (-g; dropped by default: it
+                        doubles the compile time)
   NCCL_HOME             NCCL install with include/ and lib/ (default: nvidia-nccl-cu13 wheel)
 
 Build isolation must be off: the extension links against the installed torch,

@@ -21,7 +21,11 @@ TORCH_RANGE = ((2, 11), (2, 14))
 # -ffp-contract=off: no FMA contraction either (GCC contracts in C++ mode
 # wherever the target has FMA: aarch64, -march=native), so that the CPU's
 # results stay bitwise the GPU's and the portable loops' (see NVCC_FLAGS).
-CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-ffp-contract=off"]
+# -g0: Python's own CFLAGS, which setuptools puts first, carry -g; debug
+# information for torch's headers doubles every binding source's compile time
+# and makes the library 20 times larger. PYCOMM_DEBUG_INFO=1 keeps it.
+CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-ffp-contract=off",
+             *([] if os.environ.get("PYCOMM_DEBUG_INFO") == "1" else ["-g0"])]
 # -fmad=false: no FMA contraction in our kernels, so GPU reductions are bitwise
 # the CPU ones (csrc/core/elementwise.h is shared).
 NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-fmad=false", "-lineinfo"]
