@@ -207,7 +207,12 @@ def test_tune_writes_an_entry_that_auto_then_follows(tmp_path):
     assert picks[0][1024] == at.rules_for(entries, "cpu", "gloo", 2)["all_reduce"][0][1]
 
 
-def test_tune_usage_errors(tmp_path):
+def test_tune_usage_errors(capsys):
+    """Refused at argument parsing (exit 2, the reason on stderr), before
+    anything runs: in this process, as ``python -m pycomm.bench tune``
+    calls it."""
+    from pycomm.bench import tune
+
     for argv, fragment in [(["--nproc", "1", "--out", "x"], "at least 2"),
                            (["--nproc", "2", "--collectives", "broadcast", "--out", "x"],
                             "has no table"),
@@ -219,6 +224,7 @@ def test_tune_usage_errors(tmp_path):
                             "H >= 2 hosts"),
                            (["--nproc", "2", "--link-rate", "1gbit", "--out", "x"],
                             "--link-rate needs --hosts")]:
-        proc = subprocess.run([sys.executable, "-m", "pycomm.bench", "tune", *argv], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr
+        with pytest.raises(SystemExit) as e:
+            tune.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and fragment in err, err
