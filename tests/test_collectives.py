@@ -172,20 +172,14 @@ def test_p2p_both_directions(transport, world_size):
     run_ranks(_p2p_both_directions, world_size, transport)
 
 
-def _gloo_payload_pieces(rank, world_size, port, pieces_by_rank):
-    """A payload above the 4 KiB frame goes in pieces (one gloo message each,
-    posted together); each rank sends in as many as its PYCOMM_GLOO_PIECES
-    allows and receives in the sender's count: ranks need not agree."""
-    import os
-
-    os.environ["PYCOMM_GLOO_PIECES"] = pieces_by_rank[rank]
+def _gloo_payloads(comm):
+    """Payloads inside the 4 KiB header frame and above it (a gloo message of
+    their own, on the direction's group), in a ring exchange and an
+    all-reduce."""
     import pycomm
-    from tests._dist import COMM_TIMEOUT, client_store
 
-    comm = pycomm.init(rank=rank, world_size=world_size, store=client_store(port, world_size),
-                       transport="gloo", timeout=COMM_TIMEOUT)
-    n = world_size
-    # bytes: 1 piece; 3 pieces, split unevenly; 16 pieces, unevenly; odd bytes
+    rank, n = comm.rank, comm.world_size
+    # bytes: inline; above the frame; 4 MiB and 3 bytes; odd bytes
     for count, dtype in [(1100, torch.float32), (196_613, torch.float32),
                          ((1 << 20) + 3, torch.float32), ((1 << 20) + 1, torch.uint8)]:
         mine = rank_input(rank, count, dtype, "sum")
@@ -201,8 +195,9 @@ def _gloo_payload_pieces(rank, world_size, port, pieces_by_rank):
             t = inputs[rank].clone()
             comm.all_reduce(t)
             assert_matches(t, reference(inputs, "sum"), f"all_reduce count={count}")
-    # Two large exchanges between ranks 0 and 1 (their pieces wait for the
-    # receives: a background waiter posts them), waited in opposite orders.
+    # Two large exchanges between ranks 0 and 1 (each payload's receive is
+    # posted by a background waiter once its header came), waited in
+    # opposite orders.
     if rank < 2:
         peer, count = 1 - rank, 300_000
         groups = []
@@ -216,17 +211,12 @@ def _gloo_payload_pieces(rank, world_size, port, pieces_by_rank):
             for w in works:
                 w.wait()
             assert torch.equal(got, rank_input(peer, count, torch.float32, "sum", seed=g)), g
-    comm.close()
     return True
 
 
-@pytest.mark.parametrize("pieces_by_rank", [("1", "16"), ("16", "3", "1")],
-                         ids=["2-ranks-1-16", "3-ranks-16-3-1"])
-def test_gloo_payload_pieces_differ_across_ranks(pieces_by_rank):
-    from tests._dist import spawn_ranks
-
-    assert spawn_ranks(_gloo_payload_pieces, len(pieces_by_rank), pieces_by_rank) == \
-        [True] * len(pieces_by_rank)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gloo_payloads_of_every_size(world_size):
+    assert run_ranks(_gloo_payloads, world_size, "gloo") == [True] * world_size
 
 
 def _batch_against_recv_then_send(rank, world_size, port):
@@ -259,30 +249,6 @@ def test_gloo_batch_against_recv_then_send():
     from tests._dist import spawn_ranks
 
     assert spawn_ranks(_batch_against_recv_then_send, 2, timeout=120) == [True, True]
-
-
-def _gloo_pieces_refused(rank, world_size, port, value):
-    import os
-
-    os.environ["PYCOMM_GLOO_PIECES"] = value
-    import pycomm
-    from tests._dist import COMM_TIMEOUT, client_store
-
-    try:
-        pycomm.init(rank=rank, world_size=world_size, store=client_store(port, world_size),
-                    transport="gloo", timeout=COMM_TIMEOUT)
-    except Exception as e:  # noqa: BLE001 - the test checks type and message
-        return type(e).__name__, str(e)
-    return None
-
-
-@pytest.mark.parametrize("value", ["0", "17", "four"])
-def test_gloo_pieces_out_of_range_refused(value):
-    from tests._dist import spawn_ranks
-
-    for got in spawn_ranks(_gloo_pieces_refused, 2, value):
-        assert got is not None and got[0] == "ValueError", got
-        assert f"PYCOMM_GLOO_PIECES={value}" in got[1] and "1 to 16" in got[1], got
 
 
 def _pids_allocated() -> int | None:

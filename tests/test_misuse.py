@@ -71,8 +71,9 @@ def _cases(transport):
          ["expected a message of 16 bytes", "sent 32 bytes"]),
         ("p2p 0 vs 3", lambda c: p2p_sizes(c, 0, 3),
          ["expected a message of 12 bytes", "sent 0 bytes"]),
-        # on gloo a payload in pieces, taken into scratch before the error
-        ("p2p big in pieces", lambda c: p2p_sizes(c, 262_145, 262_144),
+        # on gloo a payload above the header frame, taken into scratch
+        # before the error
+        ("p2p big payload", lambda c: p2p_sizes(c, 262_145, 262_144),
          ["expected a message of 1048576 bytes", "sent 1048580 bytes"]),
     ]
     if transport == "shm":
@@ -85,7 +86,7 @@ def _cases(transport):
 # the matching receive) learns of it only from its timeout or the failed
 # rank's exit; these cases allow that many ranks a plain CommError.
 _MAY_NOT_NAME = {("gloo", "both roots"): 3, ("gloo", "p2p big into small"): 1,
-                 ("gloo", "p2p 0 vs 3"): 1, ("gloo", "p2p big in pieces"): 1}
+                 ("gloo", "p2p 0 vs 3"): 1, ("gloo", "p2p big payload"): 1}
 
 
 def _run_cases(rank, world_size, port, transport):

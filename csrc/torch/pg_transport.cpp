@@ -3,24 +3,15 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <thread>
 
 namespace pycomm {
 
 namespace {
-// + ((index mod 2^20) * kMaxPieces + piece) * lanes + lane: below 2^26
+// + (index mod 2^20) * lanes + lane: below 2^22
 constexpr int kPayloadTagBase = 0x10000;
 constexpr uint32_t kPayloadIndices = 1u << 20;
-// A large payload may go as up to kMaxPieces gloo messages of >= kPieceMin
-// bytes, posted together (PYCOMM_GLOO_PIECES; default one message): one
-// message each way moves at the link's rate already (a connection per
-// direction, pg_transport.h), and 16 cost about 20 % on a CPU-bound link
-// (benchmarks/hosts/README.md, "One gloo message each way").
-constexpr uint32_t kMaxPieces = 16;
-constexpr uint32_t kDefaultPieces = 1;
-constexpr size_t kPieceMin = size_t{256} << 10;
 constexpr auto kBlockedSlice = std::chrono::microseconds(20);  // wait_work's polling period
 
 at::Tensor bytes_of(void* p, size_t n) {
@@ -31,21 +22,6 @@ std::string describe(int kind, int peer, int tag = 0) {
   return std::string(kind == P2POp::kSend ? "send to" : "recv from") +
          (peer == kAnySource ? std::string(" any rank") : " rank " + std::to_string(peer)) +
          (tag != 0 ? " with tag " + std::to_string(tag) : std::string());
-}
-
-// PYCOMM_GLOO_PIECES (1 to kMaxPieces; default kDefaultPieces): the most
-// pieces a payload is sent in. The receiver takes
-// the sender's count from the header, so ranks need not agree on it.
-uint32_t max_pieces_from_env() {
-  const char* v = std::getenv("PYCOMM_GLOO_PIECES");
-  if (v == nullptr || *v == '\0') return kDefaultPieces;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  if (*end != '\0' || n < 1 || n > static_cast<long>(kMaxPieces)) {
-    throw UsageError(
-        cat("PYCOMM_GLOO_PIECES=", v, ": expected a whole number from 1 to ", kMaxPieces));
-  }
-  return static_cast<uint32_t>(n);
 }
 
 }  // namespace
@@ -63,8 +39,7 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> b
       upward_(std::move(upward)),
       downward_(std::move(downward)),
       rank_(backend_->getRank()),
-      size_(backend_->getSize()),
-      max_pieces_(max_pieces_from_env()) {
+      size_(backend_->getSize()) {
   for (const auto* b : {&upward_, &downward_}) {
     if ((*b)->getRank() != rank_ || (*b)->getSize() != size_) {
       throw UsageError("gloo transport: the payload groups must be of this rank and size");
@@ -85,38 +60,17 @@ ProcessGroupTransport::~ProcessGroupTransport() {
   pending_.clear();
 }
 
-int ProcessGroupTransport::payload_tag(int lane, uint32_t index, uint32_t piece) const {
-  const uint32_t slot = (index % kPayloadIndices) * kMaxPieces + piece;
-  return kPayloadTagBase + static_cast<int>(slot) * kLanes + lane;
+int ProcessGroupTransport::payload_tag(int lane, uint32_t index) const {
+  return kPayloadTagBase + static_cast<int>(index % kPayloadIndices) * kLanes + lane;
 }
 
-uint32_t ProcessGroupTransport::pieces_for(size_t bytes) const {
-  return static_cast<uint32_t>(
-      std::clamp<size_t>(bytes / kPieceMin, 1, static_cast<size_t>(max_pieces_)));
-}
-
-std::vector<c10::intrusive_ptr<c10d::Work>> ProcessGroupTransport::post_payload(
-    int kind, void* buf, size_t bytes, int peer, int lane, uint32_t index, uint32_t pieces) {
-  // The same split on both sides (the receiver has bytes and pieces from
-  // the header): bytes / pieces each, the first bytes % pieces one more.
-  const size_t base = bytes / pieces;
-  const size_t extra = bytes % pieces;
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  works.reserve(pieces);
-  try {
-    for (uint32_t k = 0; k < pieces; ++k) {
-      const size_t begin = base * k + std::min<size_t>(k, extra);
-      const size_t len = base + (k < extra ? 1 : 0);
-      std::vector<at::Tensor> t{bytes_of(static_cast<char*>(buf) + begin, len)};
-      const int tag = payload_tag(lane, index, k);
-      works.push_back(kind == P2POp::kSend ? payload_group(rank_, peer).send(t, peer, tag)
-                                           : payload_group(peer, rank_).recv(t, peer, tag));
-    }
-  } catch (...) {
-    for (auto& w : works) w->abort();  // no piece stays posted where nobody sees it
-    throw;
-  }
-  return works;
+c10::intrusive_ptr<c10d::Work> ProcessGroupTransport::post_payload(int kind, void* buf,
+                                                                   size_t bytes, int peer, int lane,
+                                                                   uint32_t index) {
+  std::vector<at::Tensor> t{bytes_of(buf, bytes)};
+  const int tag = payload_tag(lane, index);
+  return kind == P2POp::kSend ? payload_group(rank_, peer).send(t, peer, tag)
+                              : payload_group(peer, rank_).recv(t, peer, tag);
 }
 
 c10d::Backend& ProcessGroupTransport::payload_group(int from, int to) const {
@@ -126,16 +80,15 @@ c10d::Backend& ProcessGroupTransport::payload_group(int from, int to) const {
 void ProcessGroupTransport::post_send(Message& m) {
   m.index = sent_[static_cast<size_t>(m.peer) * kLanes + m.lane]++;
   m.wire = new_frame();
-  const uint32_t pieces = m.bytes > kInline ? pieces_for(m.bytes) : 0;
   *reinterpret_cast<Wire*>(m.wire.data_ptr()) =
-      Wire{m.bytes, m.hdr.seq, m.hdr.count, m.hdr.packed(), m.index, m.tag, pieces};
+      Wire{m.bytes, m.hdr.seq, m.hdr.count, m.hdr.packed(), m.index, m.tag};
   if (m.bytes <= kInline) {
     std::memcpy(static_cast<char*>(m.wire.data_ptr()) + sizeof(Wire), m.buf, m.bytes);
   }
   std::vector<at::Tensor> w{m.wire};
   m.header_work = backend_->send(w, m.peer, kTagBase + m.lane);
   if (m.bytes > kInline) {
-    m.payload_works = post_payload(P2POp::kSend, m.buf, m.bytes, m.peer, m.lane, m.index, pieces);
+    m.payload_work = post_payload(P2POp::kSend, m.buf, m.bytes, m.peer, m.lane, m.index);
   }
 }
 
@@ -219,18 +172,12 @@ void ProcessGroupTransport::accept_header(Message& m) {
   // rank), then tell every peer and raise.
   const auto index = static_cast<uint32_t>(w.index);
   auto reject = [&](const std::string& msg) {
-    if (w.bytes > kInline && w.bytes <= (uint64_t{1} << 32) && w.pieces >= 1 &&
-        w.pieces <= kMaxPieces) {
+    if (w.bytes > kInline && w.bytes <= (uint64_t{1} << 32)) {
       try {
         at::Tensor scratch =
             at::empty({static_cast<int64_t>(w.bytes)}, at::TensorOptions().dtype(at::kByte));
-        const auto deadline = std::chrono::steady_clock::now() + kAbortNotice;
-        for (auto& work : post_payload(P2POp::kRecv, scratch.data_ptr(), w.bytes, m.peer, m.lane,
-                                       index, w.pieces)) {
-          work->wait(std::max(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                  deadline - std::chrono::steady_clock::now()),
-                              std::chrono::milliseconds(1)));
-        }
+        post_payload(P2POp::kRecv, scratch.data_ptr(), w.bytes, m.peer, m.lane, index)
+            ->wait(kAbortNotice);
       } catch (const std::exception&) {
       }
     }
@@ -251,25 +198,17 @@ void ProcessGroupTransport::accept_header(Message& m) {
   }
   if (m.bytes <= kInline) {
     std::memcpy(m.buf, inline_bytes, m.bytes);
-  } else if (w.pieces < 1 || w.pieces > kMaxPieces) {
-    reject(cat("gloo transport: rank ", m.peer, " announced a payload in ", w.pieces,
-               " pieces (1 to ", kMaxPieces,
-               " expected): a corrupt header or another "
-               "pycomm version"));
   } else {
-    attach_payload(m, post_payload(P2POp::kRecv, m.buf, m.bytes, m.peer, m.lane, index, w.pieces));
+    attach_payload(m, post_payload(P2POp::kRecv, m.buf, m.bytes, m.peer, m.lane, index));
   }
 }
 
-void ProcessGroupTransport::attach_payload(Message& m,
-                                           std::vector<c10::intrusive_ptr<c10d::Work>> works) {
-  // Under mu_: abort() (any thread) walks payload_works under it, and the
-  // pieces of one that ran meanwhile are aborted here.
+void ProcessGroupTransport::attach_payload(Message& m, c10::intrusive_ptr<c10d::Work> work) {
+  // Under mu_: abort() (any thread) walks the payload works under it, and
+  // one that ran meanwhile is aborted here.
   std::lock_guard<std::mutex> lk(mu_);
-  m.payload_works = std::move(works);
-  if (aborted_) {
-    for (auto& piece : m.payload_works) piece->abort();
-  }
+  m.payload_work = std::move(work);
+  if (aborted_) m.payload_work->abort();
 }
 
 void ProcessGroupTransport::match_locked() {
@@ -393,7 +332,7 @@ void ProcessGroupTransport::wait_all(Pending& p, std::chrono::milliseconds timeo
   }
   for (auto& m : p.msgs) {
     if (m.kind == P2POp::kSend) wait_one(m, m.header_work, "header");
-    for (auto& piece : m.payload_works) wait_one(m, piece, "payload");
+    if (m.payload_work) wait_one(m, m.payload_work, "payload");
   }
 }
 

@@ -3,13 +3,14 @@
 // layer; the algorithms see only the core Transport interface.
 //
 // Every message is a fixed 4 KiB frame on the header tag of its lane: a
-// 56-byte header {bytes, op seq, op count, op packed (op_header.h), index,
-// user tag, pieces}, then the payload itself when it fits. A larger payload
-// follows as one gloo message (or PYCOMM_GLOO_PIECES, up to 16, posted
-// together), each on a tag of its own (the sender's index: k-th message to
-// that peer on that lane, and the piece), and the receiver posts its
-// receives only once the header says the sizes and (on the collective
-// channel) the op match.
+// 48-byte header {bytes, op seq, op count, op packed (op_header.h), index,
+// user tag}, then the payload itself when it fits. A larger payload follows
+// as one gloo message on a tag of its own (the sender's index: k-th message
+// to that peer on that lane), and the receiver posts its receive only once
+// the header says the sizes and (on the collective channel) the op match.
+// One message each way moves at the link's rate already (a connection per
+// direction, below); splitting it into pieces posted together measured
+// slower (benchmarks/hosts/README.md, "One gloo message each way").
 //
 // Payloads travel on two groups of their own, one per direction: from a
 // lower rank to a higher one on `upward`, back on `downward`. gloo sends a
@@ -116,9 +117,8 @@ class ProcessGroupTransport final : public Transport {
     uint64_t seq;
     uint64_t count;
     uint64_t packed;
-    uint64_t index;   // the sender's message count on its lane to this peer
-    int64_t tag;      // user p2p
-    uint64_t pieces;  // gloo messages the payload follows in (0: inline)
+    uint64_t index;  // the sender's message count on its lane to this peer
+    int64_t tag;     // user p2p
   };
   // Payload bytes that travel inside the fixed-size first frame.
   static constexpr size_t kInline = kFrameBytes - sizeof(Wire);
@@ -144,12 +144,12 @@ class ProcessGroupTransport final : public Transport {
     at::Tensor wire;             // the header (sent, or received into)
     std::shared_ptr<Want> want;  // tagged receives
     c10::intrusive_ptr<c10d::Work> header_work;
-    // One per piece; receives: posted once the header checked out.
-    std::vector<c10::intrusive_ptr<c10d::Work>> payload_works;
+    // Above kInline; receives: posted once the header checked out.
+    c10::intrusive_ptr<c10d::Work> payload_work;
     template <typename F>
     void for_each_work(F&& f) {
       f(header_work);
-      for (auto& w : payload_works) f(w);
+      f(payload_work);
     }
   };
   struct Pending {
@@ -167,12 +167,12 @@ class ProcessGroupTransport final : public Transport {
   Pending* find(Handle h);
   // Checks a received header against the receive; posts its payload.
   void accept_header(Message& m);
-  // Posts send m's header and its payload's pieces; mu_ held.
+  // Posts send m's header and its payload; mu_ held.
   void post_send(Message& m);
   // The group a payload from rank `from` to rank `to` travels on.
   c10d::Backend& payload_group(int from, int to) const;
-  // Gives m its payload's works (pieces), aborting them if abort() ran.
-  void attach_payload(Message& m, std::vector<c10::intrusive_ptr<c10d::Work>> works);
+  // Gives m its payload's work, aborting it if abort() ran.
+  void attach_payload(Message& m, c10::intrusive_ptr<c10d::Work> work);
   // Blocks until the tagged receive `m` has its header frame (m.wire,
   // m.peer), taking frames from the wire meanwhile if no other thread does.
   void take_tagged(Message& m, std::chrono::steady_clock::time_point deadline);
@@ -181,13 +181,10 @@ class ProcessGroupTransport final : public Transport {
   // Best effort: tells every peer why this rank fails (an abort header and
   // the reason as its payload), waiting at most a moment for each.
   void broadcast_abort(const std::string& reason);
-  int payload_tag(int lane, uint32_t index, uint32_t piece) const;
-  // How many pieces this rank sends a payload of `bytes` (> kInline) in.
-  uint32_t pieces_for(size_t bytes) const;
-  // Posts the sends or receives (`kind`) of a payload's `pieces`.
-  std::vector<c10::intrusive_ptr<c10d::Work>> post_payload(int kind, void* buf, size_t bytes,
-                                                           int peer, int lane, uint32_t index,
-                                                           uint32_t pieces);
+  int payload_tag(int lane, uint32_t index) const;
+  // Posts the send or receive (`kind`) of a payload.
+  c10::intrusive_ptr<c10d::Work> post_payload(int kind, void* buf, size_t bytes, int peer, int lane,
+                                              uint32_t index);
   // The watcher of the store's abort key: a detached thread (a store call
   // may block up to the store's own timeout; closing must not wait for it)
   // that shares this state with the transport; `told` is cleared (under
@@ -214,7 +211,6 @@ class ProcessGroupTransport final : public Transport {
   c10::intrusive_ptr<c10d::Backend> downward_;  // payloads to a lower rank
   int rank_;
   int size_;
-  uint32_t max_pieces_;  // PYCOMM_GLOO_PIECES
   Handle next_ = 1;
   // Thread safety: post/wait/test run on the communicator's executing thread;
   // abort() may come from any thread (Communicator.abort() to unblock a hung

@@ -95,7 +95,7 @@ void ProcessGroupTransport::broadcast_abort(const std::string& reason) {
       at::Tensor wire =
           at::zeros({static_cast<int64_t>(kFrameBytes)}, at::TensorOptions().dtype(at::kByte));
       const size_t n = std::min(reason.size(), kInline);
-      *reinterpret_cast<Wire*>(wire.data_ptr()) = Wire{n, kAbortSeq, 0, 0, index, 0, 0};
+      *reinterpret_cast<Wire*>(wire.data_ptr()) = Wire{n, kAbortSeq, 0, 0, index, 0};
       std::memcpy(static_cast<char*>(wire.data_ptr()) + sizeof(Wire), reason.data(), n);
       std::vector<at::Tensor> w{wire};
       try {
@@ -151,11 +151,10 @@ void ProcessGroupTransport::abort() {
   // after this. (Headers land in frames the works own.)
   for (auto& kv : pending_) {
     for (auto& m : kv.second.msgs) {
-      for (auto& w : m.payload_works) {
-        try {
-          if (w && !w->isCompleted()) w->wait(std::chrono::milliseconds(1));
-        } catch (...) {
-        }
+      auto& w = m.payload_work;
+      try {
+        if (w && !w->isCompleted()) w->wait(std::chrono::milliseconds(1));
+      } catch (...) {
       }
     }
   }
