@@ -29,13 +29,22 @@ import torch.distributed as dist
 
 # Ranks are forked from a server process that has imported torch already:
 # importing it costs ~2 s of CPU a process, the larger part of a short
-# multi-rank test on 2 cores. pycomm itself is imported by each rank, after
-# the test's setup (a test may set variables first). The server starts once
+# multi-rank test on 2 cores (test_torch_suite adds itself, and with it
+# pycomm, whose import reads no environment variable). The server starts once
 # per test session, so each rank is handed what a spawned one would inherit
 # at its start: the test process's environment and its stdout / stderr
 # (pytest's capture of the current test).
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed"])
+_PRELOAD = ["torch", "torch.distributed"]
+_CTX.set_forkserver_preload(_PRELOAD)
+
+
+def forkserver_preload(*modules: str) -> None:
+    """Adds ``modules`` to what the forkserver (one per process, shared by
+    every user of multiprocessing's forkserver) imports when it starts: at
+    the first rank of the session, so call this at a module's import."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+    _CTX.set_forkserver_preload(_PRELOAD)
 
 
 class _Inherited:

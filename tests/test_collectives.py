@@ -179,7 +179,7 @@ def _gloo_payloads(comm):
     import pycomm
 
     rank, n = comm.rank, comm.world_size
-    # bytes: inline; above the frame; 4 MiB and 3 bytes; odd bytes
+    # bytes: just above the 4 KiB frame; 786 KB; 4 MiB + 12; 1 MiB + 1 of uint8
     for count, dtype in [(1100, torch.float32), (196_613, torch.float32),
                          ((1 << 20) + 3, torch.float32), ((1 << 20) + 1, torch.uint8)]:
         mine = rank_input(rank, count, dtype, "sum")

@@ -45,6 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import pycomm  # noqa: E402,F401  (registers backend "pycomm" in every rank)
+from tests._dist import forkserver_preload  # noqa: E402
 
 #: How the ranks start (``PYCOMM_TORCH_SUITE_START``): "forkserver"
 #: (default): forked from one server process that imported torch, the suite,
@@ -54,6 +55,8 @@ import pycomm  # noqa: E402,F401  (registers backend "pycomm" in every rank)
 #: test_distributed_spawn.py (each rank imports everything again: 20-40 s a
 #: test on a busy 2-core machine instead of about 1 s).
 START_METHOD = os.environ.get("PYCOMM_TORCH_SUITE_START", "forkserver")
+if START_METHOD not in ("forkserver", "spawn"):
+    raise ValueError(f"PYCOMM_TORCH_SUITE_START={START_METHOD}: expected forkserver or spawn")
 
 #: The backend the ranks really build when the suite asks for gloo.
 REAL_BACKEND = os.environ.get("PYCOMM_TORCH_SUITE_BACKEND", "pycomm")
@@ -72,10 +75,23 @@ def _patch(fn):
     return patched
 
 
-if not getattr(dist.init_process_group, "_pycomm_swap", False):
-    dist.init_process_group = _patch(dist.init_process_group)
-    dist.new_group = _patch(dist.new_group)
-    dist.init_process_group._pycomm_swap = True  # type: ignore[attr-defined]
+def _swap_gloo_for_pycomm() -> None:
+    """In a rank: init_process_group and new_group build REAL_BACKEND where
+    the suite asks for gloo (once)."""
+    if not getattr(dist.init_process_group, "_pycomm_swap", False):
+        dist.init_process_group = _patch(dist.init_process_group)
+        dist.new_group = _patch(dist.new_group)
+        dist.init_process_group._pycomm_swap = True  # type: ignore[attr-defined]
+
+
+# Only in the ranks: the test process and the forkserver are "MainProcess".
+# The forkserver is shared with tests/_dist.py's ranks (one per process), so
+# it may import this module, but must not swap their gloo; a forked rank
+# swaps in _ForkServerRank.run, a spawned one (named by torch) here.
+import multiprocessing  # noqa: E402
+
+if multiprocessing.current_process().name != "MainProcess":
+    _swap_gloo_for_pycomm()
 
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
@@ -152,6 +168,10 @@ def _mark(name: str, fn):
 
 
 _FORKSERVER = torch.multiprocessing.get_context("forkserver")
+# The server is shared with tests/_dist.py's ranks and started by whichever
+# test needs it first: this module is imported at collection, before that,
+# and is safe to preload there (see _swap_gloo_for_pycomm).
+forkserver_preload(__name__)
 
 
 class _ForkServerRank(_FORKSERVER.Process):  # type: ignore[name-defined,misc]
@@ -166,6 +186,7 @@ class _ForkServerRank(_FORKSERVER.Process):  # type: ignore[name-defined,misc]
     def run(self):
         os.environ.clear()
         os.environ.update(self._environ)
+        _swap_gloo_for_pycomm()
         super().run()
 
 
@@ -176,12 +197,8 @@ class TestTorchSuiteOnPycomm(TestDistBackend, DistributedTest._DistTestBase):
         super().setUp()
         if START_METHOD == "spawn":
             self._spawn_processes()
-            return
-        if START_METHOD == "forkserver":
-            _FORKSERVER.set_forkserver_preload([__name__])  # before the server's first start
-            self._start_processes(_ForkServerRank)
         else:
-            self._start_processes(torch.multiprocessing.get_context(START_METHOD).Process)
+            self._start_processes(_ForkServerRank)
 
 
 _unknown = DEFAULT.union(EXCLUDED, NOT_YET).difference(dir(DistributedTest._DistTestBase))
