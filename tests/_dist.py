@@ -50,7 +50,7 @@ def forkserver_preload(*modules: str) -> None:
 class _Inherited:
     """The test process's environment and stdio at a rank's start, pickled
     into the rank: unpickling makes the stdio the rank's own and gives back
-    the environment (_inheriting installs it)."""
+    the environment (InheritingProcess.run installs it)."""
 
     def __init__(self) -> None:
         self.environ = dict(os.environ)
@@ -92,17 +92,24 @@ def client_store(port: int, world_size: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timedelta(seconds=60))
 
 
-def _inheriting(environ: dict[str, str], target: Callable[..., None], *args: Any) -> None:
-    """A rank's body: ``target(*args)`` with ``environ`` as the environment
-    (unpickling _Inherited installed the test's stdio already)."""
-    os.environ.clear()
-    os.environ.update(environ)
-    target(*args)
+class InheritingProcess(_CTX.Process):  # type: ignore[name-defined,misc]
+    """A rank forked by the server with the test process's environment as of
+    its creation and its stdio as of its start (see _CTX)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # An _Inherited here; in the rank, once unpickled, the environment.
+        self._inherited: Any = _Inherited()
+
+    def run(self) -> None:
+        os.environ.clear()
+        os.environ.update(self._inherited)
+        super().run()
 
 
 def _start(target: Callable[..., None], *args: Any) -> Any:
     """Starts a daemon rank running ``target(*args)``; returns the process."""
-    p = _CTX.Process(target=_inheriting, args=(_Inherited(), target, *args), daemon=True)
+    p = InheritingProcess(target=target, args=args, daemon=True)
     p.start()
     return p
 

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import pycomm  # noqa: E402,F401  (registers backend "pycomm" in every rank)
-from tests._dist import forkserver_preload  # noqa: E402
+from tests._dist import InheritingProcess, forkserver_preload  # noqa: E402
 
 #: How the ranks start (``PYCOMM_TORCH_SUITE_START``): "forkserver"
 #: (default): forked from one server process that imported torch, the suite,
@@ -167,25 +167,18 @@ def _mark(name: str, fn):
     return test
 
 
-_FORKSERVER = torch.multiprocessing.get_context("forkserver")
 # The server is shared with tests/_dist.py's ranks and started by whichever
 # test needs it first: this module is imported at collection, before that,
 # and is safe to preload there (see _swap_gloo_for_pycomm).
 forkserver_preload(__name__)
 
 
-class _ForkServerRank(_FORKSERVER.Process):  # type: ignore[name-defined,misc]
+class _ForkServerRank(InheritingProcess):
     """A rank forked by the server, with this process's environment as of
-    its creation (the suite sets TEMP_DIR and INIT_METHOD anew for each test;
-    the server's own environment is the one it started with)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._environ = dict(os.environ)
+    its creation (the suite sets TEMP_DIR and INIT_METHOD anew for each
+    test), that builds REAL_BACKEND where the suite asks for gloo."""
 
     def run(self):
-        os.environ.clear()
-        os.environ.update(self._environ)
         _swap_gloo_for_pycomm()
         super().run()
 
