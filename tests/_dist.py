@@ -18,8 +18,11 @@ of hanging CI.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
+import time
 import traceback
 from collections import OrderedDict
 from datetime import timedelta
@@ -104,7 +107,21 @@ class InheritingProcess(_CTX.Process):  # type: ignore[name-defined,misc]
     def run(self) -> None:
         os.environ.clear()
         os.environ.update(self._inherited)
+        # Last words into the test's captured stderr: every thread's Python
+        # stack on a fatal signal, and on SIGUSR1 (_ask_for_stacks, a hang).
+        faulthandler.enable(all_threads=True)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         super().run()
+
+
+def _ask_for_stacks(procs: list[Any], ranks: Any) -> None:
+    """Hung ``ranks`` print their Python stacks to the test's stderr (shown
+    with the failure) before they are killed."""
+    asked = [procs[r] for r in sorted(ranks) if procs[r].is_alive()]
+    for p in asked:
+        os.kill(p.pid, signal.SIGUSR1)
+    if asked:
+        time.sleep(1.0)
 
 
 def _start(target: Callable[..., None], *args: Any) -> Any:
@@ -162,8 +179,6 @@ class RankPool:
         results: list[Any] = [None] * self.world_size
         errors: list[str] = []
         pending = set(range(self.world_size))
-        import time
-
         deadline = time.monotonic() + timeout
         while pending:
             left = deadline - time.monotonic()
@@ -183,8 +198,9 @@ class RankPool:
                 else:
                     results[r] = value
         if pending:
+            _ask_for_stacks(self._procs, pending)
             errors.append(f"ranks {sorted(pending)} did not finish {what} within {timeout:.0f} s "
-                          "(deadlock?)")
+                          "(deadlock? their stacks are in the captured stderr)")
         if errors:
             self.kill()
             raise RankFailure(f"{what} failed on {self.world_size} ranks "
@@ -254,8 +270,6 @@ def _spawn_child(fn: Callable[..., Any], rank: int, world_size: int, port: int, 
 def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
                 timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
     """Fresh processes; a rank that dies yields ("died", exitcode) in its slot."""
-    import time
-
     store = master_store(world_size)
     conns, procs = [], []
     for r in range(world_size):
@@ -283,13 +297,19 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
             if status == "err":
                 errors.append(f"rank {r} raised:\n{value}")
             results[r] = value
+    if pending:
+        _ask_for_stacks(procs, pending)
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join(timeout=10)
     if pending:
-        errors.append(f"ranks {sorted(pending)} did not finish within {timeout:.0f} s (deadlock?)")
+        errors.append(f"ranks {sorted(pending)} did not finish within {timeout:.0f} s "
+                      "(deadlock? their stacks are in the captured stderr)")
     if errors:
+        # A peer that died is the likely cause of another's error or hang.
+        errors += [f"rank {r} died (exitcode {res[1]})" for r, res in enumerate(results)
+                   if isinstance(res, tuple) and res[:1] == ("died",)]
         raise RankFailure("\n".join(errors))
     return results
 
@@ -329,8 +349,6 @@ def fork_trials(rank: int, world_size: int, port: int, trial_fn: Callable[..., A
     """
     import pickle
     import select
-    import signal
-    import time
 
     out = []
     for trial in range(trials):
