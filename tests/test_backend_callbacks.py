@@ -44,6 +44,10 @@ def _powersgd_rank(rank: int, n: int, port: int, backend: str, bucket_mb: float)
             opt.zero_grad()
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
+        # Every rank done before any tears down (torch's advice for gloo:
+        # pytorch#75097). A gloo rank hung once in CI while its peer had
+        # finished or died (which, the report did not say then).
+        dist.barrier()
         return [p.detach().tolist() for p in model.parameters()]  # plain data through the pipe
     finally:
         dist.destroy_process_group()
