@@ -21,7 +21,10 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 import traceback
 from collections import OrderedDict
@@ -116,12 +119,40 @@ class InheritingProcess(_CTX.Process):  # type: ignore[name-defined,misc]
 
 def _ask_for_stacks(procs: list[Any], ranks: Any) -> None:
     """Hung ``ranks`` print their Python stacks to the test's stderr (shown
-    with the failure) before they are killed."""
-    asked = [procs[r] for r in sorted(ranks) if procs[r].is_alive()]
-    for p in asked:
+    with the failure) before they are killed; where gdb is installed, their
+    threads' native stacks follow (a wait inside gloo or pycomm's C++)."""
+    asked = [(r, procs[r]) for r in sorted(ranks) if procs[r].is_alive()]
+    for _, p in asked:
         os.kill(p.pid, signal.SIGUSR1)
-    if asked:
-        time.sleep(1.0)
+    if not asked:
+        return
+    time.sleep(1.0)
+    gdb = shutil.which("gdb")
+    for r, p in asked if gdb else ():
+        try:
+            bt = subprocess.run([gdb, "-p", str(p.pid), "-batch", "-nx", "-ex",
+                                 "thread apply all bt 40"], capture_output=True, text=True,
+                                timeout=60).stdout
+        except subprocess.TimeoutExpired:
+            bt = "(gdb did not answer within 60 s)"
+        print(f"--- rank {r} (pid {p.pid}), native stacks ---\n{_short_backtrace(bt)}",
+              file=sys.stderr)
+
+
+def _short_backtrace(bt: str) -> str:
+    """gdb's backtrace, a line per frame ("#3 fn at file"), without the
+    interpreter's own frames (the Python stack above says where those were)."""
+    import re
+
+    out = []
+    for line in bt.splitlines():
+        if line.startswith("Thread "):
+            out.append(line)
+            continue
+        m = re.match(r"#(\d+)\s+(?:0x[0-9a-f]+ in )?(.+?) \(.*\) (?:at|from) (\S+)$", line)
+        if m and not re.match(r"(\./)?(Objects|Python|Modules|Include|Parser)/", m[3]):
+            out.append(f"  #{m[1]} {m[2]} at {m[3]}")
+    return "\n".join(out[:400])
 
 
 def _start(target: Callable[..., None], *args: Any) -> Any:
