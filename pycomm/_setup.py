@@ -590,6 +590,9 @@ class Plan:
     fallback_ok: bool = False
     #: shm+gloo: where the ranks run.
     layout: _hierarchy.Layout | None = None
+    #: Whether the ranks span hosts, where "auto" found out (None: a gloo
+    #: builder asks the store itself).
+    across_hosts: bool | None = None
 
 
 def plan_transport(st: Any, r: int, n: int, asked: Settings) -> Plan:
@@ -603,15 +606,15 @@ def plan_transport(st: Any, r: int, n: int, asked: Settings) -> Plan:
         return Plan(asked.transport)
     ids = host_ids(st, "auto", r, n)
     if all(i == ids[0] for i in ids):
-        return Plan("shm", fallback_ok=True)
+        return Plan("shm", fallback_ok=True, across_hosts=False)
     _hierarchy.check_addresses(dist.PrefixStore("auto", st), r, n)
     layout = _hierarchy.Layout.from_host_ids(ids)
     refusal = _hierarchy.hierarchy_refusal(layout)
     if refusal is None:
-        return Plan("shm+gloo", layout=layout)
+        return Plan("shm+gloo", layout=layout, across_hosts=True)
     if len(set(layout.ranks_per_host())) > 1:
         _hierarchy.warn_flat_once(refusal)
-    return Plan("gloo")
+    return Plan("gloo", across_hosts=True)
 
 
 #: A builder: (store, rank, world size, asked, plan) -> (the transport it
@@ -627,7 +630,9 @@ def _timeout_ms(asked: Settings) -> int:
 def _build_gloo(st: Any, r: int, n: int, asked: Settings, plan: Plan) -> tuple[str, Any, list[Any]]:
     # algo="auto" takes a table measured where this group runs: on one host
     # or across hosts (pycomm/_auto_table.py)
-    across = len(set(host_ids(st, "gloo-place", r, n, "building the gloo transport"))) > 1
+    across = plan.across_hosts
+    if across is None:
+        across = len(set(host_ids(st, "gloo-place", r, n, "building the gloo transport"))) > 1
     # headers on one group, payloads on a group per direction (lower rank to
     # higher, and back): full duplex (csrc/torch/pg_transport.h)
     pgs = [dist.ProcessGroupGloo(dist.PrefixStore(name, st), r, n, asked.timeout)

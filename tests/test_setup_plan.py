@@ -110,7 +110,8 @@ def test_an_explicit_transport_is_the_plan(transport):
 @pytest.mark.parametrize("asked", ["auto", "shm+gloo"])
 def test_auto_on_one_host_plans_shm_with_fallback(asked):
     plans = _on_ranks(2, lambda st, r: plan_transport(st, r, 2, _asked(asked)))
-    assert plans == [Plan("shm", fallback_ok=True)] * 2
+    # across_hosts known: a gloo fallback's builder need not ask the store again
+    assert plans == [Plan("shm", fallback_ok=True, across_hosts=False)] * 2
 
 
 def test_every_planned_transport_has_a_builder():
