@@ -119,24 +119,34 @@ class InheritingProcess(_CTX.Process):  # type: ignore[name-defined,misc]
 
 def _ask_for_stacks(procs: list[Any], ranks: Any) -> None:
     """Hung ``ranks`` print their Python stacks to the test's stderr (shown
-    with the failure) before they are killed; where gdb is installed, their
-    threads' native stacks follow (a wait inside gloo or pycomm's C++)."""
+    with the failure) before they are killed, one rank at a time under a
+    label; where gdb is installed, their threads' native stacks follow (a
+    wait inside gloo or pycomm's C++), all ranks' within 30 s."""
     asked = [(r, procs[r]) for r in sorted(ranks) if procs[r].is_alive()]
-    for _, p in asked:
-        os.kill(p.pid, signal.SIGUSR1)
-    if not asked:
-        return
-    time.sleep(1.0)
-    gdb = shutil.which("gdb")
-    for r, p in asked if gdb else ():
+    for r, p in asked:
+        print(f"--- rank {r} (pid {p.pid}), Python stacks ---", file=sys.stderr, flush=True)
         try:
-            bt = subprocess.run([gdb, "-p", str(p.pid), "-batch", "-nx", "-ex",
-                                 "thread apply all bt 40"], capture_output=True, text=True,
-                                timeout=60).stdout
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:  # it ended meanwhile
+            continue
+        time.sleep(0.5)  # faulthandler writes from the signal handler
+    gdb = shutil.which("gdb")
+    if not asked or gdb is None:
+        return
+    # Attached all at once, under one deadline: a hang report, not a wait.
+    runs = [(r, p.pid, subprocess.Popen(
+        [gdb, "-p", str(p.pid), "-batch", "-nx", "-ex", "thread apply all bt 40"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) for r, p in asked]
+    deadline = time.monotonic() + 30
+    for r, pid, run in runs:
+        try:
+            out, err = run.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            stacks = _short_backtrace(out) or f"(no frames; gdb said: {err.strip()[-300:]})"
         except subprocess.TimeoutExpired:
-            bt = "(gdb did not answer within 60 s)"
-        print(f"--- rank {r} (pid {p.pid}), native stacks ---\n{_short_backtrace(bt)}",
-              file=sys.stderr)
+            run.kill()
+            run.communicate()
+            stacks = "(gdb did not answer within 30 s)"
+        print(f"--- rank {r} (pid {pid}), native stacks ---\n{stacks}", file=sys.stderr)
 
 
 def _short_backtrace(bt: str) -> str:
