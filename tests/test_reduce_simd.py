@@ -141,6 +141,15 @@ def _kernel_results() -> dict[str, torch.Tensor]:
         err = torch.empty_like(wide)
         out[f"quantize {fmt} wide"] = _C.quantize(wide, wide.numel(), err, format=fmt)
         out[f"quantize {fmt} wide err"] = err
+    # every float8 code decoded (the vector path computes what the portable
+    # one looks up; NaN and infinity codes included), one block of 263
+    # codes: 32 vectors of 8 and a tail
+    codes = torch.arange(263, dtype=torch.int32).remainder(256).to(torch.uint8)
+    for fmt in ("float8_e4m3fn", "float8_e5m2"):
+        q = torch.cat([torch.tensor([0.37]).view(torch.uint8), codes])
+        back = torch.empty(263)
+        _C.dequantize(back, q, 263, format=fmt)
+        out[f"dequantize {fmt} every code"] = back
     return out
 
 
@@ -208,8 +217,9 @@ def test_scalar_path_equals_the_vector_path(tmp_path):
     scalar = _results_with("scalar", tmp_path / "scalar.pt")
     vector = _results_with("auto", tmp_path / "auto.pt")
     # 10 of 16-bit kernels, 26 + 18 (reduce_to_all) of the others, 8 of each
-    # quantized wire format (3), 12 wire all-reduce results
-    assert scalar.keys() == vector.keys() and len(scalar) == 90
+    # quantized wire format (3) and every code of each float8 one (2), 12 wire
+    # all-reduce results
+    assert scalar.keys() == vector.keys() and len(scalar) == 92
     bad = [k for k in scalar if not _same(k, scalar[k], vector[k])]
     assert not bad, f"scalar and vector paths differ in: {bad}"
 

@@ -78,7 +78,7 @@ void dequantize_block(float* dst, const uint8_t* codes, size_t n, float scale, b
 }
 
 #if PYCOMM_X86_SIMD
-#define PYCOMM_AVX2 __attribute__((target("avx2")))
+#define PYCOMM_AVX2 __attribute__((target("avx2,f16c")))  // cpu_uses_avx2: both
 
 // The largest |x| of a block, and whether every x is finite, on 8 lanes.
 PYCOMM_AVX2 float block_absmax_avx2(const float* x, size_t n, bool* finite) {
@@ -159,8 +159,34 @@ PYCOMM_AVX2 __m256i fp8_codes_avx2(__m256 y) {
   return _mm256_or_si256(_mm256_blendv_epi8(normal, sub, is_sub), sign);
 }
 
+// quant_value of 8 float8 codes (c16: one in each 16-bit lane), computed
+// rather than gathered from the table (a gather of 8 costs more than the
+// rest of an element's work on AMD's cores). A float8 code is a half with
+// fewer bits: e5m2 is the half's top byte; e4m3's exponent and mantissa sit
+// one bit lower, with a bias 8 smaller, so the half's value times 2^8 is
+// the code's (subnormals too). vcvtph2ps and that product are exact for
+// every non-NaN half; NaN codes take quant_value's NaN bits, which the
+// conversion would not (it keeps their sign and payload).
+template <class Codes>
+PYCOMM_AVX2 __m256 fp8_values_avx2(__m128i c16) {
+  const __m128i mag = _mm_and_si128(c16, _mm_set1_epi16(0x7f));
+  __m128i half, nan;
+  if constexpr (std::is_same_v<Codes, E5M2Codes>) {
+    half = _mm_slli_epi16(c16, 8);
+    nan = _mm_cmpgt_epi16(mag, _mm_set1_epi16(0x7c));  // 0x7c: infinity
+  } else {
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(c16, _mm_set1_epi16(0x80)), 8);
+    half = _mm_or_si128(_mm_slli_epi16(mag, 7), sign);
+    nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f));
+  }
+  __m256 v = _mm256_cvtph_ps(half);
+  if constexpr (!std::is_same_v<Codes, E5M2Codes>) v = _mm256_mul_ps(v, _mm256_set1_ps(256.0f));
+  const __m256 nan_value = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(kQuantNaNBits)));
+  return _mm256_blendv_ps(v, nan_value, _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan)));
+}
+
 // quantize_block<E4M3Codes / E5M2Codes> on 8 lanes: x * to_code, clamp,
-// round_fp8, the error through the decode table (a gather); no FMA.
+// round_fp8, the error from the codes' values; no FMA.
 template <class Codes>
 PYCOMM_AVX2 BlockScale quantize_fp8_block_avx2(const float* x, size_t n, uint8_t* codes, float* err,
                                                const DecodeTable& value) {
@@ -178,7 +204,7 @@ PYCOMM_AVX2 BlockScale quantize_fp8_block_avx2(const float* x, size_t n, uint8_t
     const __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(c16, c16));
     if (err) {
-      const __m256 q = _mm256_i32gather_ps(value.data(), c, 4);
+      const __m256 q = fp8_values_avx2<Codes>(c16);
       _mm256_storeu_ps(err + i, _mm256_sub_ps(v, _mm256_mul_ps(scale, q)));
     }
   }
@@ -196,14 +222,15 @@ PYCOMM_AVX2 BlockScale quantize_block_avx2(const float* x, size_t n, uint8_t* co
   }
 }
 
-// dequantize_block of float8 codes on 8 lanes: the decode table gathered.
-PYCOMM_AVX2 void dequantize_table_avx2(float* dst, const uint8_t* codes, size_t n, float scale,
-                                       bool add, const DecodeTable& value) {
+// dequantize_block of float8 codes on 8 lanes.
+template <class Codes>
+PYCOMM_AVX2 void dequantize_fp8_block_avx2(float* dst, const uint8_t* codes, size_t n, float scale,
+                                           bool add, const DecodeTable& value) {
   const __m256 s = _mm256_set1_ps(scale);
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
-    __m256 v = _mm256_mul_ps(s, _mm256_i32gather_ps(value.data(), _mm256_cvtepu8_epi32(c8), 4));
+    __m256 v = _mm256_mul_ps(s, fp8_values_avx2<Codes>(_mm_cvtepu8_epi16(c8)));
     if (add) v = _mm256_add_ps(_mm256_loadu_ps(dst + i), v);
     _mm256_storeu_ps(dst + i, v);
   }
@@ -225,26 +252,37 @@ PYCOMM_AVX2 void dequantize_int8_block_avx2(float* dst, const int8_t* codes, siz
 }
 #endif  // PYCOMM_X86_SIMD
 
-// Every block of a run in one format (on AVX2 where the CPU has it).
+// Every block of a run in one format, by quantize_block or, where the CPU
+// has AVX2, quantize_block_avx2: the loop is instantiated in an AVX2 function
+// too, so that the blocks are inlined into it rather than called one by one
+// (a call per block cost e5m2 half its speed).
+#define PYCOMM_QUANTIZE_BLOCKS(QUANTIZE_ONE)                                           \
+  for (size_t b = 0, lo = 0; lo < count; ++b, lo += block) {                           \
+    const size_t n = count - lo < block ? count - lo : block;                          \
+    const BlockScale s =                                                               \
+        QUANTIZE_ONE<Codes>(src + lo, n, codes + lo, err ? err + lo : nullptr, value); \
+    std::memcpy(scales + b * sizeof(float), &s.scale, sizeof(float));                  \
+  }
+
+#if PYCOMM_X86_SIMD
+template <class Codes>
+PYCOMM_AVX2 void quantize_blocks_avx2(char* scales, uint8_t* codes, const float* src, size_t count,
+                                      size_t block, float* err, const DecodeTable& value) {
+  PYCOMM_QUANTIZE_BLOCKS(quantize_block_avx2)
+}
+#endif
+
 template <class Codes>
 void quantize_blocks(QuantFormat f, char* scales, uint8_t* codes, const float* src, size_t count,
                      size_t block, float* err) {
   const DecodeTable& value = table_of(f);
 #if PYCOMM_X86_SIMD
-  const bool avx2 = cpu_uses_avx2();
+  if (cpu_uses_avx2())
+    return quantize_blocks_avx2<Codes>(scales, codes, src, count, block, err, value);
 #endif
-  for (size_t b = 0, lo = 0; lo < count; ++b, lo += block) {
-    const size_t n = count - lo < block ? count - lo : block;
-    float* e = err ? err + lo : nullptr;
-#if PYCOMM_X86_SIMD
-    const BlockScale s = avx2 ? quantize_block_avx2<Codes>(src + lo, n, codes + lo, e, value)
-                              : quantize_block<Codes>(src + lo, n, codes + lo, e, value);
-#else
-    const BlockScale s = quantize_block<Codes>(src + lo, n, codes + lo, e, value);
-#endif
-    std::memcpy(scales + b * sizeof(float), &s.scale, sizeof(float));
-  }
+  PYCOMM_QUANTIZE_BLOCKS(quantize_block)
 }
+#undef PYCOMM_QUANTIZE_BLOCKS
 
 }  // namespace
 
@@ -295,8 +333,12 @@ void cpu_dequantize(QuantFormat f, float* dst, const void* src, size_t count, si
                                  add);
       continue;
     }
+    if (avx2 && f == QuantFormat::kFp8E4M3) {
+      dequantize_fp8_block_avx2<E4M3Codes>(dst + lo, codes + lo, n, scale, add, value);
+      continue;
+    }
     if (avx2) {
-      dequantize_table_avx2(dst + lo, codes + lo, n, scale, add, value);
+      dequantize_fp8_block_avx2<E5M2Codes>(dst + lo, codes + lo, n, scale, add, value);
       continue;
     }
 #endif
