@@ -14,8 +14,8 @@
 namespace pycomm {
 namespace {
 
-// quant_value of every code of a format, looked up (the loops below run
-// it per element).
+// quant_value of every code of a format, looked up by the portable loops
+// (the AVX2 ones compute it: fp8_values_avx2).
 using DecodeTable = std::array<float, 256>;
 
 DecodeTable make_table(QuantFormat f) {
@@ -328,18 +328,19 @@ void cpu_dequantize(QuantFormat f, float* dst, const void* src, size_t count, si
     float scale;
     std::memcpy(&scale, scales + b * sizeof(float), sizeof(float));
 #if PYCOMM_X86_SIMD
-    if (avx2 && f == QuantFormat::kInt8) {
-      dequantize_int8_block_avx2(dst + lo, reinterpret_cast<const int8_t*>(codes + lo), n, scale,
-                                 add);
-      continue;
-    }
-    if (avx2 && f == QuantFormat::kFp8E4M3) {
-      dequantize_fp8_block_avx2<E4M3Codes>(dst + lo, codes + lo, n, scale, add, value);
-      continue;
-    }
     if (avx2) {
-      dequantize_fp8_block_avx2<E5M2Codes>(dst + lo, codes + lo, n, scale, add, value);
-      continue;
+      switch (f) {
+        case QuantFormat::kInt8:
+          dequantize_int8_block_avx2(dst + lo, reinterpret_cast<const int8_t*>(codes + lo), n,
+                                     scale, add);
+          continue;
+        case QuantFormat::kFp8E4M3:
+          dequantize_fp8_block_avx2<E4M3Codes>(dst + lo, codes + lo, n, scale, add, value);
+          continue;
+        case QuantFormat::kFp8E5M2:
+          dequantize_fp8_block_avx2<E5M2Codes>(dst + lo, codes + lo, n, scale, add, value);
+          continue;
+      }
     }
 #endif
     dequantize_block(dst + lo, codes + lo, n, scale, add, value);
