@@ -125,6 +125,21 @@ def check_quantized_wire(comm: pycomm.Communicator) -> None:
         assert residual.abs().max() > 0, "int8 wire: no error feedback"
 
 
+def check_wire_differs_inside_a_host(comm: pycomm.Communicator) -> None:
+    """Local rank 0 of every host all-reduces with wire_dtype=int8, local rank
+    1 with float8_e4m3fn: each column between hosts agrees with itself, so only
+    the exact step inside a host can see it, which its op header's wire does.
+    Every rank raises (without it the columns would end with different sums).
+    Leaves ``comm`` aborted: the last check."""
+    wire = torch.int8 if int(os.environ["LOCAL_RANK"]) == 0 else torch.float8_e4m3fn
+    try:
+        comm.all_reduce(torch.full((1000,), 1.0 + comm.rank / 3), wire_dtype=wire)
+    except pycomm.CommError as e:
+        assert "wire_dtype differs (" in str(e), str(e)
+    else:
+        raise AssertionError("wire_dtype differing inside a host: no error")
+
+
 def worker_threads() -> int:
     """pycomm worker threads in this process (csrc/core/worker.h names them):
     across hosts too, one per communicator (its parts share it)."""
@@ -430,6 +445,8 @@ def main() -> None:
     check_collectives(comm)
     check_quantized_wire(comm)
     check_auto_table_place(comm)
+    if comm.transport == "shm+gloo":
+        check_wire_differs_inside_a_host(comm)
     print(f"OK {comm.rank} {socket.gethostname()} {comm.transport}", flush=True)
     comm.close()
 

@@ -27,7 +27,7 @@ const char* kind_name(int32_t k) {
   return k >= 1 && k <= kNumCollKinds ? coll_name(static_cast<CollKind>(k)) : "unknown-op";
 }
 
-// 8 bits each for kind, dtype + 1, op + 1, algo; 32 bits for root + 1.
+// 8 bits each for kind, dtype + 1, op + 1, algo and wire; 24 for root + 1.
 uint64_t byte_of(int32_t v) { return static_cast<uint64_t>(static_cast<uint8_t>(v)); }
 
 // A quantized kind's wire dtype, as all_reduce(wire_dtype=...) names it.
@@ -95,7 +95,8 @@ std::vector<std::string> algorithms_of(CollKind c) {
 
 uint64_t OpHeader::packed() const {
   return byte_of(kind) | byte_of(dtype + 1) << 8 | byte_of(op + 1) << 16 | byte_of(algo) << 24 |
-         static_cast<uint64_t>(static_cast<uint32_t>(root + 1)) << 32;
+         (static_cast<uint64_t>(static_cast<uint32_t>(root + 1)) & 0xffffff) << 32 |
+         byte_of(wire) << 56;
 }
 
 OpHeader OpHeader::unpack(uint64_t seq, uint64_t count, uint64_t p) {
@@ -106,7 +107,8 @@ OpHeader OpHeader::unpack(uint64_t seq, uint64_t count, uint64_t p) {
   h.dtype = static_cast<int32_t>((p >> 8) & 0xff) - 1;
   h.op = static_cast<int32_t>((p >> 16) & 0xff) - 1;
   h.algo = static_cast<int32_t>((p >> 24) & 0xff);
-  h.root = static_cast<int32_t>(static_cast<uint32_t>(p >> 32)) - 1;
+  h.root = static_cast<int32_t>((p >> 32) & 0xffffff) - 1;
+  h.wire = static_cast<int32_t>((p >> 56) & 0xff);
   return h;
 }
 
@@ -116,8 +118,10 @@ std::string OpHeader::str() const {
   s += cat(" (count=", count);
   if (dtype >= 0 && dtype < kNumDTypes) s += cat(", dtype=", dtype_name(static_cast<DType>(dtype)));
   if (op >= 0 && op < kNumReduceOps) s += cat(", op=", op_name(static_cast<ReduceOp>(op)));
-  if (root >= 0) s += cat(", root=", root);
+  const bool composed = is_quantized(wire) && !is_quantized(algo);  // a part's exact step
+  if (root >= 0) s += cat(is_quantized(algo) || composed ? ", wire_block=" : ", root=", root);
   if (algo != 0) s += cat(", algo=", algo_name(algo));
+  if (composed) s += cat(", in an all_reduce with wire=", wire_name(wire));
   return s + ")";
 }
 
@@ -147,9 +151,14 @@ std::string mismatch_message(int me, const OpHeader& mine, int peer, const OpHea
     }
     if (mine.dtype != theirs.dtype) differs("dtype", dname(mine.dtype), dname(theirs.dtype));
     if (mine.op != theirs.op) differs("reduce op", oname(mine.op), oname(theirs.op));
+    const bool wired = is_quantized(mine.algo) || mine.wire != 0;
     if (mine.root != theirs.root) {
-      differs(is_quantized(mine.algo) ? "wire_block" : "root", std::to_string(mine.root),
+      differs(wired ? "wire_block" : "root", std::to_string(mine.root),
               std::to_string(theirs.root));
+    }
+    if (mine.wire != theirs.wire) {  // a composed all-reduce's exact step (hierarchy.h)
+      auto name = [](int32_t w) { return is_quantized(w) ? wire_name(w) : "exact"; };
+      differs("wire_dtype", name(mine.wire), name(theirs.wire));
     }
     if (mine.algo != theirs.algo && is_quantized(mine.algo) && is_quantized(theirs.algo)) {
       differs("wire_dtype", wire_name(mine.algo), wire_name(theirs.algo));

@@ -86,8 +86,12 @@ struct OpHeader {
   int32_t kind = 0;    // CollKind
   int32_t dtype = -1;  // DType, -1 when irrelevant (barrier)
   int32_t op = -1;     // ReduceOp, -1 when the collective has none
-  int32_t root = -1;   // broadcast root, -1 otherwise
+  int32_t root = -1;   // broadcast root, -1 otherwise (the wire block where a wire is set)
   int32_t algo = 0;    // AlgoKind
+  // The quantized wire (an AlgoKind kQuant*) of the composed all-reduce this
+  // op is a part of (hierarchy.h), 0 otherwise: the exact steps inside a host
+  // carry it, so that ranks of one host that disagree on it fail there.
+  int32_t wire = 0;
 
   // A collective's header (seq is set when it runs). dtype, op and root are
   // -1 where the collective has none.
@@ -102,7 +106,8 @@ struct OpHeader {
     h.algo = static_cast<int32_t>(algo);
     return h;
   }
-  // kind, dtype, op, algo and root in one word (for shared slots / the wire).
+  // kind, dtype, op, algo, root (24 bits: a rank or a wire block, at most
+  // 2^20) and wire in one word (for shared slots / the wire).
   uint64_t packed() const;
   static OpHeader unpack(uint64_t seq, uint64_t count, uint64_t packed);
   bool operator==(const OpHeader& o) const {

@@ -81,7 +81,9 @@ c10::intrusive_ptr<Work> Comm::all_reduce(const at::Tensor& t, int op, const std
   if (hierarchy_ &&
       hierarchy_->takes_all_reduce(t, algo, op, wire.cast.has_value(), quantized, to_register)) {
     std::optional<Hierarchy::QuantWire> qw;
-    if (quantized) qw = Hierarchy::QuantWire{wire_dtype, wire_block, residual};
+    if (quantized) {
+      qw = Hierarchy::QuantWire{wire_dtype, int32_t(quant_kind(*wire.quant)), wire_block, residual};
+    }
     return all_reduce_across_hosts(t, op, algo, async_op, to_register, std::move(qw));
   }
   AlgoKind kind = quantized ? quant_kind(*wire.quant)

@@ -11,12 +11,18 @@ namespace pycomm {
 
 namespace {
 thread_local bool t_composing = false;
+thread_local const ComposedWire* t_wire = nullptr;
 }  // namespace
 
 bool in_composed_op() { return t_composing; }
 
 ComposedOpScope::ComposedOpScope() : outer_(t_composing) { t_composing = true; }
 ComposedOpScope::~ComposedOpScope() { t_composing = outer_; }
+
+const ComposedWire* composed_wire() { return t_wire; }
+
+ComposedWireScope::ComposedWireScope(const ComposedWire* wire) : outer_(t_wire) { t_wire = wire; }
+ComposedWireScope::~ComposedWireScope() { t_wire = outer_; }
 
 const std::vector<HierStep>& all_reduce_steps(const std::string& which) {
   static const std::vector<HierStep> large{{"intra", "reduce_scatter", false},
@@ -98,6 +104,9 @@ void Hierarchy::all_reduce(const at::Tensor& t, int op, const std::string& algo,
                            const std::optional<QuantWire>& wire) const {
   // The steps of all_reduce_steps(t.nbytes()), with the tail of fewer than L
   // elements all-reduced in place beside step 1 and between hosts beside step 2.
+  std::optional<ComposedWire> named;
+  if (wire) named = ComposedWire{wire->kind, static_cast<int32_t>(wire->block)};
+  ComposedWireScope scope(named ? &*named : nullptr);
   const at::Tensor flat = t.view(-1);
   const int64_t L = layout_.n_local(), numel = flat.numel();
   const int64_t m = size_t(t.nbytes()) <= kSmallBytes ? 0 : numel / L;

@@ -98,6 +98,7 @@ class Hierarchy {
   // (wire_dtype, wire_block) and residual.
   struct QuantWire {
     int dtype;
+    int32_t kind;  // its AlgoKind (kQuant*), for the op headers of the exact steps
     int64_t block;
     std::optional<at::Tensor> residual;
   };
@@ -148,6 +149,28 @@ class ComposedOpScope {
 
  private:
   bool outer_;
+};
+
+// The quantized wire of the composed all-reduce whose exact steps this
+// thread is issuing (Hierarchy::all_reduce sets it), or null. Comm::collective
+// writes it into those steps' op headers: two ranks of one host that disagree
+// on the wire then fail in the first step inside the host, where step 2 alone
+// would not notice (each column between hosts may agree with itself, and the
+// columns would end with different sums).
+struct ComposedWire {
+  int32_t kind;  // AlgoKind kQuant*
+  int32_t block;
+};
+const ComposedWire* composed_wire();
+class ComposedWireScope {
+ public:
+  explicit ComposedWireScope(const ComposedWire* wire);
+  ~ComposedWireScope();
+  ComposedWireScope(const ComposedWireScope&) = delete;
+  ComposedWireScope& operator=(const ComposedWireScope&) = delete;
+
+ private:
+  const ComposedWire* outer_;
 };
 
 }  // namespace pycomm
