@@ -325,15 +325,21 @@ class CompressionState:
         self.error_feedback = error_feedback
         self.exact_below = exact_below
         self.residuals: dict[int, torch.Tensor] = {}
+        # bucket index -> its parameters, as (data_ptr, numel), when its residual began
+        self._layouts: dict[int, tuple[tuple[int, int], ...]] = {}
 
     def residual(self, bucket: Any, buffer: torch.Tensor) -> Optional[torch.Tensor]:
-        """The bucket's residual (zeros for a new bucket, or one rebuilt with
-        another size); None without error feedback."""
+        """The bucket's residual: zeros for a new bucket, and for one that DDP
+        rebuilt with other parameters or another order (even of the same
+        size: a residual belongs to positions of parameters); None without
+        error feedback."""
         if not self.error_feedback:
             return None
+        layout = tuple((p.data_ptr(), p.numel()) for p in bucket.parameters())
         r = self.residuals.get(bucket.index())
-        if r is None or r.numel() != buffer.numel():
+        if r is None or r.numel() != buffer.numel() or self._layouts[bucket.index()] != layout:
             r = self.residuals[bucket.index()] = torch.zeros_like(buffer, dtype=torch.float32)
+            self._layouts[bucket.index()] = layout
         return r
 
     def exact_slices(self, bucket: Any) -> list[tuple[int, int]]:
@@ -362,6 +368,11 @@ def _quantized_hook(wire: torch.dtype, name: str, state: CompressionState,
     exact = state.exact_slices(bucket)
     # Taken before the op, averaged in float32 whatever the bucket's dtype.
     small = torch.cat([buffer[o:o + n] for o, n in exact]).float() if exact else None
+    for o, n in exact:
+        # Zeros on the quantized wire, overwritten by the exact average: they
+        # neither widen the scale of a block they share with a weight nor
+        # leave error in the residual.
+        buffer[o:o + n].zero_()
     work = comm.all_reduce(buffer, op=ReduceOp.AVG, async_op=True, wire_dtype=wire,
                            wire_block=state.wire_block, residual=state.residual(bucket, buffer))
     if small is None:

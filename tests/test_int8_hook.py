@@ -41,24 +41,27 @@ def _direct_call(comm, fmt, dtype=torch.float32):
     out = hook(state, bucket).wait()
     assert out is buffer and buffer.dtype == dtype
     wide = [b.float() for b in buffers]  # a 16-bit bucket is summed in float32
-    want = _reference_all_reduce(wide, "avg", state.wire_block, fmt).to(dtype)
     exact = torch.stack(wide).sum(0) if comm.world_size > 1 else wide[0].clone()
     _C.scale_(exact, 1.0 / comm.world_size)
     exact = exact.to(dtype)
+    is_exact = torch.zeros(buffer.numel(), dtype=torch.bool)
     offset = 0
     for s in shapes:
         n = torch.Size(s).numel()
-        if len(s) == 1 or n < 100:
-            assert torch.allclose(buffer[offset:offset + n], exact[offset:offset + n],
-                                  rtol=1e-6, atol=1e-6), s
-        else:
-            assert torch.equal(buffer[offset:offset + n], want[offset:offset + n]), s
+        is_exact[offset:offset + n] = len(s) == 1 or n < 100
         offset += n
-    # the residual (float32) is what this rank's contribution lost
+    # the exact slices travel as zeros on the quantized wire
+    wide = [w.masked_fill(is_exact, 0.0) for w in wide]
+    want = _reference_all_reduce(wide, "avg", state.wire_block, fmt).to(dtype)
+    assert torch.allclose(buffer[is_exact], exact[is_exact], rtol=1e-6, atol=1e-6)
+    assert torch.equal(buffer[~is_exact], want[~is_exact])
+    # the residual (float32) is what this rank's contribution lost, nothing
+    # on the exact slices
     mine = wide[comm.rank]
     sent = ref_values(*ref_quantize(mine, state.wire_block, fmt), state.wire_block, fmt)
     assert state.residuals[0].dtype == torch.float32
     assert torch.equal(state.residuals[0], mine - sent)
+    assert not state.residuals[0][is_exact].any()
     return digest(buffer)
 
 
@@ -66,6 +69,28 @@ def _direct_call(comm, fmt, dtype=torch.float32):
 def test_quantized_hook_equals_its_reference(fmt):
     per_rank = run_ranks(_direct_call, 2, "shm", fmt)
     assert per_rank[0] == per_rank[1]
+
+
+def _rebuilt_bucket(comm):
+    """Bucket 0 again with its two parameters in the other order (as DDP's
+    rebuild after the first step may do, same size): the residual starts
+    anew rather than adding step 1's errors to the other parameter's
+    positions; the same parameters in the same order keep theirs."""
+    a, b = torch.zeros(300, 4), torch.zeros(500, 2)
+    state = hooks.CompressionState(comm, exact_below=0)
+    errors = []
+    for params in ([a, b], [a, b], [b, a]):
+        buffer = torch.randn(2200, generator=torch.Generator().manual_seed(comm.rank))
+        mine = buffer.clone() + (state.residuals[0] if errors and params[0] is a else 0)
+        hooks.int8_hook(state, GradBucket(0, buffer, [buffer], params, True)).wait()
+        sent = ref_values(*ref_quantize(mine, state.wire_block, "int8"), state.wire_block, "int8")
+        errors.append(torch.equal(state.residuals[0], mine - sent))
+    return errors
+
+
+def test_a_rebuilt_bucket_restarts_its_residual():
+    for errors in run_ranks(_rebuilt_bucket, 2, "shm"):
+        assert errors == [True, True, True], errors
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
