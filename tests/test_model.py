@@ -131,6 +131,20 @@ def test_measured_times_pool_placements_and_leave_out_the_rest():
         "tree": {3: {4096: pytest.approx(40e-6)}}}
 
 
+def test_across_hosts_the_flat_series_is_the_ring():
+    """On shm+gloo "ring" is the composition (no formula of n) and "flat" the
+    ring over every rank, which the classic algorithms (run flat) meet."""
+    rows = [_row("ring", 4096, 10.0, 4, transport="shm+gloo"), _row("flat", 4096, 30.0, 4, transport="gloo"),
+            _row("tree", 4096, 20.0, 4, transport="gloo")]
+    assert model.measured_times(rows) == {"ring (shm+gloo)": {4: {4096: pytest.approx(10e-6)}},
+                                          "ring": {4: {4096: pytest.approx(30e-6)}},
+                                          "tree": {4: {4096: pytest.approx(20e-6)}}}
+    rows += [_row(r["algo"], 65536, r["time_us"] * 3, 4, transport=r["transport"]) for r in rows]
+    fits = model.fit_rows(rows)
+    assert fits["ring"].formula == "ring" and fits["ring (shm+gloo)"].formula == "ring"
+    assert "flat" not in fits
+
+
 # ------------------------------------------------------------------ crossovers
 
 def test_line_crossover():
@@ -289,8 +303,9 @@ def test_report_without_modelled_algorithms(tmp_path, capsys):
 
 
 def test_report_of_a_hosts_run_has_both_models(tmp_path, capsys):
-    """A --hosts file: the one-level table (its algos have no formula of
-    their own) and the two-level fit after it."""
+    """A --hosts file: the one-level table (the flat series is fitted as the
+    ring, "auto" with the ring's formula, not its own) and the two-level fit
+    after it."""
     true = hosts_model.TwoLevel(intra=Fit(5e-6, 1 / 5e9, 0, 0.0), inter=Fit(300e-6, 1 / 0.5e9, 0, 0.0))
     rows = []
     for size in (4096, 65536, 1 << 20, 16 << 20):
@@ -301,7 +316,8 @@ def test_report_of_a_hosts_run_has_both_models(tmp_path, capsys):
     report.write_json(str(p), {"world_size": 4, "device": "cpu", "hosts": 2, "ranks_per_host": 2}, rows)
     assert model_cli.main([str(p), "--clusters", "16x8", "--sizes", "16M"]) == 0
     out = capsys.readouterr().out
-    assert "ring*" in out and "predicted fastest" not in out
+    fitted = [ln.split()[0] for ln in out.splitlines() if ln.strip().startswith(("ring", "auto", "flat"))]
+    assert sorted(fitted) == ["auto", "ring"] and "ring*" in out
     assert "two-level alpha-beta fit" in out and "300.00" in out  # the inter link's alpha
 
 

@@ -217,18 +217,33 @@ def _allreduce_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             and not r.get("wrong") and not r.get("bound")]
 
 
+def _series(row: dict[str, Any]) -> str:
+    """The algorithm a row is modelled as. Across hosts (shm+gloo) "ring" is
+    the composition (shared memory inside a host, the ring between hosts:
+    no formula of n, named "ring (shm+gloo)"), and "flat", the ring over
+    every rank on gloo, is the one the classic algorithms (which run flat
+    there too) are compared with."""
+    algo = row["algo"]
+    if algo == "flat":
+        return "ring"
+    if algo == "ring" and row.get("transport") == "shm+gloo":
+        return "ring (shm+gloo)"
+    return algo
+
+
 def fit_rows(rows: Sequence[dict[str, Any]], weighting: str = "relative") -> dict[str, Fit]:
     """One fit per algo from ``--json`` rows of all-reduce, each with its own
     formula (the ring's for algos without one; see :attr:`Fit.formula`).
     Rows with wrong results and the bounds' rows are left out; in-place
-    and out-of-place rows pool together.
+    and out-of-place rows pool together. Across hosts the flat ring is
+    "ring" (:func:`_series`).
 
     Raises:
         ValueError: no all-reduce rows, or an algo with fewer than two.
     """
     by_algo: dict[str, list[tuple[int, float, float]]] = {}
     for r in _allreduce_rows(rows):
-        by_algo.setdefault(r["algo"], []).append((r["world_size"], r["size"], r["time_us"] * 1e-6))
+        by_algo.setdefault(_series(r), []).append((r["world_size"], r["size"], r["time_us"] * 1e-6))
     if not by_algo:
         raise ValueError("no all-reduce rows to fit (the model is of all-reduce; run "
                          "`python -m pycomm.bench allreduce ... --json FILE`)")
@@ -237,11 +252,12 @@ def fit_rows(rows: Sequence[dict[str, Any]], weighting: str = "relative") -> dic
 
 
 def measured_times(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[int, float]]]:
-    """algo -> world size -> bytes -> seconds of the all-reduce rows (the
-    mean where in-place and out-of-place rows share a size)."""
+    """algo (as :func:`_series` names it) -> world size -> bytes -> seconds
+    of the all-reduce rows (the mean where in-place and out-of-place rows
+    share a size)."""
     acc: dict[str, dict[int, dict[int, list[float]]]] = {}
     for r in _allreduce_rows(rows):
-        by_size = acc.setdefault(r["algo"], {}).setdefault(int(r["world_size"]), {})
+        by_size = acc.setdefault(_series(r), {}).setdefault(int(r["world_size"]), {})
         by_size.setdefault(int(r["size"]), []).append(r["time_us"] * 1e-6)
     return {a: {n: {b: sum(ts) / len(ts) for b, ts in sizes.items()} for n, sizes in worlds.items()}
             for a, worlds in acc.items()}

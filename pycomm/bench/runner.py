@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from .bounds import BOUNDS, COPY_CORE, COPY_RANKS, Copy, traffic_gbps
-from .cli import format_size
+from .cli import CLASSIC_ALGOS, format_size
 from .peers import open_peers
 from .report import Progress, format_header, format_row, format_summary, git_commit, plot_results, write_json
 
@@ -184,7 +184,9 @@ class _Session:
         return self.comm.transport if self.comm is not None else None
 
     def transport_of(self, algo: str) -> str:
-        if algo == "flat":
+        # shm+gloo composes "auto" and "ring" (and the wire series) only; the
+        # classic algorithms run flat over gloo, as "flat" does (hierarchy.h)
+        if algo == "flat" or (algo in CLASSIC_ALGOS and self.pycomm_transport == "shm+gloo"):
             return "gloo"
         if algo in self.peers:
             return str(self.peers[algo].transport)
