@@ -21,6 +21,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -152,8 +153,6 @@ def _ask_for_stacks(procs: list[Any], ranks: Any) -> None:
 def _short_backtrace(bt: str) -> str:
     """gdb's backtrace, a line per frame ("#3 fn at file"), without the
     interpreter's own frames (the Python stack above says where those were)."""
-    import re
-
     out = []
     for line in bt.splitlines():
         if line.startswith("Thread "):
