@@ -5,7 +5,8 @@ as the staged path (float64 references), on exactly the sizes it should run,
 without moving the tensor; every rank stages when one rank did not opt in;
 mismatched sizes raise before anything is read; a peer killed mid-op raises
 "died" on the others and leaves nothing in /dev/shm; a registered tensor on
-one rank makes every rank stage."""
+one rank makes every rank stage; a rank that may not read its peers makes
+every rank stage, and each says why once."""
 
 from __future__ import annotations
 
@@ -105,6 +106,64 @@ def _one_rank_without(rank, world_size, port):
 
 def test_every_rank_stages_when_one_did_not_opt_in():
     assert spawn_ranks(_one_rank_without, 3) == [0, 0, 0]
+
+
+def _forbid_process_vm_readv() -> None:
+    """A seccomp filter on this thread and the threads it starts (pycomm's
+    worker, started by init after it): process_vm_readv fails with EPERM,
+    as where a container's profile forbids it (x86-64's syscall number)."""
+    import ctypes
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                    ("k", ctypes.c_uint)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    nr_process_vm_readv, ret_errno, ret_allow, eperm = 310, 0x00050000, 0x7FFF0000, 1
+    code = (Filter * 4)(Filter(0x20, 0, 0, 0),  # load seccomp_data.nr
+                        Filter(0x15, 0, 1, nr_process_vm_readv),  # == ? next : skip one
+                        Filter(0x06, 0, 0, ret_errno | eperm), Filter(0x06, 0, 0, ret_allow))
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS, which a filter needs
+    assert libc.prctl(22, 2, ctypes.byref(Program(4, code)), 0, 0) == 0  # SECCOMP_MODE_FILTER
+
+
+def _refused(rank, world_size, port):
+    """Rank 1 may not call process_vm_readv: every rank stages, right, and
+    says why once (stderr, where torch's warnings from a worker thread go)."""
+    import tempfile
+
+    if rank == 1:
+        _forbid_process_vm_readv()
+    comm = _init(rank, world_size, port, cma=True)
+    with tempfile.TemporaryFile() as err:
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            for step in range(2):
+                x = torch.full((LARGE_COUNT,), float(rank + step))
+                comm.all_reduce(x)
+                assert torch.all(x == sum(r + step for r in range(world_size))), (step, x[:3])
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        said = err.read().decode()
+    n = comm.cross_memory_all_reduces
+    comm.close()
+    return n, said
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the filter names x86-64's syscall")
+def test_a_refused_read_stages_everywhere_and_says_why_once():
+    for rank, (n, said) in enumerate(spawn_ranks(_refused, 2)):
+        assert n == 0, rank
+        assert said.count("PYCOMM_SHM_CMA=1, but the ranks cannot read each other's memory") == 1, said
+        why = ("rank 1 reading rank 0: process_vm_readv: Operation not permitted" if rank == 1
+               else "rank 1 could not read a peer")
+        assert why in said, said
 
 
 def _registered_on_one_rank(rank, world_size, port):

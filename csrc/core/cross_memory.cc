@@ -54,7 +54,7 @@ void read_peer_or_throw(int peer, int pid, const void* remote, void* local, size
   }
 }
 
-bool probe_cross_memory(SharedBuffers& sb, int n, int me) {
+bool probe_cross_memory(SharedBuffers& sb, int n, int me, std::string* why) {
   allow_peer_reads();
   // 1. Each rank publishes the address of a word of its own...
   uint64_t word = 0;
@@ -70,19 +70,27 @@ bool probe_cross_memory(SharedBuffers& sb, int n, int me) {
   // 3. Each rank reads every peer's word through the kernel and compares,
   //    then all agree: every rank must have read every word.
   bool ok = true;
+  std::string mine;
   for (int r = 0; r < n && ok; ++r) {
     if (r == me) continue;
     uint64_t seen = 0;
     ok = read_peer_memory(sb.pid(r), reinterpret_cast<const void*>(address[r] & ~kAddressTag),
-                          &seen, sizeof seen, nullptr) &&
-         seen == sb.tag(r, w2);
+                          &seen, sizeof seen, &mine);
+    if (ok && seen != sb.tag(r, w2)) {
+      ok = false;
+      mine = "read another value than the peer's (another pid namespace?)";
+    }
+    if (!ok)
+      mine = "rank " + std::to_string(me) + " reading rank " + std::to_string(r) + ": " + mine;
   }
   // `word` stays alive until every peer has read it: they all arrive here
   // after reading.
   const int w3 = sb.next_buffer();
   sb.arrive_and_wait(sb.next_epoch(), w3, ok ? 1 : 2);
   for (int r = 0; r < n; ++r) {
-    if (sb.tag(r, w3) != 1) return false;
+    if (sb.tag(r, w3) == 1) continue;
+    if (why != nullptr) *why = ok ? "rank " + std::to_string(r) + " could not read a peer" : mine;
+    return false;
   }
   return true;
 }

@@ -46,8 +46,10 @@ void read_peer_or_throw(int peer, int pid, const void* remote, void* local, size
 
 // A collective step (every rank calls it at the same point of its op
 // sequence): whether every rank can read every other rank's memory. Uses
-// three arrivals of `sb` (three pieces); the same answer on every rank.
-bool probe_cross_memory(SharedBuffers& sb, int n, int me);
+// three arrivals of `sb` (three pieces); the same answer on every rank, and
+// where it is no, `why` says which rank could not read and, on that rank,
+// the kernel's answer.
+bool probe_cross_memory(SharedBuffers& sb, int n, int me, std::string* why);
 
 // The tag of an arrival that publishes an address for peers to read
 // (direct.cc): the address with this bit set, so that it is never 0 (user

@@ -234,8 +234,10 @@ DirectPath cross_memory_all_reduce(SharedBuffers& sb, Reducer& red, int n, int m
     return DirectPath::kStaged;
   }
   if (sb.cross_memory() == CM::kUnknown) {
-    sb.set_cross_memory(probe_cross_memory(sb, n, me) ? CM::kOn : CM::kOff);
-    if (sb.cross_memory() == CM::kOff) {
+    std::string why;
+    const bool readable = probe_cross_memory(sb, n, me, &why);
+    sb.set_cross_memory(readable ? CM::kOn : CM::kOff, std::move(why));
+    if (!readable) {
       staged_all_reduce(sb, red, n, me, data, count, dtype, op, nullptr, 0);
       return DirectPath::kStaged;
     }

@@ -22,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "op_header.h"
@@ -126,9 +127,14 @@ class SharedBuffers {
   // Whether every rank can read every other rank's memory (cross_memory.h):
   // unknown until the first all-reduce that would, then the same on every
   // rank.
+  // kOff comes with the reason (cross_memory_why), for the binding to say once.
   enum class CrossMemory { kUnknown, kOn, kOff };
   CrossMemory cross_memory() const { return cross_memory_; }
-  void set_cross_memory(CrossMemory c) { cross_memory_ = c; }
+  const std::string& cross_memory_why() const { return cross_memory_why_; }
+  void set_cross_memory(CrossMemory c, std::string why = {}) {
+    cross_memory_ = c;
+    cross_memory_why_ = std::move(why);
+  }
   // Epochs are counted per communicator; all ranks call next_epoch() the same
   // number of times because they run the same collectives in the same order.
   uint64_t next_epoch() { return ++epoch_; }
@@ -155,6 +161,7 @@ class SharedBuffers {
   uint64_t epoch_ = 0;
   uint64_t pieces_ = 0;
   CrossMemory cross_memory_ = CrossMemory::kUnknown;
+  std::string cross_memory_why_;
 };
 
 // Optional capability of transports with collectives of their own (nccl):

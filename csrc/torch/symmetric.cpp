@@ -104,6 +104,15 @@ void SymmetricMemory::all_reduce(const Context& ctx, const Decision& d, void* da
     case DirectPath::kCrossMemory: cross_memory_ops_.fetch_add(1); break;
     case DirectPath::kStaged: break;
   }
+  const SharedBuffers* sb = ctx.transport.shared_buffers();
+  if (sb != nullptr && sb->cross_memory() == SharedBuffers::CrossMemory::kOff &&
+      !cross_memory_off_said_.exchange(true)) {
+    TORCH_WARN("pycomm: PYCOMM_SHM_CMA=1, but the ranks cannot read each other's memory (",
+               sb->cross_memory_why(),
+               "), so all-reduces of unregistered tensors stage through shared memory. Reading "
+               "needs process_vm_readv allowed (seccomp) and ptrace access between the ranks "
+               "(same user and pid namespace)");
+  }
 }
 
 void SymmetricMemory::wait_for_decision(Work& work, const Decision& d) {

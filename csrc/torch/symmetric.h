@@ -100,6 +100,7 @@ class SymmetricMemory : public std::enable_shared_from_this<SymmetricMemory> {
   std::atomic<bool> auto_register_{false};
   std::atomic<uint64_t> ops_{0};
   std::atomic<uint64_t> cross_memory_ops_{0};
+  std::atomic<bool> cross_memory_off_said_{false};  // PYCOMM_SHM_CMA=1 refused: warned once
   // Storages some rank declined to move: they ask no more, so a rank whose
   // peers never ask (their buckets moved already) does not hold its caller
   // at every all-reduce.
