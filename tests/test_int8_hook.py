@@ -12,7 +12,7 @@ import torch
 from pycomm import hooks
 from pycomm._ext import _C
 from pycomm._grad_bucket import GradBucket
-from tests._dist import run_ranks
+from tests._dist import run_ranks, spawn_ranks
 from tests.reference import digest
 from tests.test_hooks import _max_diff, _pg_count, _torch_pg, _train
 from tests.test_quantized import _reference_all_reduce, ref_quantize, ref_values
@@ -303,3 +303,38 @@ def test_example_compressed_ddp_under_torchrun(flags):
     for _, loss, plain_loss, diff in found:
         assert float(diff) < 0.05, proc.stdout
         assert abs(float(loss) - float(plain_loss)) < 0.1 * float(plain_loss) + 1e-3, proc.stdout
+
+
+# ---------------------------------------------------------------- the c10d backend
+
+def _backend_rank(rank: int, world_size: int, port: int):
+    """In a fresh process: torch DDP over the default group of the c10d
+    backend "pycomm" (shm), int8_hook's state on that group's communicator,
+    against the same training without a hook (the backend's all-reduce)."""
+    import torch.distributed as dist
+
+    import pycomm
+    from tests.test_backend import _init
+
+    _init(rank, world_size, port, pg_options=pycomm.backend.Options(transport="shm"))
+    try:
+        comm = pycomm.backend.get_communicator()
+        plain = _train(comm, dist.group.WORLD)
+        state = hooks.CompressionState(comm, exact_below=0)
+        params = _train(comm, dist.group.WORLD, hooks.int8_hook, state)
+        return (_max_diff(params, plain), digest(torch.cat([p.reshape(-1) for p in params])),
+                sorted(state.residuals))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_int8_hook_on_the_pycomm_backend():
+    """The hook's all-reduces and DDP's own (parameter broadcast, the
+    backend's) share one communicator, in one order on every rank: trained
+    like DDP without a hook within INT8_TOL, rounded (the hook ran), every
+    rank the same bits."""
+    per_rank = spawn_ranks(_backend_rank, 2, timeout=300)
+    for diff, _, residuals in per_rank:
+        assert 0 < diff < INT8_TOL, diff
+        assert len(residuals) > 1, residuals  # one residual per bucket
+    assert per_rank[0][1] == per_rank[1][1]
