@@ -16,6 +16,7 @@ import contextlib
 import glob
 import multiprocessing as mp
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -291,9 +292,16 @@ def _mpi_rank(args: Any) -> NoReturn:
     os._exit(code)
 
 
+COMMAND_VAR = "PYCOMM_BENCH_COMMAND"
+
+
 def launch(args: Any) -> int:
     """Runs the benchmark on every rank; returns the exit code (0 ok, 1 a
     rank failed or a result was wrong, 2 a peer cannot run, 124 timeout)."""
+    # The command as typed, for the JSON (the ranks' argv lacks the launch
+    # flags); the outermost launch sets it (mpiexec's ranks inherit it).
+    typed = sys.argv[1:] if args.argv is None else [*getattr(args, "command", []), *args.argv]
+    os.environ.setdefault(COMMAND_VAR, shlex.join(["python", "-m", "pycomm.bench", *typed]))
     if getattr(args, "hosts", None):
         return _spawn_hosts(args)
     peers = getattr(args, "peers", [])

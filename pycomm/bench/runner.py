@@ -51,6 +51,7 @@ import torch.distributed as dist
 from . import collectives as C
 from .bounds import BOUNDS, COPY_CORE, COPY_RANKS, Copy, traffic_gbps
 from .cli import CLASSIC_ALGOS, format_size
+from .launch import COMMAND_VAR
 from .peers import open_peers
 from .report import Progress, format_header, format_row, format_summary, git_commit, plot_results, write_json
 
@@ -450,6 +451,7 @@ def _meta(s: _Session, active: list[str], skipped: dict[str, str]) -> dict[str, 
                    "per-rank median; CPU perf_counter, GPU CUDA events"),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
+        "command": os.environ.get(COMMAND_VAR),  # launch.launch's, None when imported
     }
 
 
