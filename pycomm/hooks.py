@@ -337,7 +337,7 @@ class CompressionState:
             return None
         layout = tuple((p.data_ptr(), p.numel()) for p in bucket.parameters())
         r = self.residuals.get(bucket.index())
-        if r is None or r.numel() != buffer.numel() or self._layouts[bucket.index()] != layout:
+        if r is None or r.numel() != buffer.numel() or self._layouts.get(bucket.index()) != layout:
             r = self.residuals[bucket.index()] = torch.zeros_like(buffer, dtype=torch.float32)
             self._layouts[bucket.index()] = layout
         return r

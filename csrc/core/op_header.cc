@@ -151,10 +151,14 @@ std::string mismatch_message(int me, const OpHeader& mine, int peer, const OpHea
     }
     if (mine.dtype != theirs.dtype) differs("dtype", dname(mine.dtype), dname(theirs.dtype));
     if (mine.op != theirs.op) differs("reduce op", oname(mine.op), oname(theirs.op));
-    const bool wired = is_quantized(mine.algo) || mine.wire != 0;
+    // Either side's wire makes the root a wire block (-1: none).
+    const bool wired =
+        is_quantized(mine.algo) || is_quantized(theirs.algo) || mine.wire != 0 || theirs.wire != 0;
     if (mine.root != theirs.root) {
-      differs(wired ? "wire_block" : "root", std::to_string(mine.root),
-              std::to_string(theirs.root));
+      auto block = [&](int32_t r) {
+        return wired && r < 0 ? std::string("none") : std::to_string(r);
+      };
+      differs(wired ? "wire_block" : "root", block(mine.root), block(theirs.root));
     }
     if (mine.wire != theirs.wire) {  // a composed all-reduce's exact step (hierarchy.h)
       auto name = [](int32_t w) { return is_quantized(w) ? wire_name(w) : "exact"; };

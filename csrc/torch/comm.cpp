@@ -152,8 +152,8 @@ void Comm::abort(const std::string& why) {
 
 Body Comm::collective(OpHeader h, Body body) {
   if (const ComposedWire* w = composed_wire(); w && !is_quantized(h.algo)) {
-    h.wire = w->kind;  // an exact step of a composed quantized all-reduce
-    h.root = w->block;
+    h.wire = w->kind;  // an exact step of a composed quantized all-reduce (none is rooted)
+    if (h.root < 0) h.root = w->block;
   }
   return [this, h, check = options_.check, body = std::move(body)](const Context& ctx) mutable {
     h.seq = ++coll_seq_;  // ops run one at a time: execution order
