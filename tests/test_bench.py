@@ -379,6 +379,8 @@ def test_end_to_end_nproc2(tmp_path):
     assert "# busbw / copy-ranks busbw at 4K (copy traffic " in out
     # the commit of the code measured (this checkout), "-dirty" if it has changes
     assert len(data["meta"]["commit"].split("-")[0]) == 40, data["meta"]["commit"]
+    # the command as typed, launch flags included (a rank's argv lacks them)
+    assert data["meta"]["command"].startswith("python -m pycomm.bench allreduce --nproc 2 -b 64 ")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the model reads the file back
     m = _bench(["model", "r.json", "--worlds", "8", "--sizes", "1M"], tmp_path)

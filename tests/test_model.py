@@ -143,6 +143,9 @@ def test_across_hosts_the_flat_series_is_the_ring():
     fits = model.fit_rows(rows)
     assert fits["ring"].formula == "ring" and fits["ring (shm+gloo)"].formula == "ring"
     assert "flat" not in fits
+    # on one host "flat" (gloo) is not the run's ring (shm): kept apart
+    one = [_row("ring", 4096, 10.0), _row("flat", 4096, 30.0, transport="gloo")]
+    assert set(model.measured_times(one)) == {"ring", "flat"}
 
 
 # ------------------------------------------------------------------ crossovers

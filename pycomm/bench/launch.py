@@ -203,8 +203,8 @@ def _spawn_hosts(args: Any) -> int:
     # args.command: the subcommand (["soak"]) when args.argv is its argv alone
     command = [sys.executable, "-m", "pycomm.bench", *getattr(args, "command", []), *argv]
     with SimulatedHosts(args.hosts, getattr(args, "link_rate", None)) as hosts:
-        results = hosts.launch(layout, command,
-                               env={"OMP_NUM_THREADS": "1"}, timeout=args.timeout)
+        results = hosts.launch(layout, command, timeout=args.timeout,
+                               env={"OMP_NUM_THREADS": "1", COMMAND_VAR: args.typed_command})
     print(results[0].stdout, end="", flush=True)
     code = 0
     for res in results:
@@ -229,7 +229,7 @@ def _spawn_mpiexec(args: Any) -> int:
     argv = _without_launch_flags(list(sys.argv[1:] if args.argv is None else args.argv))
     cmd = [str(mpiexec()), "-n", str(args.nproc or 1), sys.executable, "-m", "pycomm.bench", *argv]
     before = set(glob.glob("/dev/shm/mpich_shm_*"))
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env={**os.environ, COMMAND_VAR: args.typed_command})
     code = 1
     try:
         code = proc.wait(timeout=args.timeout + 30)
@@ -298,10 +298,12 @@ COMMAND_VAR = "PYCOMM_BENCH_COMMAND"
 def launch(args: Any) -> int:
     """Runs the benchmark on every rank; returns the exit code (0 ok, 1 a
     rank failed or a result was wrong, 2 a peer cannot run, 124 timeout)."""
-    # The command as typed, for the JSON (the ranks' argv lacks the launch
-    # flags); the outermost launch sets it (mpiexec's ranks inherit it).
+    # The command as typed, for the JSON (a rank's argv lacks the launch
+    # flags): to forked ranks in args, to hosts' and mpiexec's in COMMAND_VAR,
+    # which a rank's own launch() finds set.
     typed = sys.argv[1:] if args.argv is None else [*getattr(args, "command", []), *args.argv]
-    os.environ.setdefault(COMMAND_VAR, shlex.join(["python", "-m", "pycomm.bench", *typed]))
+    args.typed_command = (os.environ.get(COMMAND_VAR)
+                          or shlex.join(["python", "-m", "pycomm.bench", *typed]))
     if getattr(args, "hosts", None):
         return _spawn_hosts(args)
     peers = getattr(args, "peers", [])

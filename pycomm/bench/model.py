@@ -217,18 +217,23 @@ def _allreduce_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             and not r.get("wrong") and not r.get("bound")]
 
 
-def _series(row: dict[str, Any]) -> str:
-    """The algorithm a row is modelled as. Across hosts (shm+gloo) "ring" is
-    the composition (shared memory inside a host, the ring between hosts:
-    no formula of n, named "ring (shm+gloo)"), and "flat", the ring over
-    every rank on gloo, is the one the classic algorithms (which run flat
-    there too) are compared with."""
+def _series(row: dict[str, Any], across: bool) -> str:
+    """The algorithm a row is modelled as. In a run across hosts (``across``:
+    some row on shm+gloo) "ring" is the composition (shared memory inside a
+    host, the ring between hosts: not the ring's formula of n, so named
+    "ring (shm+gloo)" and fitted with it as "auto" is), and "flat", the ring
+    over every rank on gloo, is the ring the classic algorithms (flat there
+    too) are compared with."""
     algo = row["algo"]
-    if algo == "flat":
+    if across and algo == "flat":
         return "ring"
-    if algo == "ring" and row.get("transport") == "shm+gloo":
+    if across and algo == "ring" and row.get("transport") == "shm+gloo":
         return "ring (shm+gloo)"
     return algo
+
+
+def _across_hosts(rows: Sequence[dict[str, Any]]) -> bool:
+    return any(r.get("transport") == "shm+gloo" for r in rows)
 
 
 def fit_rows(rows: Sequence[dict[str, Any]], weighting: str = "relative") -> dict[str, Fit]:
@@ -242,8 +247,9 @@ def fit_rows(rows: Sequence[dict[str, Any]], weighting: str = "relative") -> dic
         ValueError: no all-reduce rows, or an algo with fewer than two.
     """
     by_algo: dict[str, list[tuple[int, float, float]]] = {}
+    across = _across_hosts(rows)
     for r in _allreduce_rows(rows):
-        by_algo.setdefault(_series(r), []).append((r["world_size"], r["size"], r["time_us"] * 1e-6))
+        by_algo.setdefault(_series(r, across), []).append((r["world_size"], r["size"], r["time_us"] * 1e-6))
     if not by_algo:
         raise ValueError("no all-reduce rows to fit (the model is of all-reduce; run "
                          "`python -m pycomm.bench allreduce ... --json FILE`)")
@@ -256,8 +262,9 @@ def measured_times(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[i
     of the all-reduce rows (the mean where in-place and out-of-place rows
     share a size)."""
     acc: dict[str, dict[int, dict[int, list[float]]]] = {}
+    across = _across_hosts(rows)
     for r in _allreduce_rows(rows):
-        by_size = acc.setdefault(_series(r), {}).setdefault(int(r["world_size"]), {})
+        by_size = acc.setdefault(_series(r, across), {}).setdefault(int(r["world_size"]), {})
         by_size.setdefault(int(r["size"]), []).append(r["time_us"] * 1e-6)
     return {a: {n: {b: sum(ts) / len(ts) for b, ts in sizes.items()} for n, sizes in worlds.items()}
             for a, worlds in acc.items()}

@@ -451,7 +451,8 @@ def _meta(s: _Session, active: list[str], skipped: dict[str, str]) -> dict[str, 
                    "per-rank median; CPU perf_counter, GPU CUDA events"),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
-        "command": os.environ.get(COMMAND_VAR),  # launch.launch's, None when imported
+        # as launch() saw it typed; None when run_benchmark is called directly
+        "command": getattr(s.args, "typed_command", None) or os.environ.get(COMMAND_VAR),
     }
 
 
