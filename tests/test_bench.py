@@ -531,6 +531,21 @@ def test_call_cost_times_a_world_of_one(tmp_path):
     assert data["commit"] and "pycomm all_reduce" in res.stdout
 
 
+def test_gloo_loop_cpu_reports_time_and_cpu(tmp_path):
+    """benchmarks/algorithms/gloo_loop_cpu.py: torch's gloo on 2 ranks, the
+    time and the CPU (per thread) of a 1 KiB all-reduce, in its JSON."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "algorithms" / "gloo_loop_cpu.py"
+    out = tmp_path / "cpu.json"
+    res = subprocess.run([sys.executable, str(script), "--calls", "50", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert all(r["us_per_call"] > 0 and r["cpu_us_per_call"] > 0 and r["cpu_us_per_call_by_thread"]
+               for r in rows)
+    assert res.stdout.count("us of CPU per call") == 2
+
+
 def test_sent_bytes_between_hosts(monkeypatch):
     """On shm+gloo the count is what crosses hosts: this rank's 1/L of the
     tensor among the H hosts (2 x 2 here), by the ring ("auto") or quantized;
