@@ -45,6 +45,8 @@ COLLECTIVES = tuple(SPECS)
 #: before timing (shm; sizes where a call did not run symmetric show N/A).
 #: The algorithms of one collective each (Collective.algos says whose).
 CLASSIC_ALGOS = ("recursive_doubling", "halving_doubling", "tree", "bruck")
+# The command as the user typed it (launch.launch), for the JSON's meta.
+COMMAND_VAR = "PYCOMM_BENCH_COMMAND"
 ALGOS = ("ring", "auto", "direct", "nccl", "torch", "flat", "symmetric", *CLASSIC_ALGOS, "all")
 
 #: What ``--algo all`` adds to a collective's own algorithms

@@ -27,6 +27,8 @@ import traceback
 from datetime import timedelta
 from typing import Any, NoReturn, Sequence
 
+from .cli import COMMAND_VAR
+
 __all__ = ["launch", "run_script", "under_mpiexec", "under_torchrun"]
 
 
@@ -290,9 +292,6 @@ def _mpi_rank(args: Any) -> NoReturn:
     sys.stderr.flush()
     MPI.Finalize()
     os._exit(code)
-
-
-COMMAND_VAR = "PYCOMM_BENCH_COMMAND"
 
 
 def launch(args: Any) -> int:

@@ -50,8 +50,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from .bounds import BOUNDS, COPY_CORE, COPY_RANKS, Copy, traffic_gbps
-from .cli import CLASSIC_ALGOS, format_size
-from .launch import COMMAND_VAR
+from .cli import CLASSIC_ALGOS, COMMAND_VAR, format_size
 from .peers import open_peers
 from .report import Progress, format_header, format_row, format_summary, git_commit, plot_results, write_json
 
