@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from .bounds import BOUNDS, COPY_CORE, COPY_RANKS, Copy, traffic_gbps
-from .cli import CLASSIC_ALGOS, COMMAND_VAR, format_size
+from .cli import CLASSIC_ALGOS, format_size
 from .peers import open_peers
 from .report import Progress, format_header, format_row, format_summary, git_commit, plot_results, write_json
 
@@ -450,8 +450,9 @@ def _meta(s: _Session, active: list[str], skipped: dict[str, str]) -> dict[str, 
                    "per-rank median; CPU perf_counter, GPU CUDA events"),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
-        # as launch() saw it typed; None when run_benchmark is called directly
-        "command": getattr(s.args, "typed_command", None) or os.environ.get(COMMAND_VAR),
+        # as launch() saw it typed (a rank's own launch() reads the launcher's
+        # COMMAND_VAR); None when run_benchmark is called directly
+        "command": getattr(s.args, "typed_command", None),
     }
 
 
