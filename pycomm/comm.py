@@ -166,8 +166,8 @@ class Communicator(PointToPoint, SymmetricMemory):
                 accumulates in float32 (one rounding per ring step); each
                 chunk's owner rounds its final value too: every rank ends with
                 ``wire(op over ranks)``. Ring only. ``torch.int8``, ``float8_e4m3fn``,
-                ``float8_e5m2`` (SUM/AVG of float32, bfloat16 or float16 on CPU,
-                summed in float32): one float32 scale per ``wire_block``
+                ``float8_e5m2`` (SUM/AVG of float32, bfloat16 or float16 on CPU
+                or CUDA, summed in float32): one float32 scale per ``wire_block``
                 elements, each contribution and the sum quantized once.
             residual: quantized wire's error feedback, float32, ``tensor``'s size:
                 ``tensor + residual`` is sent, ``residual`` gets what it lost.

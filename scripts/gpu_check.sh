@@ -24,16 +24,18 @@
 #   NCCL_HOSTID per rank, NCCL over loopback sockets), each running many cases
 #   (tests/gpu_plan.py QUICK): all_reduce every op x dtype, broadcast,
 #   reduce_scatter / all_gather, reduce / gather / scatter / all_to_all, p2p
-#   and batched p2p, async Work + CUDA-aware futures + streams, checked mode,
-#   argument errors (raised on every rank: a crash or hang fails), the
-#   timeout/abort path, ncclCommSplit groups, torch DDP with pycomm hooks and
-#   PowerSGD against torch's, pycomm.parallel DDP, 1F1B and GPipe on 2 stages,
+#   and batched p2p, the wire dtypes (fp16/bf16 and the quantized int8/fp8,
+#   residuals included) bitwise against a gloo communicator, async Work +
+#   CUDA-aware futures + streams, checked mode, argument errors (raised on
+#   every rank: a crash or hang fails), the timeout/abort path, ncclCommSplit
+#   groups, torch DDP with pycomm hooks and PowerSGD against torch's,
+#   pycomm.parallel DDP, 1F1B and GPipe on 2 stages,
 #   init_process_group("cpu:gloo,cuda:pycomm") with torch DDP, each equal to
 #   one process.
 # --rest: the build again (a no-op when the tree kept it), world 4, the CUDA
-#   backend sweeps, stream semantics and wire dtypes (tests/gpu_plan.py REST),
-#   and the all-reduce benchmark (ring vs nccl vs auto on the shared GPU: shows
-#   it works, not its speed).
+#   backend sweeps, stream semantics and wire dtypes at 3 ranks
+#   (tests/gpu_plan.py REST), and the all-reduce benchmark (ring vs nccl vs
+#   auto on the shared GPU: shows it works, not its speed).
 #
 # Every step runs under a time limit (scripts/gpu_check.py: a step's cap, or
 # a share of the time left), a hung multi-rank case is killed at its deadline

@@ -46,6 +46,10 @@ QUICK: dict[int, list[Case]] = {
         Case("checked_mode", c.checked_mode, init={"check": True}),
         *_collectives(2),
         Case("all_reduce_default_slices_and_auto", c.default_slices_and_auto),
+        # the quantized wires' only bitwise check against the CPU over NCCL:
+        # here, not in --rest, so that a session whose time ends after
+        # --quick still runs it
+        Case("wire_dtype_bitwise_equals_cpu", c.wire_matches_cpu, init={"slice_bytes": 64 * 1024}),
         Case("user_p2p_beside_collectives", c.user_p2p_beside_collective),
         Case("async_work_future_and_stream_semantics", c.async_and_streams),
         Case("ddp_hooks_and_powerSGD", layers.ddp_hooks, deadline_s=120),
@@ -72,7 +76,6 @@ REST: dict[int, list[Case]] = {
         Case("groups_split_and_new_group", c.groups),
     ],
     2: [
-        Case("wire_dtype_bitwise_equals_cpu", c.wire_matches_cpu, init={"slice_bytes": 64 * 1024}),
         Case("backend_every_op_pycomm", layers.backend_every_op, {"backend": "pycomm"}, deadline_s=150),
         Case("backend_every_op_cpu_cuda_pycomm", layers.backend_every_op,
              {"backend": "cpu:pycomm,cuda:pycomm"}, deadline_s=150),

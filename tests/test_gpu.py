@@ -133,8 +133,10 @@ def _quant_input(n: int, block: int, fmt: str) -> torch.Tensor:
 def test_quantize_kernels_bitwise_equal_cpu(fmt):
     """cuda_quantize / cuda_dequantize_ write the CPU's scales, codes,
     errors and values, bit for bit (quant_codec.h is their arithmetic)."""
+    # 1_048_579 blocks of 1: more than the quantize grid's 2^20, so its
+    # blocks stride
     for n, block in [(1, 1), (255, 256), (257, 256), (1009, 7), (4000, 16), (200_003, 256),
-                     (70_000, 5000)]:
+                     (70_000, 5000), (1_048_579, 1)]:
         x = _quant_input(n, block, fmt)
         err = torch.empty(n)
         q = _C.quantize(x, block, err, format=fmt)

@@ -5,7 +5,8 @@
 // the CPU tests pin the scales, codes, values and errors the GPU writes.
 // Every step is one IEEE single-precision operation; the kernels are built
 // with -fmad=false, so that x - scale * value does not become an FMA on the
-// GPU (there is none on the CPU side).
+// GPU (there is none on the CPU side). Bitwise except NaN payloads: arithmetic
+// on a NaN gives the GPU's canonical NaN, while x86 keeps the operand's.
 #pragma once
 
 #include <cfloat>

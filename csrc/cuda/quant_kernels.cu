@@ -1,7 +1,7 @@
 // The block-scaled 8-bit wire's kernels (quant.h's contract): the arithmetic
 // of csrc/core/quant_codec.h, the functions the CPU runs, so scales, codes,
-// values and errors are bitwise the CPU's (-fmad=false keeps the error and
-// the accumulation two roundings each, as on the CPU).
+// values and errors are bitwise the CPU's, NaN payloads aside (-fmad=false
+// keeps the error and the accumulation two roundings each, as on the CPU).
 //
 // quantize: one CUDA block per quantization block (striding over them when
 // there are more than the grid holds). Its threads find the block's largest

@@ -40,7 +40,7 @@ void launch_reduce_wire(float* dst, const float* a, const void* b, size_t count,
 
 // The block-scaled 8-bit wire of quantized_all_reduce (quant.h for the
 // layout and the contract; quant_kernels.cu): bitwise cpu_quantize and
-// cpu_dequantize, enqueued on `stream`.
+// cpu_dequantize (NaN payloads aside), enqueued on `stream`.
 void launch_quantize(QuantFormat f, void* dst, const float* src, size_t count, size_t block,
                      float* err, cudaStream_t stream);
 void launch_dequantize(QuantFormat f, float* dst, const void* src, size_t count, size_t block,
