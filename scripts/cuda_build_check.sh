@@ -20,12 +20,16 @@
 #   _Py*) may stay undefined, as in any extension module, which gets it from
 #   the interpreter that loads it. Any other undefined symbol (a function
 #   declared but not defined, one that this torch does not export or renamed)
-#   fails the check.
+#   fails the check;
+# - the kernels' PTX (kept by nvcc --keep) free of fma.rn instructions: the
+#   GPU's arithmetic must round each multiply and add apart, as the CPU's
+#   does, which -fmad=false ensures; a build without it fails here, not only
+#   in the GPU's bitwise tests.
 #
 # Environment: TORCH_CUDA_SPEC, PYCOMM_CACHE, NVCC (default nvcc on PATH),
 # NCCL_HOME, CUDA_ARCH (default 90), JOBS (default: CPU count), PYTHON.
 # Exit status: 0 linked with no foreign undefined symbol; 1 a compile or link
-# failure; 2 a missing tool (nvcc, NCCL, the wheel).
+# failure, or an FMA in the kernels' PTX; 2 a missing tool (nvcc, NCCL, the wheel).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -99,7 +103,7 @@ TORCH_CUDA="$(sed -n "s/^cuda: Optional\[str\] = '\(.*\)'/\1/p" "$T/version.py")
 [[ -f "$T/include/c10/cuda/impl/cuda_cmake_macros.h" ]] || die 2 "$T/include lacks the c10/cuda headers"
 
 mkdir -p "$OUT/obj"
-rm -f "$OUT"/obj/*.o "$OUT"/_C.so "$OUT"/*.log
+rm -rf "$OUT"/obj/*.o "$OUT"/obj/*.keep "$OUT"/_C.so "$OUT"/*.log
 say "torch $TORCH_VERSION (CUDA $TORCH_CUDA, $T), $("$NVCC" --version | tail -1)"
 say "NCCL $NCCL_HOME ($(grep -m1 '#define NCCL_VERSION_CODE' "$NCCL_HOME/include/nccl.h" | awk '{print $3}')), sm_$ARCH + compute_$ARCH PTX, $JOBS jobs"
 
@@ -145,7 +149,8 @@ pids=()
 compile() {
   local src="$1" obj="$OUT/obj/$(basename "$(dirname "$1")")_$(basename "$1").o"
   local cmd=("${CXX_CMD[@]}")
-  [[ "$src" == *.cu ]] && cmd=("${NVCC_CMD[@]}")
+  # a .cu keeps its PTX (and nvcc's other intermediates) for the FMA check below
+  [[ "$src" == *.cu ]] && { mkdir -p "$obj.keep"; cmd=("${NVCC_CMD[@]}" --keep --keep-dir "$obj.keep"); }
   if "${cmd[@]}" -c "$src" -o "$obj" > "$obj.log" 2>&1; then
     echo "  ok   ${src#$ROOT/}"
   else
@@ -164,6 +169,17 @@ for src in "${CU_SOURCES[@]}" "${CXX_SOURCES[@]}"; do
 done
 for p in "${pids[@]}"; do wait "$p" || fail=1; done
 (( fail == 0 )) || die 1 "FAILED (compile)"
+
+# ---- the kernels' arithmetic is the CPU's, bit for bit (elementwise.h,
+# quant_codec.h): a multiply-add contracted into an FMA rounds once where the
+# CPU rounds twice. -fmad=false (NVCC_FLAGS) forbids it; this checks that the
+# PTX the build made has none (the check the GPU's bitwise tests would make
+# only on a GPU). No kernel calls fmaf itself.
+ptx=("$OUT"/obj/*.keep/*.ptx)
+[[ -f "${ptx[0]}" ]] || die 1 "FAILED (fma): nvcc kept no PTX under $OUT/obj (has --keep changed?)"
+fmas=$(cat "${ptx[@]}" | grep -c 'fma\.rn\.f' || true)
+(( fmas == 0 )) || die 1 "FAILED (fma): $fmas fma.rn instruction(s) in the kernels' PTX ($(grep -l 'fma\.rn\.f' "${ptx[@]}" | xargs -n1 basename | paste -sd' ' -)): build them with -fmad=false (pycomm/_build_info.py's NVCC_FLAGS), or they differ from the CPU"
+say "no contracted FMA in ${#ptx[@]} kernels' PTX"
 
 # ---- link: -z defs makes the linker report every symbol that no object or
 # library given here defines; --warn-unresolved-symbols turns those reports
