@@ -21,7 +21,8 @@
 #   the interpreter that loads it. Any other undefined symbol (a function
 #   declared but not defined, one that this torch does not export or renamed)
 #   fails the check;
-# - the kernels' PTX (kept by nvcc --keep) free of fma.rn instructions: the
+# - the kernels' PTX (kept by nvcc --keep) free of fma/mad and of float
+#   add/sub/mul without an explicit rounding (which ptxas may fuse): the
 #   GPU's arithmetic must round each multiply and add apart, as the CPU's
 #   does, which -fmad=false ensures; a build without it fails here, not only
 #   in the GPU's bitwise tests.
@@ -172,14 +173,19 @@ for p in "${pids[@]}"; do wait "$p" || fail=1; done
 
 # ---- the kernels' arithmetic is the CPU's, bit for bit (elementwise.h,
 # quant_codec.h): a multiply-add contracted into an FMA rounds once where the
-# CPU rounds twice. -fmad=false (NVCC_FLAGS) forbids it; this checks that the
-# PTX the build made has none (the check the GPU's bitwise tests would make
-# only on a GPU). No kernel calls fmaf itself.
+# CPU rounds twice. -fmad=false (NVCC_FLAGS) forbids it: nvcc then writes no
+# fma/mad and gives every float add, sub and mul an explicit rounding (.rn),
+# which ptxas (or the driver compiling the PTX) may not fuse either; without
+# it they come bare, free to be fused. So the PTX the build made must have
+# neither (the check the GPU's bitwise tests would make only on a GPU). No
+# kernel calls fmaf itself.
 ptx=("$OUT"/obj/*.keep/*.ptx)
 [[ -f "${ptx[0]}" ]] || die 1 "FAILED (fma): nvcc kept no PTX under $OUT/obj (has --keep changed?)"
-fmas=$(cat "${ptx[@]}" | grep -c 'fma\.rn\.f' || true)
-(( fmas == 0 )) || die 1 "FAILED (fma): $fmas fma.rn instruction(s) in the kernels' PTX ($(grep -l 'fma\.rn\.f' "${ptx[@]}" | xargs -n1 basename | paste -sd' ' -)): build them with -fmad=false (pycomm/_build_info.py's NVCC_FLAGS), or they differ from the CPU"
-say "no contracted FMA in ${#ptx[@]} kernels' PTX"
+float_op='(b?f16(x2)?|f32|f64)\b'
+fusable="\\b((fma|mad)\\.[a-z0-9.]*$float_op|(add|sub|mul)(\\.ftz)?(\\.sat)?\\.$float_op)"
+found=$(cat "${ptx[@]}" | grep -cE "$fusable" || true)
+(( found == 0 )) || die 1 "FAILED (fma): $found fma/mad or unrounded float add/sub/mul instruction(s) in the kernels' PTX ($(grep -lE "$fusable" "${ptx[@]}" | xargs -n1 basename | paste -sd' ' -)): build them with -fmad=false (pycomm/_build_info.py's NVCC_FLAGS), or they differ from the CPU"
+say "no FMA, and no float op left free to fuse, in ${#ptx[@]} kernels' PTX"
 
 # ---- link: -z defs makes the linker report every symbol that no object or
 # library given here defines; --warn-unresolved-symbols turns those reports

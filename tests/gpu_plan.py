@@ -46,8 +46,8 @@ QUICK: dict[int, list[Case]] = {
         Case("checked_mode", c.checked_mode, init={"check": True}),
         *_collectives(2),
         Case("all_reduce_default_slices_and_auto", c.default_slices_and_auto),
-        # the quantized wires' only bitwise check against the CPU over NCCL:
-        # here, not in --rest, so that a session whose time ends after
+        # the quantized wires' bitwise check against the CPU over NCCL: at 2
+        # ranks here (3 in --rest), so that a session whose time ends after
         # --quick still runs it
         Case("wire_dtype_bitwise_equals_cpu", c.wire_matches_cpu, init={"slice_bytes": 64 * 1024}),
         Case("user_p2p_beside_collectives", c.user_p2p_beside_collective),
