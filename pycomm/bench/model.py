@@ -227,7 +227,7 @@ def _series(row: dict[str, Any], across: bool) -> str:
     algo = row["algo"]
     if across and algo == "flat":
         return "ring"
-    if across and algo == "ring" and row.get("transport") == "shm+gloo":
+    if algo == "ring" and row.get("transport") == "shm+gloo":  # across hosts by itself
         return "ring (shm+gloo)"
     return algo
 
